@@ -1,0 +1,186 @@
+"""Command line: ``elastic-runner {run,train,validate,checkpoints,export,evaluate,generate}``.
+
+Exit codes: 0 success; 1 the job or command failed; 2 bad input (config, arguments, checkpoint).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from collections.abc import Callable, Sequence
+
+from .checkpoint import CheckpointError
+from .config import ConfigError
+
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+
+
+def _add_config(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", help="YAML config file")
+    p.add_argument("overrides", nargs="*", metavar="key.path=value",
+                   help="config overrides, values parsed as YAML (e.g. optimizer.lr=3e-4)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="elastic-runner",
+        description="Fault-tolerant elastic DDP training on torchrun: atomic checkpoints, "
+                    "automatic resume, rank-0 early stopping.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("run", help="launch the workers with torchrun's elastic agent "
+                                   "(in this process)")
+    _add_config(p)
+    p.add_argument("--nproc-per-node", type=int, default=None,
+                   help="workers on this node (default: one per GPU, 2 on CPU)")
+    p.add_argument("--nnodes", default=None, metavar="MIN:MAX",
+                   help="number of nodes, or an elastic range such as 1:4 (default 1)")
+    p.add_argument("--rdzv-backend", choices=["c10d", "etcd", "etcd-v2"], default=None,
+                   help="rendezvous backend (default: embedded c10d store, standalone)")
+    p.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
+                   help="rendezvous endpoint (etcd server or c10d store host)")
+    p.add_argument("--rdzv-id", default=None, help="job id shared by all nodes of one job")
+    p.add_argument("--rdzv-conf", action="append", metavar="KEY=VALUE",
+                   help="extra rendezvous options, passed to torchrun (repeatable)")
+    p.add_argument("--max-restarts", type=int, default=3,
+                   help="worker-group restarts before the job fails (default 3)")
+    p.add_argument("--monitor-interval", type=float, default=1.0, metavar="S",
+                   help="seconds between the agent's worker health checks (default 1.0)")
+    p.add_argument("--no-resume", action="store_true", help="ignore existing checkpoints")
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("train", help="worker entry point (started by torchrun, or alone as "
+                                     "world size 1)")
+    _add_config(p)
+    p.add_argument("--no-resume", action="store_true", help="ignore existing checkpoints")
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("validate", help="check a config and print the resolved values")
+    _add_config(p)
+    p.set_defaults(func=cmd_validate)
+
+    p = sub.add_parser("checkpoints", help="list checkpoints (step, epoch, world size, time, "
+                                           "size, validity)")
+    p.add_argument("dir", help="checkpoint directory (checkpoint.dir)")
+    p.add_argument("--verify", action="store_true", help="also check every file's sha256")
+    p.set_defaults(func=cmd_checkpoints)
+
+    p = sub.add_parser("export", help="write weights (safetensors), config and preprocessing")
+    p.add_argument("checkpoint", help="checkpoint directory, or a checkpoint.dir (newest)")
+    p.add_argument("out_dir")
+    p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("evaluate", help="report the task's metrics on its test split")
+    _add_config(p)
+    p.add_argument("--checkpoint", required=True,
+                   help="checkpoint directory, or a checkpoint.dir (newest valid)")
+    p.add_argument("--split", choices=["train", "val", "test"], default="test")
+    p.set_defaults(func=cmd_evaluate)
+
+    p = sub.add_parser("generate", help="print a sample from a generative task's checkpoint")
+    p.add_argument("checkpoint", help="checkpoint directory, or a checkpoint.dir (newest)")
+    p.add_argument("--prompt", default="def ")
+    p.add_argument("--max-new-tokens", type=int, default=300)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_generate)
+    return parser
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from .config import load_config
+    from .launch import launch
+
+    load_config(args.config, args.overrides)  # fail fast, before any worker starts
+    return launch(args)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from .worker import main as worker_main
+
+    return worker_main(args.config, args.overrides, resume=not args.no_resume,
+                       verbose=args.verbose)
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    from .config import dump_yaml, load_config
+
+    cfg = load_config(args.config, args.overrides)
+    print(f"# {args.config}: valid (config hash {cfg.fingerprint()})")
+    print(dump_yaml(cfg), end="")
+    return EXIT_OK
+
+
+def cmd_checkpoints(args: argparse.Namespace) -> int:
+    from . import checkpoint as ckpt
+
+    infos = ckpt.list_checkpoints(args.dir)
+    if not infos:
+        print(f"no checkpoints in {args.dir}")
+        return EXIT_OK
+    print(f"{'name':<20} {'step':>8} {'epoch':>5} {'world':>5} {'time (UTC)':<19} "
+          f"{'size':>10}  status")
+    for c in infos:
+        if args.verify and c.valid:
+            c = ckpt.inspect(c.path, verify=True)
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(c.time)) if c.time else "-"
+        print(f"{c.path.name:<20} {c.step:>8} {_dash(c.epoch):>5} {_dash(c.world_size):>5} "
+              f"{when:<19} {c.size_bytes / 2**20:>8.2f}MB  "
+              f"{'valid' if c.valid else 'INVALID: ' + c.reason}")
+    return EXIT_OK
+
+
+def _dash(v: object) -> str:
+    return "-" if v is None else str(v)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from .export import export
+
+    out = export(args.checkpoint, args.out_dir)
+    print(f"exported to {out}: model.safetensors, config.yaml, preprocessing.json")
+    return EXIT_OK
+
+
+def cmd_evaluate(args: argparse.Namespace) -> int:
+    from .config import load_config
+    from .export import evaluate_split, model_from_checkpoint
+
+    cfg = load_config(args.config, args.overrides)
+    _, bundle, model, state = model_from_checkpoint(cfg, args.checkpoint)
+    metrics = evaluate_split(bundle, model, args.split)
+    print(json.dumps({"step": state["train_state"]["step"], **metrics}, indent=1))
+    return EXIT_OK
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from .export import model_from_checkpoint
+
+    cfg, bundle, model, _ = model_from_checkpoint(None, args.checkpoint)
+    if bundle.sample_fn is None:
+        print(f"elastic-runner: task {cfg.task!r} is not generative", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    print(bundle.sample_fn(model, args.prompt, args.max_new_tokens, args.seed))
+    return EXIT_OK
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
+    func: Callable[[argparse.Namespace], int] = args.func
+    try:
+        return func(args)
+    except (ConfigError, CheckpointError) as e:
+        print(f"elastic-runner: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

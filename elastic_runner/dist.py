@@ -1,0 +1,213 @@
+"""Process-group set-up and teardown, device choice, and small collectives.
+
+Restart hygiene (why :func:`init_distributed` does not simply call ``init_process_group()``):
+since torch 2.4 the c10d/etcd-v2 rendezvous handlers share the *agent's* TCPStore with the workers
+(``TORCHELASTIC_USE_AGENT_STORE=True``; MASTER_ADDR/MASTER_PORT point at it). That store lives as
+long as the agent, so it still holds the keys the workers of the previous attempt wrote. In torch
+2.13 ``torch.distributed.rendezvous._create_c10d_store`` returns that store without a per-attempt
+prefix (earlier releases prefixed ``/worker/attempt_<TORCHELASTIC_RESTART_COUNT>``), so gloo's
+``connectFullMesh`` of a restarted group can read the dead workers' addresses and fail with
+"Connection refused". The restart count alone is not a safe prefix either: membership-change
+restarts do not increment it, so different nodes can disagree on it.
+
+The fix: every rank of a new attempt agrees on a fresh namespace through the shared store before
+creating the process group (:func:`attempt_namespace`), and the process group's store is a
+``PrefixStore`` of that namespace. Keys of earlier attempts are never read.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import uuid
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+_NS = "elastic_runner/attempt"
+_HELLO_PERIOD_S = 1.0  # a non-zero rank re-announces itself this often until rank 0 answers
+_POLL_S = 0.01
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """Where this process sits in the job (torchrun's environment, or world size 1)."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    node_rank: int
+    restart_count: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return dist.is_available() and dist.is_initialized()
+
+
+def _env_int(name: str, default: int) -> int:
+    return int(os.environ.get(name, default))
+
+
+def select_device(local_rank: int) -> torch.device:
+    """``cuda:<local_rank>`` when CUDA is available, else CPU."""
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def resolve_backend(requested: str, device: torch.device) -> str:
+    if requested == "auto":
+        return "nccl" if device.type == "cuda" else "gloo"
+    return requested
+
+
+def attempt_namespace(store: dist.Store, rank: int, world_size: int, timeout_s: float) -> str:
+    """Agree on a namespace unique to this attempt among all ``world_size`` ranks.
+
+    Protocol (a handshake on the shared store; ``clock`` is a store counter, so its values are
+    unique and totally ordered across all processes ever connected to the store):
+
+    * rank 0 draws ``t0 = add(clock)``, then waits until every rank r has announced
+      ``hello/r = t_r`` with ``t_r > t0``. Such an announcement was made after rank 0 started, so
+      it comes from this attempt (all workers of an earlier attempt are stopped before the agents
+      rendezvous again). Rank 0 answers each with ``ack/r/t_r = namespace``.
+    * rank r != 0 draws ``t_r = add(clock)``, writes ``hello/r``, and polls ``ack/r/t_r`` for every
+      ``t_r`` it announced; it re-announces with a fresh ``t_r`` every second, which covers the case
+      where it announced before rank 0 drew ``t0``.
+
+    Returns:
+        The namespace string (``"<t0>-<uuid4 hex>"``).
+
+    Raises:
+        TimeoutError: not all ranks took part within ``timeout_s`` seconds.
+    """
+    deadline = time.monotonic() + timeout_s
+    if rank == 0:
+        t0 = store.add(f"{_NS}/clock", 1)
+        namespace = f"{t0}-{uuid.uuid4().hex}"
+        pending = set(range(1, world_size))
+        while pending:
+            for r in sorted(pending):
+                key = f"{_NS}/hello/{r}"
+                if not store.check([key]):
+                    continue
+                t_r = int(store.get(key))
+                if t_r > t0:
+                    store.set(f"{_NS}/ack/{r}/{t_r}", namespace)
+                    pending.discard(r)
+            if pending:
+                _check_deadline(deadline, timeout_s, f"ranks {sorted(pending)} to join")
+                time.sleep(_POLL_S)
+        return namespace
+    announced: list[int] = []
+    next_hello = 0.0
+    while True:
+        for t in announced:
+            key = f"{_NS}/ack/{rank}/{t}"
+            if store.check([key]):
+                return store.get(key).decode()
+        now = time.monotonic()
+        if now >= next_hello:
+            t_r = store.add(f"{_NS}/clock", 1)
+            announced.append(t_r)
+            store.set(f"{_NS}/hello/{rank}", str(t_r))
+            next_hello = now + _HELLO_PERIOD_S
+        _check_deadline(deadline, timeout_s, "rank 0 to answer")
+        time.sleep(_POLL_S)
+
+
+def _check_deadline(deadline: float, timeout_s: float, what: str) -> None:
+    if time.monotonic() > deadline:
+        raise TimeoutError(f"process-group handshake: waited {timeout_s:.0f} s for {what}")
+
+
+def _agent_store(timeout: timedelta) -> dist.Store:
+    return dist.TCPStore(
+        host_name=os.environ["MASTER_ADDR"],
+        port=int(os.environ["MASTER_PORT"]),
+        is_master=False,
+        timeout=timeout,
+    )
+
+
+def init_distributed(backend: str = "auto", timeout_s: float = 600.0) -> DistInfo:
+    """Initialise the default process group from torchrun's environment.
+
+    Without ``WORLD_SIZE`` in the environment (no launcher) no process group is created and the
+    run is world size 1. Under torchrun with a shared agent store, the group's store is namespaced
+    per attempt (see module docstring).
+    """
+    rank = _env_int("RANK", 0)
+    local_rank = _env_int("LOCAL_RANK", 0)
+    world_size = _env_int("WORLD_SIZE", 1)
+    device = select_device(local_rank)
+    backend = resolve_backend(backend, device)
+    info = DistInfo(
+        rank=rank,
+        local_rank=local_rank,
+        world_size=world_size,
+        local_world_size=_env_int("LOCAL_WORLD_SIZE", 1),
+        node_rank=_env_int("GROUP_RANK", 0),
+        restart_count=_env_int("TORCHELASTIC_RESTART_COUNT", 0),
+        device=device,
+        backend=backend,
+    )
+    if "WORLD_SIZE" not in os.environ:
+        return info
+    timeout = timedelta(seconds=timeout_s)
+    kwargs: dict[str, Any] = {"backend": backend, "timeout": timeout}
+    if device.type == "cuda":
+        kwargs["device_id"] = device
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        store = _agent_store(timeout)
+        namespace = attempt_namespace(store, rank, world_size, timeout_s)
+        log.debug("rank %d: process-group namespace %s", rank, namespace)
+        kwargs.update(store=dist.PrefixStore(f"elastic_runner/pg/{namespace}/", store))
+        kwargs.update(rank=rank, world_size=world_size)
+    dist.init_process_group(**kwargs)
+    return info
+
+
+def destroy_distributed() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def all_reduce_sums(values: dict[str, tuple[float, float]], device: torch.device
+                    ) -> dict[str, tuple[float, float]]:
+    """Sum ``{name: (sum, count)}`` over all ranks in float64 (one collective)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return dict(values)
+    names = sorted(values)
+    t = torch.tensor([x for n in names for x in values[n]], dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    flat = t.tolist()
+    return {n: (flat[2 * i], flat[2 * i + 1]) for i, n in enumerate(names)}
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """Broadcast one picklable Python value from ``src`` to all ranks (identity without a group)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()

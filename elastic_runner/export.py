@@ -1,0 +1,93 @@
+"""Use a checkpoint outside training: export to safetensors, evaluate, sample.
+
+An export directory holds ``model.safetensors`` (the unwrapped module's weights),
+``config.yaml`` (the resolved config the model was trained with) and ``preprocessing.json`` (the
+task's artifacts: vocabulary, normalisation). :func:`load_exported` rebuilds the model from those
+three files alone.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from safetensors.torch import load_model, save_model
+
+from . import checkpoint as ckpt
+from .config import Config, from_dict, task_builder
+from .tasks.base import TaskBundle
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint directory, or the newest valid one when ``path`` is a checkpoint dir root.
+
+    Raises:
+        CheckpointError: nothing valid at ``path``.
+    """
+    p = Path(path)
+    if (p / ckpt.MANIFEST).is_file() or (p / ckpt.STATE_FILE).is_file():
+        info = ckpt.inspect(p, verify=True)
+        if not info.valid:
+            raise ckpt.CheckpointError(f"checkpoint {p} is not valid: {info.reason}")
+        return p
+    found = ckpt.latest_valid(p)
+    if found is None:
+        raise ckpt.CheckpointError(f"no valid checkpoint at {p}")
+    return found.path
+
+
+def model_from_checkpoint(cfg: Config | None, path: str | Path
+                          ) -> tuple[Config, TaskBundle, torch.nn.Module, dict[str, Any]]:
+    """Build the task of ``cfg`` (default: the config stored in the checkpoint) and load the
+    checkpoint's weights into its model (CPU). Returns (config, bundle, model, manifest state)."""
+    p = resolve_checkpoint(path)
+    state = ckpt.load_state(p)
+    cfg = cfg or from_dict(state["config"])
+    torch.manual_seed(cfg.seed)
+    bundle = task_builder(cfg.task)(cfg)
+    ckpt.check_compatible(bundle.model.state_dict(), state["model"], str(p))
+    bundle.model.load_state_dict(state["model"])
+    bundle.model.eval()
+    return cfg, bundle, bundle.model, state
+
+
+def export(path: str | Path, out_dir: str | Path) -> Path:
+    """Write ``model.safetensors``, ``config.yaml`` and ``preprocessing.json`` to ``out_dir``."""
+    cfg, bundle, model, state = model_from_checkpoint(None, path)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    # save_model (not save_file) handles tied weights, which share storage
+    save_model(model, str(out / "model.safetensors"), metadata={
+        "task": cfg.task, "step": str(state["train_state"]["step"]),
+        "exported_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+    (out / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    (out / "preprocessing.json").write_text(json.dumps(bundle.artifacts, indent=1))
+    return out
+
+
+def load_exported(out_dir: str | Path) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """Rebuild a model from an export directory; returns (model in eval mode, preprocessing)."""
+    out = Path(out_dir)
+    cfg = from_dict(yaml.safe_load((out / "config.yaml").read_text()))
+    torch.manual_seed(cfg.seed)
+    model = task_builder(cfg.task)(cfg).model
+    load_model(model, str(out / "model.safetensors"))
+    return model.eval(), json.loads((out / "preprocessing.json").read_text())
+
+
+@torch.no_grad()
+def evaluate_split(bundle: TaskBundle, model: torch.nn.Module, split: str = "test",
+                   batch_size: int = 256) -> dict[str, float]:
+    """Single-process metrics of ``model`` on one split: ``{f"{split}_{name}": value}``."""
+    sums: dict[str, list[float]] = {}
+    loader = torch.utils.data.DataLoader(getattr(bundle, split), batch_size=batch_size)
+    for x, y in loader:
+        for name, (s, c) in bundle.metrics_fn(model(x).float(), y).items():
+            acc = sums.setdefault(name, [0.0, 0.0])
+            acc[0] += s
+            acc[1] += c
+    return {f"{split}_{k}": s / c for k, (s, c) in sums.items()}

@@ -1,0 +1,29 @@
+"""Off-by-default fault injection for tests and drills (config section ``faults``)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+
+from .config import FaultConfig
+
+log = logging.getLogger(__name__)
+
+
+def maybe_sigkill(cfg: FaultConfig, rank: int, restart_count: int, steps_this_attempt: int
+                  ) -> None:
+    """SIGKILL this process (a real, uncatchable signal death) when the plan says so."""
+    if (cfg.sigkill_rank == rank and restart_count < cfg.sigkill_attempts
+            and steps_this_attempt == cfg.sigkill_after_steps):
+        log.warning("fault injection: rank %d sends itself SIGKILL after %d steps of attempt %d",
+                    rank, steps_this_attempt, restart_count)
+        logging.shutdown()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def planted_metric(cfg: FaultConfig, eval_index: int) -> float | None:
+    """The planted value of evaluation ``eval_index`` (the last one repeats), or None."""
+    if not cfg.planted_metric:
+        return None
+    return cfg.planted_metric[min(eval_index, len(cfg.planted_metric) - 1)]

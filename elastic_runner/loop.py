@@ -1,0 +1,357 @@
+"""The worker's training loop: DDP, gradient accumulation, evaluation, checkpoints, early stop.
+
+One optimizer step consumes one global batch (world_size x micro_batch_size x grad_accum_steps
+samples) from the :class:`~elastic_runner.sampler.ElasticSampler`. Gradients are all-reduced only
+on the last micro-batch (``no_sync()`` on the others). Every cross-rank decision is taken at a
+step boundary by all ranks together, so all ranks leave the loop after the same step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, Subset
+
+from . import checkpoint as ckpt
+from .config import Config, ConfigError, fingerprint, task_builder
+from .dist import DistInfo, all_reduce_sums, broadcast_object
+from .early_stop import EarlyStopping
+from .faults import maybe_sigkill, planted_metric
+from .sampler import ElasticSampler, shard_indices
+from .state import RNGState, TrainState, seed_everything, step_seed
+from .tasks.base import TaskBundle
+
+log = logging.getLogger(__name__)
+
+
+def build_optimizer(cfg: Config, model: nn.Module) -> torch.optim.Optimizer:
+    o = cfg.optimizer
+    if o.name == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=o.lr, momentum=o.momentum,
+                               weight_decay=o.weight_decay)
+    return torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas,
+                             weight_decay=o.weight_decay)
+
+
+def lr_factor(step: int, warmup_steps: int, total_steps: int, min_ratio: float,
+              cosine: bool = True) -> float:
+    """Multiplier of the peak LR before optimizer step ``step`` (0-based): linear warm-up over
+    ``warmup_steps``, then cosine decay to ``min_ratio`` at ``total_steps`` (SGDR without
+    restarts, Loshchilov & Hutter 2017)."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if not cosine:
+        return 1.0
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def precision_dtype(precision: str) -> torch.dtype | None:
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+
+
+@dataclass
+class Trainer:
+    """Everything one rank needs to train; built by :func:`build_trainer`."""
+
+    cfg: Config
+    info: DistInfo
+    bundle: TaskBundle
+    model: nn.Module  # unwrapped module (what checkpoints hold)
+    net: nn.Module  # what the step calls: DDP(model) in a process group, else model
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: torch.amp.GradScaler
+    sampler: ElasticSampler
+    total_steps: int
+    state: TrainState = field(default_factory=TrainState)
+    early: EarlyStopping | None = None
+    writer: Any = None  # tensorboard SummaryWriter on rank 0
+    steps_this_attempt: int = 0
+    results: dict[str, Any] = field(default_factory=dict)
+
+    # ------------------------------------------------------------ state
+
+    def stateful(self) -> dict[str, Any]:
+        return {"model": self.model, "optimizer": self.optimizer, "scheduler": self.scheduler,
+                "scaler": self.scaler, "train_state": self.state, "sampler": self.sampler,
+                "early_stopping": self.early, "rng": RNGState()}
+
+    def state_dict(self) -> dict[str, Any]:
+        out = {k: v.state_dict() for k, v in self.stateful().items()}
+        out["config"] = self.cfg.to_dict()
+        return out
+
+    def save(self, best: bool = False) -> None:
+        """Rank 0 writes and commits a checkpoint of the current step (all ranks call this)."""
+        if not self.info.is_main:
+            return
+        name = f"{'best-step' if best else 'step'}-{self.state.step:08d}"
+        meta = {"step": self.state.step, "epoch": self.sampler.epoch,
+                "cursor": self.sampler.cursor, "world_size": self.info.world_size,
+                "config_hash": self.cfg.fingerprint(), "finished": self.state.finished}
+        t0 = time.perf_counter()
+        path = ckpt.write_checkpoint(Path(self.cfg.checkpoint.dir), name, self.state_dict(), meta)
+        ckpt.prune(self.cfg.checkpoint.dir, self.cfg.checkpoint.keep_last)
+        log.info("saved checkpoint %s (%.2f s)", path, time.perf_counter() - t0)
+
+    def resume(self) -> bool:
+        """Load the newest valid checkpoint (chosen by rank 0, loaded by every rank)."""
+        choice = None
+        if self.info.is_main:
+            found = ckpt.latest_valid(self.cfg.checkpoint.dir)
+            choice = str(found.path) if found else None
+        choice = broadcast_object(choice)
+        if choice is None:
+            log.info("no checkpoint in %s: starting from scratch", self.cfg.checkpoint.dir)
+            return False
+        state = ckpt.load_state(choice, map_location=self.info.device)
+        ckpt.check_compatible(self.model.state_dict(), state["model"], choice)
+        if fingerprint(state["config"]) != self.cfg.fingerprint():
+            log.warning("checkpoint %s was written with a different config; resuming anyway",
+                        choice)
+        for key, obj in self.stateful().items():
+            obj.load_state_dict(state[key])
+        log.info("resumed from %s: step %d, epoch %d, %d samples into the epoch", choice,
+                 self.state.step, self.sampler.epoch, self.sampler.cursor)
+        return True
+
+    # ------------------------------------------------------------ steps
+
+    def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """One optimizer step over this rank's micro-batches; returns the mean loss (detached)."""
+        torch.manual_seed(step_seed(self.cfg.seed, self.sampler.epoch, self.state.step,
+                                    self.info.rank))
+        dtype = precision_dtype(self.cfg.training.precision)
+        n = len(micro_batches)
+        total = torch.zeros((), device=self.info.device)
+        for i, (x, y) in enumerate(micro_batches):
+            x, y = x.to(self.info.device, non_blocking=True), y.to(self.info.device,
+                                                                  non_blocking=True)
+            sync = i == n - 1 or not isinstance(self.net, DDP)
+            with (contextlib.nullcontext() if sync else self.net.no_sync()), \
+                 torch.autocast(self.info.device.type, dtype=dtype, enabled=dtype is not None):
+                loss = self.bundle.loss_fn(self.net(x), y) / n
+            self.scaler.scale(loss).backward()
+            total += loss.detach()
+        if self.cfg.training.grad_clip_norm:
+            self.scaler.unscale_(self.optimizer)
+            nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.training.grad_clip_norm)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        return total
+
+    @torch.no_grad()
+    def evaluate(self, split: str, max_batches: int | None = None) -> dict[str, float]:
+        """Sharded evaluation; sums and counts are all-reduced, so the result equals a
+        single-process evaluation of the whole split (up to float64 summation order)."""
+        dataset = getattr(self.bundle, split)
+        shard = Subset(dataset, shard_indices(len(dataset), self.info.rank, self.info.world_size))
+        loader = DataLoader(shard, batch_size=self.cfg.batch.micro_batch_size)
+        dtype = precision_dtype(self.cfg.training.precision)
+        sums: dict[str, tuple[float, float]] = {}
+        self.model.eval()
+        for i, (x, y) in enumerate(loader):
+            if max_batches is not None and i >= max_batches:
+                break
+            x, y = x.to(self.info.device), y.to(self.info.device)
+            with torch.autocast(self.info.device.type, dtype=dtype, enabled=dtype is not None):
+                out = self.model(x)
+            for name, (s, c) in self.bundle.metrics_fn(out.float(), y).items():
+                s0, c0 = sums.get(name, (0.0, 0.0))
+                sums[name] = (s0 + s, c0 + c)
+        self.model.train()
+        total = all_reduce_sums(sums, self.info.device)
+        prefix = "val" if split == "val" else split
+        return {f"{prefix}_{k}": s / c if c else float("nan") for k, (s, c) in total.items()}
+
+    # ------------------------------------------------------------ loop
+
+    def fit(self) -> dict[str, Any]:
+        if self.state.finished:
+            log.info("training already finished at step %d (%s); nothing to do",
+                     self.state.step, self.state.stop_reason)
+            return self.results
+        bar = self._progress_bar()
+        try:
+            while not self.state.finished:
+                self._run_epoch(bar)
+        finally:
+            if bar is not None:
+                bar.close()
+        self.results.update(self.evaluate("test"))
+        self.results.update(step=self.state.step, epoch=self.sampler.epoch,
+                            stop_reason=self.state.stop_reason)
+        log.info("finished: %s", _fmt(self.results))
+        if self.info.is_main:
+            out = Path(self.cfg.checkpoint.dir) / "results.json"
+            out.write_text(json.dumps(self.results, indent=1))
+        self._write_rank_summary()
+        return self.results
+
+    def _write_rank_summary(self) -> None:
+        """Each rank records where it left the loop (``<checkpoint.dir>/ranks/rank-<r>.json``), so
+        operators and tests can check that all ranks stopped after the same step."""
+        d = Path(self.cfg.checkpoint.dir) / "ranks"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / f"rank-{self.info.rank}.json").write_text(json.dumps({
+            "rank": self.info.rank, "world_size": self.info.world_size, "step": self.state.step,
+            "epoch": self.sampler.epoch, "stop_reason": self.state.stop_reason,
+            "restart_count": self.info.restart_count}))
+
+    def _run_epoch(self, bar: Any) -> None:
+        epoch = self.sampler.epoch
+        loader = DataLoader(
+            self.bundle.train, batch_sampler=self.sampler, num_workers=self.cfg.data.num_workers,
+            pin_memory=self.cfg.data.pin_memory,
+            generator=torch.Generator().manual_seed(
+                step_seed(self.cfg.seed, epoch, self.sampler.cursor, self.info.rank)))
+        batches = iter(loader)
+        accum = self.cfg.batch.grad_accum_steps
+        while self.sampler.steps_left_in_epoch() > 0:
+            t0 = time.perf_counter()
+            loss = self.train_step([next(batches) for _ in range(accum)])
+            self.sampler.advance()
+            self.state.step += 1
+            self.state.samples += self.sampler.global_batch_size
+            self.steps_this_attempt += 1
+            maybe_sigkill(self.cfg.faults, self.info.rank, self.info.restart_count,
+                          self.steps_this_attempt)
+            self._log_step(loss, time.perf_counter() - t0, bar)
+            if self._after_step(end_of_epoch=self.sampler.steps_left_in_epoch() == 0):
+                return
+        self.sampler.set_epoch(epoch + 1)
+        if epoch + 1 >= self.cfg.training.max_epochs:
+            self._finish("max_epochs reached")
+        self.save()
+
+    def _after_step(self, end_of_epoch: bool) -> bool:
+        """Evaluation, early stopping, max_steps and checkpoint cadence after one step; returns
+        True when training is over (its final checkpoint is then written)."""
+        step, every_eval = self.state.step, self.cfg.eval.every_steps
+        eval_due = (every_eval and step % every_eval == 0) or (not every_eval and end_of_epoch)
+        if eval_due and self._evaluate_and_decide():
+            self.save()
+            return True
+        if self.cfg.training.max_steps and step >= self.cfg.training.max_steps:
+            self._finish("max_steps reached")
+            self.save()
+            return True
+        every_ckpt = self.cfg.checkpoint.every_steps
+        if every_ckpt and step % every_ckpt == 0 and not end_of_epoch:
+            self.save()  # the epoch-end checkpoint of this step follows otherwise
+        return False
+
+    def _evaluate_and_decide(self) -> bool:
+        metrics = self.evaluate("val", self.cfg.eval.max_batches)
+        self.results.update(metrics)
+        es = self.cfg.early_stopping
+        planted = planted_metric(self.cfg.faults, self.state.evals)
+        self.state.evals += 1
+        value = planted if planted is not None else metrics.get(es.metric)
+        if value is None:
+            raise ConfigError(f"early_stopping.metric: {es.metric!r} is not reported by the "
+                              f"task; available: {', '.join(sorted(metrics))}")
+        decision = self.early.decide(value, self.state.step, self.info.rank)
+        log.info("eval at step %d: %s; %s=%.6g best=%.6g (step %s) patience left %d",
+                 self.state.step, _fmt(metrics), es.metric, value, self.early.best,
+                 self.early.best_step, self.early.patience_left)
+        self._scalars(metrics)
+        if decision.improved and self.cfg.checkpoint.keep_best:
+            self.save(best=True)
+        if decision.stop:
+            self._finish(f"early stopping: no improvement of {es.metric} in "
+                         f"{es.patience} evaluations; best {self.early.best:.6g} "
+                         f"at step {self.early.best_step}")
+        return decision.stop
+
+    def _finish(self, reason: str) -> None:
+        self.state.finished, self.state.stop_reason = True, reason
+        log.info("stopping after step %d: %s", self.state.step, reason)
+
+    # ------------------------------------------------------------ reporting
+
+    def _progress_bar(self) -> Any:
+        if not (self.info.is_main and self.cfg.logging.progress_bar and sys.stderr.isatty()):
+            return None
+        from tqdm import tqdm
+
+        return tqdm(total=self.total_steps, initial=self.state.step, unit="step",
+                    dynamic_ncols=True)
+
+    def _log_step(self, loss: torch.Tensor, seconds: float, bar: Any) -> None:
+        if bar is not None:
+            bar.update(1)
+        if self.state.step % self.cfg.training.log_every_steps:
+            return
+        mean_loss = all_reduce_sums({"loss": (loss.item(), 1.0)}, self.info.device)["loss"]
+        value = mean_loss[0] / mean_loss[1]
+        lr = self.scheduler.get_last_lr()[0]
+        if bar is not None:
+            bar.set_postfix(loss=f"{value:.4f}", lr=f"{lr:.2e}")
+        log.info("epoch %d step %d/%d loss %.4f lr %.3e %.0f samples/s", self.sampler.epoch,
+                 self.state.step, self.total_steps, value, lr,
+                 self.sampler.global_batch_size / max(seconds, 1e-9))
+        self._scalars({"train/loss": value, "train/lr": lr})
+
+    def _scalars(self, values: dict[str, float]) -> None:
+        if self.writer is not None:
+            for k, v in values.items():
+                self.writer.add_scalar(k, v, self.state.step)
+
+
+def _fmt(d: dict[str, Any]) -> str:
+    return " ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in d.items())
+
+
+def build_trainer(cfg: Config, info: DistInfo) -> Trainer:
+    """Build task, model, DDP wrapper, optimizer, schedule and sampler for this rank."""
+    if cfg.training.precision == "fp16" and info.device.type != "cuda":
+        raise ConfigError("training.precision: 'fp16' needs CUDA (GradScaler); use 'bf16' on CPU")
+    seed_everything(cfg.seed)
+    bundle: TaskBundle = task_builder(cfg.task)(cfg)
+    model = bundle.model.to(info.device)
+    net: nn.Module = model
+    if info.distributed:
+        d = cfg.distributed.ddp
+        net = DDP(model, device_ids=[info.device] if info.device.type == "cuda" else None,
+                  bucket_cap_mb=d.bucket_cap_mb, static_graph=d.static_graph,
+                  find_unused_parameters=d.find_unused_parameters)
+    sampler = ElasticSampler(len(bundle.train), cfg.seed, cfg.batch.micro_batch_size,
+                             cfg.batch.grad_accum_steps, info.rank, info.world_size)
+    total = sampler.steps_per_epoch() * cfg.training.max_epochs
+    if cfg.training.max_steps:
+        total = min(total, cfg.training.max_steps)
+    optimizer = build_optimizer(cfg, model)
+    s = cfg.schedule
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_factor(step, s.warmup_steps, total, s.min_lr_ratio,
+                                          cosine=s.name == "cosine"))
+    scaler = torch.amp.GradScaler(info.device.type,
+                                  enabled=cfg.training.precision == "fp16")
+    writer = None
+    if info.is_main and cfg.logging.tensorboard_dir:
+        from torch.utils.tensorboard import SummaryWriter
+
+        writer = SummaryWriter(cfg.logging.tensorboard_dir)
+    log.info("task %s: %d train / %d val / %d test samples; world size %d; global batch %d "
+             "(%d x micro-batch %d x accumulation %d); %d steps per epoch; %d steps in total",
+             cfg.task, len(bundle.train), len(bundle.val), len(bundle.test), info.world_size,
+             sampler.global_batch_size, info.world_size, cfg.batch.micro_batch_size,
+             cfg.batch.grad_accum_steps, sampler.steps_per_epoch(), total)
+    return Trainer(cfg=cfg, info=info, bundle=bundle, model=model, net=net, optimizer=optimizer,
+                   scheduler=scheduler, scaler=scaler, sampler=sampler, total_steps=total,
+                   early=EarlyStopping(cfg.early_stopping), writer=writer)

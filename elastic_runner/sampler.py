@@ -1,0 +1,118 @@
+"""Elastic data sampler with a global cursor.
+
+Epoch ``e`` visits one permutation ``P(seed, e)`` of the dataset indices, the same on every rank.
+Progress is the *cursor*: how many indices of that permutation have been consumed by completed
+optimizer steps. Each optimizer step takes the next ``G = world_size * micro_batch_size *
+grad_accum_steps`` indices and splits them between ranks: micro-batch ``m`` of rank ``r`` is
+``P[c + m*W*b + r*b : c + m*W*b + (r+1)*b]``. Because the cursor counts samples, not per-rank
+batches, a restart at another world size continues with exactly the remaining indices.
+
+Epoch tail rule (drop_last per global batch): the last ``N mod G`` indices of each permutation are
+not trained on in that epoch. The permutation changes every epoch, so no sample is excluded
+systematically.
+
+The cursor advances only through :meth:`ElasticSampler.advance`, called by the training loop after
+an optimizer step; DataLoader prefetching does not move it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+
+class ElasticSampler:
+    """Batch sampler yielding this rank's micro-batches (lists of dataset indices) for one epoch.
+
+    Args:
+        num_samples: dataset length.
+        seed: base seed; the permutation of epoch ``e`` is seeded by ``(seed, e)``.
+        micro_batch_size: samples per rank per forward/backward.
+        grad_accum_steps: micro-batches per optimizer step.
+        rank, world_size: this process's place in the group.
+        shuffle: ``False`` visits indices in order (evaluation, debugging).
+    """
+
+    def __init__(self, num_samples: int, seed: int, micro_batch_size: int, grad_accum_steps: int,
+                 rank: int, world_size: int, shuffle: bool = True) -> None:
+        self.num_samples = num_samples
+        self.seed = seed
+        self.micro_batch_size = micro_batch_size
+        self.grad_accum_steps = grad_accum_steps
+        self.rank = rank
+        self.world_size = world_size
+        self.shuffle = shuffle
+        self.epoch = 0
+        self.cursor = 0
+        if self.steps_per_epoch() == 0:
+            raise ValueError(
+                f"dataset of {num_samples} samples is smaller than one global batch of "
+                f"{self.global_batch_size} samples (world_size {world_size} x micro-batch "
+                f"{micro_batch_size} x accumulation {grad_accum_steps})"
+            )
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.world_size * self.micro_batch_size * self.grad_accum_steps
+
+    def steps_per_epoch(self) -> int:
+        return self.num_samples // self.global_batch_size
+
+    def steps_left_in_epoch(self) -> int:
+        return (self.num_samples - self.cursor) // self.global_batch_size
+
+    def permutation(self, epoch: int) -> np.ndarray:
+        if not self.shuffle:
+            return np.arange(self.num_samples)
+        return np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start ``epoch`` from its beginning (a no-op for the epoch being resumed)."""
+        if epoch != self.epoch:
+            self.epoch, self.cursor = epoch, 0
+
+    def advance(self) -> None:
+        """Mark one optimizer step's global batch as trained."""
+        self.cursor += self.global_batch_size
+
+    def step_indices(self, cursor: int) -> list[list[int]]:
+        """This rank's micro-batches of the optimizer step that starts at ``cursor``."""
+        perm = self.permutation(self.epoch)
+        return self._split(perm, cursor)
+
+    def _split(self, perm: np.ndarray, cursor: int) -> list[list[int]]:
+        b, w = self.micro_batch_size, self.world_size
+        out = []
+        for m in range(self.grad_accum_steps):
+            start = cursor + m * w * b + self.rank * b
+            out.append(perm[start:start + b].tolist())
+        return out
+
+    def __iter__(self) -> Iterator[list[int]]:
+        perm = self.permutation(self.epoch)
+        start = self.cursor  # snapshot: advance() moves self.cursor while this iterates
+        for step in range(self.steps_left_in_epoch()):
+            yield from self._split(perm, start + step * self.global_batch_size)
+
+    def __len__(self) -> int:
+        return self.steps_left_in_epoch() * self.grad_accum_steps
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"seed": self.seed, "epoch": self.epoch, "cursor": self.cursor,
+                "num_samples": self.num_samples}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["num_samples"] != self.num_samples:
+            raise ValueError(
+                f"sampler state is for a dataset of {state['num_samples']} samples, "
+                f"this one has {self.num_samples}"
+            )
+        self.seed, self.epoch, self.cursor = state["seed"], state["epoch"], state["cursor"]
+
+
+def shard_indices(num_samples: int, rank: int, world_size: int) -> list[int]:
+    """Evaluation shard of ``rank``: indices ``rank, rank+W, ...``; no padding, so sums over ranks
+    cover every sample exactly once."""
+    return list(range(rank, num_samples, world_size))

@@ -1,0 +1,77 @@
+"""Training progress and RNG streams that must survive a restart (torch's Stateful protocol)."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+
+@dataclass
+class TrainState:
+    """Counters of committed work. ``step`` counts optimizer steps since the start of training;
+    the epoch and the position inside it live in the sampler's state."""
+
+    step: int = 0
+    samples: int = 0  # samples trained on (sum of global batch sizes)
+    evals: int = 0  # validation runs so far
+    finished: bool = False  # training ended (max_epochs / max_steps / early stop): do not resume
+    stop_reason: str = ""
+
+    def state_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for k, v in state.items():
+            setattr(self, k, v)
+
+
+class RNGState:
+    """Python, numpy, torch (CPU) and CUDA generator states of the saving rank.
+
+    The training loop additionally reseeds the torch generator from ``(seed, epoch, step, rank)``
+    before every step (see ``step_seed``), so model randomness (dropout) does not depend on these
+    states; they restore whatever else user code draws from the global generators.
+    """
+
+    def state_dict(self) -> dict[str, Any]:
+        np_state = np.random.get_state(legacy=False)
+        state: dict[str, Any] = {
+            "python": random.getstate(),
+            "numpy": {**np_state, "state": {"key": torch.from_numpy(np_state["state"]["key"]),
+                                            "pos": np_state["state"]["pos"]}},
+            "torch": torch.get_rng_state(),
+        }
+        if torch.cuda.is_available():
+            state["cuda"] = torch.cuda.get_rng_state_all()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        random.setstate(_tuples(state["python"]))
+        np_state = dict(state["numpy"])
+        np_state["state"] = {"key": state["numpy"]["state"]["key"].numpy(),
+                             "pos": state["numpy"]["state"]["pos"]}
+        np.random.set_state(np_state)
+        torch.set_rng_state(state["torch"].cpu())
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
+
+
+def _tuples(x: Any) -> Any:
+    # torch.save keeps tuples, but be lenient with lists from other writers
+    return tuple(_tuples(v) for v in x) if isinstance(x, list | tuple) else x
+
+
+def step_seed(seed: int, epoch: int, step: int, rank: int) -> int:
+    """A 63-bit seed derived from (seed, epoch, step, rank) with numpy's SeedSequence."""
+    return int(np.random.SeedSequence([seed, epoch, step, rank]).generate_state(1, np.uint64)[0]
+               >> np.uint64(1))
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)

@@ -1,0 +1,1 @@
+"""Built-in tasks (``digits``, ``char_lm``) and the task interface (:mod:`.base`)."""

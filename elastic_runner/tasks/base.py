@@ -1,0 +1,53 @@
+"""The interface between the runner and a task (built-in or user-supplied).
+
+A task is a function ``build(cfg: Config) -> TaskBundle`` named in the config as
+``task: package.module:build``. Its module may define ``DataConfig`` (subclassing
+:class:`elastic_runner.config.DataConfig`) and ``ModelConfig`` dataclasses; the config loader then
+validates the ``data`` and ``model`` sections against them and passes instances in ``cfg``.
+
+``build`` is called once per rank and process start, after the global torch seed is set to
+``cfg.seed``, so a model built from the default RNG has the same initial weights on every rank.
+It must be deterministic: the same config gives the same splits on every rank and every restart.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+# (sum, count): metric value = sum / count after summing both over ranks, so a sharded
+# evaluation equals the single-process one exactly.
+MetricSums = dict[str, tuple[float, float]]
+
+
+@dataclass
+class TaskBundle:
+    """What a task hands to the runner.
+
+    Attributes:
+        model: the module to train (unwrapped; the runner wraps it in DDP).
+        train, val, test: map-style datasets; ``ds[i]`` returns ``(inputs, targets)`` tensors.
+            Batches are collated with the default collate function (stacked along dim 0).
+        loss_fn: ``loss_fn(outputs, targets) -> scalar tensor``, the mean loss of a micro-batch.
+        metrics_fn: ``metrics_fn(outputs, targets) -> {name: (sum, count)}`` for one batch, e.g.
+            ``{"loss": (sum of per-sample losses, n), "accuracy": (n_correct, n)}``. Validation
+            reports each as ``val_<name>``; ``evaluate`` as ``test_<name>``.
+        artifacts: JSON-serialisable preprocessing needed to use the model outside the runner
+            (vocabulary, normalisation); written by ``export``.
+        sample_fn: optional ``sample_fn(model, prompt: str, max_new_tokens: int, seed: int) -> str``
+            for generative tasks (``elastic-runner generate``).
+    """
+
+    model: nn.Module
+    train: Dataset
+    val: Dataset
+    test: Dataset
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    metrics_fn: Callable[[torch.Tensor, torch.Tensor], MetricSums]
+    artifacts: dict[str, Any] = field(default_factory=dict)
+    sample_fn: Callable[..., str] | None = None

@@ -1,0 +1,156 @@
+"""Built-in task ``digits``: 10-class classification of scikit-learn's 8x8 handwritten digits.
+
+The data (1797 grey-scale images, pixel values 0..16, UCI "optdigits" test set) ships inside
+scikit-learn, so the task works offline. The split is a random permutation drawn from a numpy
+``Generator`` seeded with ``cfg.seed``, identical on every rank and restart. Inputs are
+standardised with one scalar mean/std computed on the training split only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from elastic_runner.config import Config, ConfigError
+from elastic_runner.config import DataConfig as BaseDataConfig
+from elastic_runner.tasks.base import MetricSums, TaskBundle
+
+NUM_CLASSES = 10
+IMAGE_SHAPE = (1, 8, 8)  # (channels, height, width)
+
+
+@dataclass
+class DataConfig(BaseDataConfig):
+    """``data:`` section. Fractions are of all 1797 samples; train gets the rest."""
+
+    val_fraction: float = 0.15
+    test_fraction: float = 0.15
+
+
+@dataclass
+class ModelConfig:
+    """``model:`` section of :class:`DigitsCNN`."""
+
+    channels: int = 32  # first conv layer's output channels; the second has 2x
+    hidden: int = 128  # width of the hidden fully connected layer
+    dropout: float = 0.1  # dropout probability before the first linear layer
+
+
+class DigitsCNN(nn.Module):
+    """Small CNN: conv3x3(1->c) ReLU, conv3x3(c->2c) ReLU, maxpool2, dropout, fc(hidden), fc(10).
+
+    Input: float32 ``[B, 1, 8, 8]`` standardised pixels. Output: float32 logits ``[B, 10]``.
+    """
+
+    def __init__(self, channels: int = 32, hidden: int = 128, dropout: float = 0.1) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(1, channels, kernel_size=3, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(channels, 2 * channels, kernel_size=3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),  # [B, 2c, 4, 4]
+        )
+        self.classifier = nn.Sequential(
+            nn.Flatten(),
+            nn.Dropout(dropout),
+            nn.Linear(2 * channels * 4 * 4, hidden),
+            nn.ReLU(),
+            nn.Linear(hidden, NUM_CLASSES),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.features(x))
+
+
+def split_indices(
+    n: int, val_fraction: float, test_fraction: float, seed: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Disjoint (train, val, test) int64 index arrays covering ``range(n)``.
+
+    Val and test get ``round(fraction * n)`` samples each, train the rest; membership is a
+    permutation from ``np.random.default_rng(seed)``, so it depends only on the arguments.
+    """
+    n_val = int(round(val_fraction * n))
+    n_test = int(round(test_fraction * n))
+    n_train = n - n_val - n_test
+    perm = np.random.default_rng(seed).permutation(n)
+    return perm[:n_train], perm[n_train : n_train + n_val], perm[n_train + n_val :]
+
+
+def _check(cfg: Config) -> None:
+    data, model = cfg.data, cfg.model
+    for key, frac in (("val_fraction", data.val_fraction), ("test_fraction", data.test_fraction)):
+        if not 0.0 < frac < 1.0:
+            raise ConfigError(f"data.{key}: must be in (0, 1), got {frac!r}")
+    if data.val_fraction + data.test_fraction >= 1.0:
+        raise ConfigError(
+            "data.val_fraction + data.test_fraction: must be < 1 to leave a training split, "
+            f"got {data.val_fraction + data.test_fraction!r}"
+        )
+    for key in ("channels", "hidden"):
+        if getattr(model, key) < 1:
+            raise ConfigError(f"model.{key}: must be >= 1, got {getattr(model, key)!r}")
+    if not 0.0 <= model.dropout < 1.0:
+        raise ConfigError(f"model.dropout: must be in [0, 1), got {model.dropout!r}")
+
+
+def loss_fn(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross entropy (nats) of logits ``[B, 10]`` against int64 labels ``[B]``."""
+    return F.cross_entropy(outputs.float(), targets)
+
+
+def metrics_fn(outputs: torch.Tensor, targets: torch.Tensor) -> MetricSums:
+    """``{"loss": (sum of per-sample CE in nats, n), "accuracy": (n correct, n)}`` as floats."""
+    outputs = outputs.detach().float()
+    n = float(targets.numel())
+    loss_sum = F.cross_entropy(outputs, targets, reduction="sum").item()
+    correct = (outputs.argmax(dim=-1) == targets).sum().item()
+    return {"loss": (float(loss_sum), n), "accuracy": (float(correct), n)}
+
+
+def build(cfg: Config) -> TaskBundle:
+    """Build the digits task: splits, CNN (from the default torch RNG) and metrics.
+
+    Datasets yield ``(x, y)``: x float32 ``[1, 8, 8]`` standardised pixels, y int64 scalar label.
+    """
+    from sklearn.datasets import load_digits  # bundled with scikit-learn, no download
+
+    _check(cfg)
+    digits = load_digits()
+    images = np.asarray(digits.images, dtype=np.float64)  # [1797, 8, 8], values 0..16
+    labels = np.asarray(digits.target, dtype=np.int64)  # [1797]
+    train_idx, val_idx, test_idx = split_indices(
+        len(labels), cfg.data.val_fraction, cfg.data.test_fraction, cfg.seed
+    )
+    for name, idx in (("train", train_idx), ("val", val_idx), ("test", test_idx)):
+        if len(idx) == 0:
+            raise ConfigError(f"data: the {name} split of {len(labels)} samples is empty")
+    mean = float(images[train_idx].mean())
+    std = float(images[train_idx].std())
+
+    def make(idx: np.ndarray) -> TensorDataset:
+        x = ((images[idx] - mean) / std).astype(np.float32)[:, None, :, :]
+        return TensorDataset(torch.from_numpy(x), torch.from_numpy(labels[idx].copy()))
+
+    m = cfg.model
+    return TaskBundle(
+        model=DigitsCNN(channels=m.channels, hidden=m.hidden, dropout=m.dropout),
+        train=make(train_idx),
+        val=make(val_idx),
+        test=make(test_idx),
+        loss_fn=loss_fn,
+        metrics_fn=metrics_fn,
+        artifacts={
+            "input_shape": list(IMAGE_SHAPE),
+            "mean": mean,
+            "std": std,
+            "classes": list(range(NUM_CLASSES)),
+            "split_seed": cfg.seed,
+        },
+    )

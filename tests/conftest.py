@@ -1,0 +1,1 @@
+from .procs import launch  # noqa: F401  (fixture)

@@ -1,0 +1,125 @@
+"""Process helpers for tests: start real launcher/agent processes, bound their time, kill all.
+
+torchrun starts workers in their own sessions, so killing the agent's process group does not
+reach them: teardown kills every descendant by pid (psutil), then the process itself.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = REPO / "configs"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float, what: str,
+               poll: float = 0.05) -> None:
+    """Poll ``predicate`` until it holds; fail the test after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(poll)
+
+
+class Job:
+    """A launched command with its combined output in a log file."""
+
+    def __init__(self, argv: list[str], log_path: Path, env: dict[str, str] | None = None,
+                 cwd: Path | None = None) -> None:
+        self.argv = argv
+        self.log_path = log_path
+        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in kill_all/wait
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
+                    **(env or {})}
+        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env=full_env, cwd=cwd or REPO, start_new_session=True)
+        self._known: dict[int, psutil.Process] = {}
+
+    @property
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill_all()
+            raise AssertionError(
+                f"{' '.join(self.argv)} did not finish in {timeout:.0f} s; output tail:\n"
+                + self.output[-3000:]) from None
+        finally:
+            self._log.flush()
+
+    def descendants(self) -> list[psutil.Process]:
+        try:
+            found = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            found = []
+        for p in found:  # remember them: orphans of a dead agent are no longer its children
+            self._known[p.pid] = p
+        return list(self._known.values())
+
+    def workers(self) -> dict[int, psutil.Process]:
+        """Live training workers by global rank (from each worker's RANK variable)."""
+        out = {}
+        for p in self.descendants():
+            try:
+                if p.is_running() and "train" in p.cmdline():
+                    out[int(p.environ().get("RANK", "-1"))] = p
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                continue
+        return out
+
+    def kill_all(self) -> None:
+        for p in self.descendants():
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        try:
+            os.killpg(self.proc.pid, 9)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(timeout=30)
+        self._log.close()
+
+
+@pytest.fixture
+def launch(tmp_path: Path) -> Iterator[Callable[..., Job]]:
+    """``launch(argv, name=..., env=...)`` starts a Job; all are killed at teardown."""
+    jobs: list[Job] = []
+
+    def start(argv: list[str], name: str = "job", env: dict[str, str] | None = None) -> Job:
+        job = Job(argv, tmp_path / f"{name}.log", env=env)
+        jobs.append(job)
+        return job
+
+    yield start
+    for job in jobs:
+        job.kill_all()
+
+
+def cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "elastic_runner", *args]
+
+
+def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """Run a short CLI command to completion (bounded by ``timeout``)."""
+    return subprocess.run(cli(*args), capture_output=True, text=True, timeout=timeout,
+                          cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})

@@ -1,0 +1,111 @@
+"""Checkpoint commit, verification, fallback on corruption, pruning, model-mismatch errors."""
+
+import json
+import os
+import pickle
+
+import pytest
+import torch
+
+from elastic_runner import checkpoint as ckpt
+
+
+def state(v: float) -> dict:
+    return {"model": {"w": torch.full((4, 3), v), "b": torch.zeros(3)}, "step": int(v)}
+
+
+def save(d, step, v=None):
+    return ckpt.write_checkpoint(d, f"step-{step:08d}", state(v if v is not None else step),
+                                 {"step": step, "epoch": 0, "world_size": 2})
+
+
+def test_commit_round_trip_and_manifest(tmp_path):
+    p = save(tmp_path, 5)
+    assert sorted(os.listdir(p)) == ["manifest.json", "state.pt"]
+    manifest = json.loads((p / "manifest.json").read_text())
+    assert manifest["step"] == 5 and manifest["files"]["state.pt"]["bytes"] > 0
+    loaded = ckpt.load_state(p)
+    assert torch.equal(loaded["model"]["w"], torch.full((4, 3), 5.0))
+    assert not list(tmp_path.glob(".tmp-*"))
+
+
+def test_truncated_newest_is_skipped_with_reason(tmp_path, caplog):
+    save(tmp_path, 1)
+    newest = save(tmp_path, 2)
+    f = newest / "state.pt"
+    f.write_bytes(f.read_bytes()[:50])  # a truncated file, as after a crash of a naive writer
+    infos = ckpt.list_checkpoints(tmp_path)
+    assert [i.valid for i in infos] == [True, False]
+    assert "bytes, manifest says" in infos[1].reason
+    with caplog.at_level("WARNING"):
+        found = ckpt.latest_valid(tmp_path)
+    assert found.step == 1
+    assert "skipping checkpoint" in caplog.text and "step-00000002" in caplog.text
+
+
+def test_same_size_corruption_is_caught_by_sha256(tmp_path):
+    save(tmp_path, 1)
+    newest = save(tmp_path, 2)
+    f = newest / "state.pt"
+    data = bytearray(f.read_bytes())
+    data[-20] ^= 0xFF
+    f.write_bytes(bytes(data))
+    assert ckpt.inspect(newest).valid  # size still matches
+    assert "sha256 mismatch" in ckpt.inspect(newest, verify=True).reason
+    assert ckpt.latest_valid(tmp_path).step == 1
+
+
+def test_uncommitted_directory_is_ignored_and_pruned(tmp_path):
+    save(tmp_path, 1)
+    partial = tmp_path / "step-00000009"
+    partial.mkdir()
+    (partial / "state.pt").write_bytes(b"partial")
+    stray = tmp_path / ".tmp-step-00000010-999999"
+    stray.mkdir()
+    assert ckpt.latest_valid(tmp_path).step == 1
+    assert "no manifest" in ckpt.inspect(partial).reason
+    ckpt.prune(tmp_path, keep_last=5)
+    assert not stray.exists()
+
+
+def test_rewrite_same_step_replaces(tmp_path):
+    save(tmp_path, 3, v=1.0)
+    save(tmp_path, 3, v=2.0)
+    assert torch.equal(ckpt.load_state(tmp_path / "step-00000003")["model"]["w"],
+                       torch.full((4, 3), 2.0))
+
+
+def test_prune_keeps_last_k_and_newest_best(tmp_path):
+    for s in range(1, 6):
+        save(tmp_path, s)
+    for s in (2, 4):
+        ckpt.write_checkpoint(tmp_path, f"best-step-{s:08d}", state(s), {"step": s})
+    ckpt.prune(tmp_path, keep_last=2)
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["best-step-00000004", "step-00000004", "step-00000005"]
+
+
+def test_load_refuses_arbitrary_pickles(tmp_path):
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("echo pwned",))
+
+    d = tmp_path / "step-00000001"
+    d.mkdir()
+    with open(d / "state.pt", "wb") as f:
+        pickle.dump({"x": Evil()}, f)
+    with pytest.raises(ckpt.CheckpointError, match="cannot load state.pt"):
+        ckpt.load_state(d)
+
+
+def test_mismatch_names_tensors():
+    model = {"conv.weight": torch.zeros(8, 1, 3, 3), "fc.weight": torch.zeros(10, 4),
+             "fc.bias": torch.zeros(10)}
+    other = {"conv.weight": torch.zeros(4, 1, 3, 3), "fc.weight": torch.zeros(10, 4),
+             "head.bias": torch.zeros(10)}
+    with pytest.raises(ckpt.CheckpointError) as e:
+        ckpt.check_compatible(model, other, "ck")
+    msg = str(e.value)
+    assert "missing in checkpoint (1): fc.bias" in msg
+    assert "unexpected in checkpoint (1): head.bias" in msg
+    assert "conv.weight: checkpoint (4, 1, 3, 3) vs model (8, 1, 3, 3)" in msg

@@ -1,0 +1,85 @@
+"""Global-cursor sampler: disjoint shards, every index once per epoch, resume at any world size."""
+
+import itertools
+
+import pytest
+
+from elastic_runner.sampler import ElasticSampler, shard_indices
+
+
+def samplers(n, world_size, b=4, a=2, seed=7):
+    return [ElasticSampler(n, seed, b, a, r, world_size) for r in range(world_size)]
+
+
+def run_steps(ss, steps):
+    """Indices each rank trains on in ``steps`` optimizer steps (advancing every sampler)."""
+    seen = []
+    for _ in range(steps):
+        for s in ss:
+            seen.extend(itertools.chain.from_iterable(s.step_indices(s.cursor)))
+        for s in ss:
+            s.advance()
+    return seen
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_epoch_covers_each_index_once_except_tail(world_size):
+    n = 203
+    ss = samplers(n, world_size)
+    per_rank = [list(itertools.chain.from_iterable(iter(s))) for s in ss]
+    flat = [i for r in per_rank for i in r]
+    assert len(flat) == len(set(flat)) == ss[0].steps_per_epoch() * ss[0].global_batch_size
+    assert n - len(flat) == n % ss[0].global_batch_size  # drop_last per global batch
+    for r1, r2 in itertools.combinations(per_rank, 2):
+        assert not set(r1) & set(r2)
+
+
+def test_iteration_snapshots_cursor_while_loop_advances():
+    (s,) = samplers(64, 1, b=4, a=1)
+    it = iter(s)
+    got = []
+    for batch in it:  # the loop advances the cursor after every step, as the trainer does
+        got.extend(batch)
+        s.advance()
+    assert sorted(got) == list(range(64))
+
+
+def test_permutation_differs_per_epoch_and_is_reproducible():
+    (s,) = samplers(100, 1)
+    assert (s.permutation(0) != s.permutation(1)).any()
+    assert (s.permutation(3) == ElasticSampler(100, 7, 4, 2, 0, 1).permutation(3)).all()
+
+
+@pytest.mark.parametrize("old_ws, new_ws", [(2, 3), (3, 2), (2, 1), (1, 4)])
+def test_resume_at_another_world_size_trains_remaining_indices_exactly_once(old_ws, new_ws):
+    n = 500
+    before = samplers(n, old_ws, b=5, a=1)
+    seen = run_steps(before, 7)
+    state = before[0].state_dict()
+    after = samplers(n, new_ws, b=5, a=1)
+    for s in after:
+        s.load_state_dict(state)
+    rest = run_steps(after, after[0].steps_left_in_epoch())
+    assert len(seen + rest) == len(set(seen + rest))
+    assert len(set(range(n)) - set(seen + rest)) < after[0].global_batch_size
+
+
+def test_state_dict_round_trip_and_mismatch():
+    (s,) = samplers(50, 1)
+    s.set_epoch(3)
+    s.advance()
+    (t,) = samplers(50, 1)
+    t.load_state_dict(s.state_dict())
+    assert (t.epoch, t.cursor) == (3, 8)
+    with pytest.raises(ValueError, match="dataset of 50 samples"):
+        samplers(60, 1)[0].load_state_dict(s.state_dict())
+
+
+def test_dataset_smaller_than_global_batch_is_an_error():
+    with pytest.raises(ValueError, match="smaller than one global batch"):
+        ElasticSampler(10, 0, 8, 1, 0, 2)
+
+
+def test_eval_shards_partition_without_padding():
+    shards = [shard_indices(11, r, 3) for r in range(3)]
+    assert sorted(i for s in shards for i in s) == list(range(11))
