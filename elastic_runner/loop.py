@@ -192,6 +192,9 @@ class Trainer:
         finally:
             if bar is not None:
                 bar.close()
+        if self.results.get("eval_step") != self.state.step:  # report the final model
+            self.results.update(self.evaluate("val", self.cfg.eval.max_batches),
+                                eval_step=self.state.step)
         self.results.update(self.evaluate("test"))
         self.results.update(step=self.state.step, epoch=self.sampler.epoch,
                             stop_reason=self.state.stop_reason)
@@ -257,7 +260,7 @@ class Trainer:
 
     def _evaluate_and_decide(self) -> bool:
         metrics = self.evaluate("val", self.cfg.eval.max_batches)
-        self.results.update(metrics)
+        self.results.update(metrics, eval_step=self.state.step)
         es = self.cfg.early_stopping
         planted = planted_metric(self.cfg.faults, self.state.evals)
         self.state.evals += 1
@@ -266,8 +269,9 @@ class Trainer:
             raise ConfigError(f"early_stopping.metric: {es.metric!r} is not reported by the "
                               f"task; available: {', '.join(sorted(metrics))}")
         decision = self.early.decide(value, self.state.step, self.info.rank)
-        log.info("eval at step %d: %s; %s=%.6g best=%.6g (step %s) patience left %d",
-                 self.state.step, _fmt(metrics), es.metric, value, self.early.best,
+        log.info("eval at step %d: %s | early stopping on %s%s: best %.6g at step %s, "
+                 "patience left %d", self.state.step, _fmt(metrics), es.metric,
+                 f" (planted {value:.6g})" if planted is not None else "", self.early.best,
                  self.early.best_step, self.early.patience_left)
         self._scalars(metrics)
         if decision.improved and self.cfg.checkpoint.keep_best:

@@ -6,6 +6,7 @@ reach them: teardown kills every descendant by pid (psutil), then the process it
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -88,14 +89,10 @@ class Job:
 
     def kill_all(self) -> None:
         for p in self.descendants():
-            try:
+            with contextlib.suppress(psutil.NoSuchProcess):
                 p.kill()
-            except psutil.NoSuchProcess:
-                pass
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, 9)
-        except ProcessLookupError:
-            pass
         self.proc.wait(timeout=30)
         self._log.close()
 

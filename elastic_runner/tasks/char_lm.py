@@ -209,8 +209,8 @@ class CharGPT(nn.Module):
     """GPT decoder over characters: int64 indices ``[B, T]`` (T <= block_size) -> float logits
     ``[B, T, vocab_size]`` for the next character at each position.
 
-    The output head is untied from the token embedding (tied weights share storage, which
-    safetensors export refuses). Initialisation follows GPT-2: N(0, 0.02), residual output
+    The output head is untied from the token embedding, so no two parameters share storage
+    (plain safetensors ``save_file``/``load_file`` work too). Initialisation follows GPT-2: N(0, 0.02), residual output
     projections scaled by ``1/sqrt(2 * n_layer)``; it draws from the default torch RNG.
     """
 
