@@ -15,6 +15,8 @@ import difflib
 import hashlib
 import importlib
 import json
+import os
+import sys
 import types
 import typing
 from dataclasses import dataclass, field
@@ -190,6 +192,9 @@ def load_task_module(task: str, path: str = "task") -> types.ModuleType:
             "or an import path 'package.module:build'"
         )
     module_name, _, attr = target.partition(":")
+    if task not in BUILTIN_TASKS and os.getcwd() not in sys.path:
+        # as `python -m` does for the workers: user tasks next to the config are importable
+        sys.path.append(os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:

@@ -99,11 +99,12 @@ class Job:
 
 @pytest.fixture
 def launch(tmp_path: Path) -> Iterator[Callable[..., Job]]:
-    """``launch(argv, name=..., env=...)`` starts a Job; all are killed at teardown."""
+    """``launch(argv, name=..., env=..., cwd=...)`` starts a Job; all are killed at teardown."""
     jobs: list[Job] = []
 
-    def start(argv: list[str], name: str = "job", env: dict[str, str] | None = None) -> Job:
-        job = Job(argv, tmp_path / f"{name}.log", env=env)
+    def start(argv: list[str], name: str = "job", env: dict[str, str] | None = None,
+              cwd: Path | None = None) -> Job:
+        job = Job(argv, tmp_path / f"{name}.log", env=env, cwd=cwd)
         jobs.append(job)
         return job
 
