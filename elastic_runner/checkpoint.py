@@ -86,32 +86,54 @@ def _write_synced(path: Path, write) -> None:
         os.fsync(f.fileno())
 
 
-def write_checkpoint(directory: Path, name: str, state: dict[str, Any], meta: dict[str, Any]
-                     ) -> Path:
-    """Write and atomically commit ``state`` as ``directory/name``; returns the final path.
-
-    ``meta`` (step, epoch, world_size, config_hash, ...) goes into the manifest.
-    An existing checkpoint of the same name is replaced (its step was redone after a restart).
+def write_checkpoint(directory: Path, names: str | list[str], state: dict[str, Any],
+                     meta: dict[str, Any]) -> list[Path]:
+    """Write ``state`` once and atomically commit it under each of ``names`` (e.g. a step and a
+    best checkpoint of the same step; later names hard-link the first one's file, or copy it
+    where links are not supported). ``meta`` (step, epoch, world_size, config_hash, ...) goes
+    into the manifest. An existing checkpoint of the same name is replaced (its step was redone
+    after a restart). Returns the final paths.
     """
+    names = [names] if isinstance(names, str) else names
     directory.mkdir(parents=True, exist_ok=True)
-    tmp = directory / f".tmp-{name}-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    _write_synced(tmp / STATE_FILE, lambda f: torch.save(state, f))
-    files = {STATE_FILE: {"bytes": (tmp / STATE_FILE).stat().st_size,
-                          "sha256": _sha256(tmp / STATE_FILE)}}
-    manifest = {"format_version": FORMAT_VERSION, "time": time.time(), **meta, "files": files}
-    _write_synced(tmp / MANIFEST, lambda f: f.write(json.dumps(manifest, indent=1).encode()))
-    _fsync_dir(tmp)
-    final = directory / name
-    if final.exists():  # same step written again after a restart: retire the old one first
-        old = directory / f".tmp-old-{name}-{os.getpid()}"
-        os.replace(final, old)
-        shutil.rmtree(old)
-    os.replace(tmp, final)
+    staged = []
+    for i, name in enumerate(names):
+        tmp = directory / f".tmp-{name}-{os.getpid()}"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+        if i == 0:
+            _write_synced(tmp / STATE_FILE, lambda f: torch.save(state, f))
+            files = {STATE_FILE: {"bytes": (tmp / STATE_FILE).stat().st_size,
+                                  "sha256": _sha256(tmp / STATE_FILE)}}
+        else:
+            _link_or_copy(staged[0] / STATE_FILE, tmp / STATE_FILE)
+        manifest = {"format_version": FORMAT_VERSION, "time": time.time(), **meta,
+                    "files": files}
+        _write_synced(tmp / MANIFEST, lambda f, m=manifest: f.write(json.dumps(m, indent=1)
+                                                                     .encode()))
+        _fsync_dir(tmp)
+        staged.append(tmp)
+    finals = []
+    for tmp, name in zip(staged, names, strict=True):
+        final = directory / name
+        if final.exists():  # same step written again after a restart: retire the old one first
+            old = directory / f".tmp-old-{name}-{os.getpid()}"
+            os.replace(final, old)
+            shutil.rmtree(old)
+        os.replace(tmp, final)
+        finals.append(final)
     _fsync_dir(directory)
-    return final
+    return finals
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copyfile(src, dst)
+        with open(dst, "rb+") as f:
+            os.fsync(f.fileno())
 
 
 def inspect(path: Path, verify: bool = False) -> CheckpointInfo:
@@ -183,20 +205,32 @@ def load_state(path: str | Path, map_location: str | torch.device = "cpu") -> di
         raise CheckpointError(f"checkpoint {p}: cannot load {f.name}: {e}") from e
 
 
-def prune(directory: str | Path, keep_last: int) -> list[Path]:
-    """Delete all but the newest ``keep_last`` step checkpoints and all but the newest best one,
-    plus stray temporary directories of dead writers. Returns the removed paths."""
+def prune(directory: str | Path, keep_last: int, protect: Path | None = None) -> list[Path]:
+    """Delete all but the newest ``keep_last`` valid step checkpoints and all but the newest
+    valid best one, never ``protect`` (the checkpoint this run resumed from), plus stray
+    temporary directories of dead writers. Invalid checkpoints are left for inspection.
+    Returns the removed paths."""
     d = Path(directory)
     removed = []
-    infos = list_checkpoints(d)
+    infos = [c for c in list_checkpoints(d) if c.valid and c.path != protect]
     steps = [c for c in infos if c.kind == "step"]
-    bests = [c for c in infos if c.kind == "best" and c.valid]
+    bests = [c for c in infos if c.kind == "best"]
     doomed = [c.path for c in steps[:-keep_last]] + [c.path for c in bests[:-1]]
     doomed += [p for p in d.glob(".tmp-*") if not p.name.endswith(f"-{os.getpid()}")]
     for p in doomed:
         shutil.rmtree(p, ignore_errors=True)
         removed.append(p)
     return removed
+
+
+def tensors_digest(tensors: dict[str, torch.Tensor]) -> str:
+    """sha256 (hex, 16 chars) over names, dtypes, shapes and raw bytes of ``tensors``."""
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().cpu().contiguous()
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()[:16]
 
 
 def check_compatible(model_state: dict[str, torch.Tensor], ckpt_state: dict[str, torch.Tensor],

@@ -24,6 +24,18 @@ def _add_config(p: argparse.ArgumentParser) -> None:
                    help="config overrides, values parsed as YAML (e.g. optimizer.lr=3e-4)")
 
 
+def _add_trace(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trace-samples", metavar="DIR", default=None,
+                   help="record the sample indices of every committed optimizer step, one JSONL "
+                        "file per rank in DIR (same as audit.trace_dir=DIR); check with "
+                        "'elastic-runner audit DIR'")
+
+
+def _overrides(args: argparse.Namespace) -> list[str]:
+    extra = [f"audit.trace_dir={args.trace_samples}"] if args.trace_samples else []
+    return [*args.overrides, *extra]
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="elastic-runner",
@@ -33,7 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("run", help="launch the workers with torchrun's elastic agent "
-                                   "(in this process)")
+                                   "(in this process)",
+                       description="Launch the workers with torchrun's elastic agent in this "
+                                   "process. Options left unset fall back to torchrun's PET_* "
+                                   "environment variables, then to the defaults shown.")
     _add_config(p)
     p.add_argument("--nproc-per-node", type=int, default=None,
                    help="workers on this node (default: one per GPU, 2 on CPU)")
@@ -45,18 +60,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="rendezvous endpoint (etcd server or c10d store host)")
     p.add_argument("--rdzv-id", default=None, help="job id shared by all nodes of one job")
     p.add_argument("--rdzv-conf", action="append", metavar="KEY=VALUE",
-                   help="extra rendezvous options, passed to torchrun (repeatable)")
-    p.add_argument("--max-restarts", type=int, default=3,
+                   help="extra rendezvous options such as join_timeout=600, passed to torchrun "
+                        "(repeatable)")
+    p.add_argument("--max-restarts", type=int, default=None,
                    help="worker-group restarts before the job fails (default 3)")
-    p.add_argument("--monitor-interval", type=float, default=1.0, metavar="S",
+    p.add_argument("--monitor-interval", type=float, default=None, metavar="S",
                    help="seconds between the agent's worker health checks (default 1.0)")
     p.add_argument("--no-resume", action="store_true", help="ignore existing checkpoints")
+    _add_trace(p)
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("train", help="worker entry point (started by torchrun, or alone as "
                                      "world size 1)")
     _add_config(p)
     p.add_argument("--no-resume", action="store_true", help="ignore existing checkpoints")
+    _add_trace(p)
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("validate", help="check a config and print the resolved values")
@@ -68,6 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dir", help="checkpoint directory (checkpoint.dir)")
     p.add_argument("--verify", action="store_true", help="also check every file's sha256")
     p.set_defaults(func=cmd_checkpoints)
+
+    p = sub.add_parser("audit", help="check a sample trace: per epoch, expected samples, seen "
+                                     "once, missing, duplicated")
+    p.add_argument("trace", help="trace directory (--trace-samples / audit.trace_dir)")
+    p.set_defaults(func=cmd_audit)
 
     p = sub.add_parser("export", help="write weights (safetensors), config and preprocessing")
     p.add_argument("checkpoint", help="checkpoint directory, or a checkpoint.dir (newest)")
@@ -94,6 +117,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from .config import load_config
     from .launch import launch
 
+    args.overrides = _overrides(args)
     load_config(args.config, args.overrides)  # fail fast, before any worker starts
     return launch(args)
 
@@ -101,7 +125,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_train(args: argparse.Namespace) -> int:
     from .worker import main as worker_main
 
-    return worker_main(args.config, args.overrides, resume=not args.no_resume,
+    return worker_main(args.config, _overrides(args), resume=not args.no_resume,
                        verbose=args.verbose)
 
 
@@ -135,6 +159,27 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
 
 def _dash(v: object) -> str:
     return "-" if v is None else str(v)
+
+
+def cmd_audit(args: argparse.Namespace) -> int:
+    """Exit 0 when every complete epoch trained each expected sample exactly once, else 1."""
+    from .audit import audit
+
+    reports = audit(args.trace)
+    if not reports:
+        print(f"no trace entries in {args.trace}")
+        return EXIT_FAILED
+    print(f"{'epoch':>5} {'status':<11} {'steps':>6} {'expected':>8} {'seen once':>9} "
+          f"{'missing':>7} {'duplicated':>10} {'dropped tail':>12}")
+    for r in reports:
+        status = ("ok" if r.ok else "FAILED") if r.complete else "in progress"
+        print(f"{r.epoch:>5} {status:<11} {r.steps:>6} {_dash(r.expected):>8} {r.seen_once:>9} "
+              f"{len(r.missing) if r.complete else '-':>7} {len(r.duplicated):>10} "
+              f"{r.dropped if r.complete else '-':>12}")
+        for label, items in (("missing", r.missing), ("duplicated", r.duplicated)):
+            if items:
+                print(f"      {label}: {items[:20]}{' ...' if len(items) > 20 else ''}")
+    return EXIT_OK if all(r.ok for r in reports) else EXIT_FAILED
 
 
 def cmd_export(args: argparse.Namespace) -> int:

@@ -67,10 +67,37 @@ class ScheduleConfig:
 
 @dataclass
 class BatchConfig:
-    """Batch sizes in samples. Global batch = world_size * micro_batch_size * grad_accum_steps."""
+    """Batch sizes in samples. Global batch = world_size * micro_batch_size * grad_accum_steps.
+
+    With ``global_batch_size`` set, ``grad_accum_steps`` is derived from it and the current world
+    size (``global / (world_size * micro_batch_size)``), so the optimisation trajectory does not
+    change when nodes come and go; ``optimizer.lr`` is then the LR of that fixed global batch.
+    Without it, the per-rank batch is fixed and the global batch (and so the effective LR per
+    sample) changes with the world size; the LR is not rescaled automatically.
+    """
 
     micro_batch_size: int = 32  # per rank, per forward/backward
-    grad_accum_steps: int = 1  # micro-batches per optimizer step
+    grad_accum_steps: int = 1  # micro-batches per optimizer step (ignored with global_batch_size)
+    global_batch_size: int | None = None  # samples per optimizer step, constant across resizes
+
+    def accumulation_for(self, world_size: int) -> int:
+        """Micro-batches per optimizer step at ``world_size``.
+
+        Raises:
+            ConfigError: ``global_batch_size`` is not a multiple of world_size x micro_batch_size;
+                the message lists the world sizes (up to 64) that divide it.
+        """
+        if self.global_batch_size is None:
+            return self.grad_accum_steps
+        per_step = world_size * self.micro_batch_size
+        if self.global_batch_size % per_step:
+            valid = [w for w in range(1, 65)
+                     if self.global_batch_size % (w * self.micro_batch_size) == 0]
+            raise ConfigError(
+                f"batch.global_batch_size: {self.global_batch_size} is not divisible by "
+                f"world_size {world_size} x micro_batch_size {self.micro_batch_size}; "
+                f"valid world sizes: {valid or 'none'}")
+        return self.global_batch_size // per_step
 
 
 @dataclass
@@ -92,6 +119,8 @@ class EvalConfig:
 class CheckpointConfig:
     dir: str = "runs/checkpoints"
     every_steps: int = 50  # 0: only at epoch ends
+    every_seconds: float | None = None  # also save when this much wall-clock time has passed
+    async_save: bool = True  # snapshot to reused host buffers, write in the background
     keep_last: int = 3
     keep_best: bool = True
     resume: bool = True  # load the newest valid checkpoint on every (re)start
@@ -127,6 +156,11 @@ class LoggingConfig:
 
 
 @dataclass
+class AuditConfig:
+    trace_dir: str | None = None  # per-rank JSONL sample trace (see audit.py); None: off
+
+
+@dataclass
 class FaultConfig:
     """Off-by-default fault injection for tests and drills (see ``faults.py``)."""
 
@@ -134,6 +168,7 @@ class FaultConfig:
     sigkill_after_steps: int = 0  # ... after this many optimizer steps of an attempt ...
     sigkill_attempts: int = 1  # ... in restart attempts 0 .. sigkill_attempts-1
     planted_metric: list[float] | None = None  # replaces the early-stopping metric, one per eval
+    perturb_rank: int | None = None  # this rank's weights diverge after loading a checkpoint
 
 
 @dataclass
@@ -151,6 +186,7 @@ class Config:
     early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    audit: AuditConfig = field(default_factory=AuditConfig)
     faults: FaultConfig = field(default_factory=FaultConfig)
 
     def to_dict(self) -> dict[str, Any]:
@@ -162,9 +198,9 @@ class Config:
 
 def fingerprint(config: dict[str, Any]) -> str:
     """sha256 (hex, 16 chars) of what determines the trained model, from a config dict: excludes
-    the checkpoint, logging and fault-injection sections, so moving the checkpoint dir keeps
+    the checkpoint, logging, audit and fault-injection sections, so moving the checkpoint dir keeps
     resume working."""
-    d = {k: v for k, v in config.items() if k not in ("checkpoint", "logging", "faults")}
+    d = {k: v for k, v in config.items() if k not in ("checkpoint", "logging", "audit", "faults")}
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -356,6 +392,9 @@ def _check_values(cfg: Config) -> None:
     checks = [
         (cfg.batch.micro_batch_size >= 1, "batch.micro_batch_size", "must be >= 1"),
         (cfg.batch.grad_accum_steps >= 1, "batch.grad_accum_steps", "must be >= 1"),
+        (cfg.batch.global_batch_size is None
+         or cfg.batch.global_batch_size % cfg.batch.micro_batch_size == 0,
+         "batch.global_batch_size", "must be a multiple of batch.micro_batch_size"),
         (cfg.training.max_epochs >= 1, "training.max_epochs", "must be >= 1"),
         (cfg.training.max_steps is None or cfg.training.max_steps >= 1,
          "training.max_steps", "must be >= 1 or null"),
@@ -363,6 +402,8 @@ def _check_values(cfg: Config) -> None:
         (cfg.schedule.warmup_steps >= 0, "schedule.warmup_steps", "must be >= 0"),
         (0 <= cfg.schedule.min_lr_ratio <= 1, "schedule.min_lr_ratio", "must be in [0, 1]"),
         (cfg.checkpoint.every_steps >= 0, "checkpoint.every_steps", "must be >= 0"),
+        (cfg.checkpoint.every_seconds is None or cfg.checkpoint.every_seconds > 0,
+         "checkpoint.every_seconds", "must be > 0 or null"),
         (cfg.checkpoint.keep_last >= 1, "checkpoint.keep_last", "must be >= 1"),
         (cfg.early_stopping.patience >= 1, "early_stopping.patience", "must be >= 1"),
         (cfg.distributed.timeout_seconds > 0, "distributed.timeout_seconds", "must be > 0"),

@@ -211,3 +211,17 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
 def barrier() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
+
+
+def assert_same_across_ranks(value: str, what: str) -> None:
+    """All-gather ``value`` and raise ``RuntimeError`` naming the ranks that disagree."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    values: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    if len(set(values)) > 1:
+        groups: dict[str, list[int]] = {}
+        for r, v in enumerate(values):
+            groups.setdefault(v, []).append(r)
+        detail = "; ".join(f"ranks {rs}: {v}" for v, rs in groups.items())
+        raise RuntimeError(f"{what} differs between ranks ({detail})")

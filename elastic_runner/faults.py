@@ -6,6 +6,8 @@ import logging
 import os
 import signal
 
+import torch
+
 from .config import FaultConfig
 
 log = logging.getLogger(__name__)
@@ -27,3 +29,11 @@ def planted_metric(cfg: FaultConfig, eval_index: int) -> float | None:
     if not cfg.planted_metric:
         return None
     return cfg.planted_metric[min(eval_index, len(cfg.planted_metric) - 1)]
+
+
+@torch.no_grad()
+def perturb_replica(cfg: FaultConfig, rank: int, model: torch.nn.Module) -> None:
+    """Make this rank's replica diverge after a checkpoint load (tests the replica check)."""
+    if cfg.perturb_rank == rank:
+        log.warning("fault injection: rank %d perturbs its parameters after loading", rank)
+        next(iter(model.parameters())).add_(1e-3)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import uuid
 
 import torch
@@ -26,24 +27,33 @@ def default_nproc_per_node() -> int:
 
 
 def torchrun_argv(args: argparse.Namespace) -> list[str]:
-    """torchrun arguments for a ``run`` invocation (see ``elastic-runner run --help``)."""
-    argv = ["--nproc-per-node", str(args.nproc_per_node or default_nproc_per_node())]
-    if args.nnodes:
-        argv += ["--nnodes", args.nnodes]
-    backend = args.rdzv_backend or "c10d"
+    """torchrun arguments for a ``run`` invocation (see ``elastic-runner run --help``).
+
+    An option left unset on our command line is left to torchrun, which reads the matching
+    ``PET_*`` variable (as set by the Kubeflow operator) and falls back to our default otherwise.
+    """
+    argv: list[str] = []
+
+    def opt(flag: str, value: object, default: object = None) -> None:
+        env = "PET_" + flag.lstrip("-").upper().replace("-", "_")
+        if value is None and env not in os.environ:
+            value = default
+        if value is not None:
+            argv.extend([flag, str(value)])
+
+    opt("--nproc-per-node", args.nproc_per_node, default_nproc_per_node())
+    opt("--nnodes", args.nnodes)
     endpoint, run_id = args.rdzv_endpoint, args.rdzv_id
-    if backend == "c10d" and not endpoint:
+    if (args.rdzv_backend in (None, "c10d") and not endpoint
+            and "PET_RDZV_ENDPOINT" not in os.environ):
         # what torchrun --standalone does (in torchrun's run(), which we bypass), on loopback
         endpoint, run_id = "127.0.0.1:0", run_id or str(uuid.uuid4())
-    argv += ["--rdzv-backend", backend]
-    if endpoint:
-        argv += ["--rdzv-endpoint", endpoint]
-    if run_id:
-        argv += ["--rdzv-id", run_id]
-    for conf in args.rdzv_conf or []:
-        argv += ["--rdzv-conf", conf]
-    argv += ["--max-restarts", str(args.max_restarts)]
-    argv += ["--monitor-interval", str(args.monitor_interval)]
+    opt("--rdzv-backend", args.rdzv_backend, "c10d")
+    opt("--rdzv-endpoint", endpoint)
+    opt("--rdzv-id", run_id)
+    opt("--rdzv-conf", ",".join(args.rdzv_conf) if args.rdzv_conf else None)
+    opt("--max-restarts", args.max_restarts, 3)
+    opt("--monitor-interval", args.monitor_interval, 1.0)
     argv += ["--module", "elastic_runner", "train", str(args.config), *args.overrides]
     if args.no_resume:
         argv.append("--no-resume")

@@ -23,11 +23,19 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Subset
 
+from . import audit
 from . import checkpoint as ckpt
+from .async_save import AsyncCheckpointer
 from .config import Config, ConfigError, fingerprint, task_builder
-from .dist import DistInfo, all_reduce_sums, broadcast_object
+from .dist import (
+    DistInfo,
+    all_reduce_sums,
+    assert_same_across_ranks,
+    barrier,
+    broadcast_object,
+)
 from .early_stop import EarlyStopping
-from .faults import maybe_sigkill, planted_metric
+from .faults import maybe_sigkill, perturb_replica, planted_metric
 from .sampler import ElasticSampler, shard_indices
 from .state import RNGState, TrainState, seed_everything, step_seed
 from .tasks.base import TaskBundle
@@ -78,6 +86,11 @@ class Trainer:
     state: TrainState = field(default_factory=TrainState)
     early: EarlyStopping | None = None
     writer: Any = None  # tensorboard SummaryWriter on rank 0
+    trace: audit.SampleTrace | None = None
+    checkpointer: AsyncCheckpointer | None = None
+    resumed_from: Path | None = None
+    _best_pending: bool = False
+    _last_save_time: float = field(default_factory=time.monotonic)
     steps_this_attempt: int = 0
     results: dict[str, Any] = field(default_factory=dict)
 
@@ -93,18 +106,61 @@ class Trainer:
         out["config"] = self.cfg.to_dict()
         return out
 
-    def save(self, best: bool = False) -> None:
-        """Rank 0 writes and commits a checkpoint of the current step (all ranks call this)."""
-        if not self.info.is_main:
+    def save(self, step_checkpoint: bool = True) -> None:
+        """Checkpoint the current step (all ranks call this; rank 0 writes). Commits
+        ``step-N`` when ``step_checkpoint`` and ``best-step-N`` when the last evaluation
+        improved; asynchronously when ``checkpoint.async_save``."""
+        names = [f"step-{self.state.step:08d}"] if step_checkpoint else []
+        if self._best_pending and self.cfg.checkpoint.keep_best:
+            names.append(f"best-step-{self.state.step:08d}")
+        self._best_pending = False
+        if not names or not self.info.is_main:
             return
-        name = f"{'best-step' if best else 'step'}-{self.state.step:08d}"
+        self._last_save_time = time.monotonic()
         meta = {"step": self.state.step, "epoch": self.sampler.epoch,
                 "cursor": self.sampler.cursor, "world_size": self.info.world_size,
                 "config_hash": self.cfg.fingerprint(), "finished": self.state.finished}
-        t0 = time.perf_counter()
-        path = ckpt.write_checkpoint(Path(self.cfg.checkpoint.dir), name, self.state_dict(), meta)
-        ckpt.prune(self.cfg.checkpoint.dir, self.cfg.checkpoint.keep_last)
-        log.info("saved checkpoint %s (%.2f s)", path, time.perf_counter() - t0)
+        directory, step = Path(self.cfg.checkpoint.dir), self.state.step
+
+        def write(state: dict[str, Any]) -> None:
+            t0 = time.perf_counter()
+            paths = ckpt.write_checkpoint(directory, names, state, meta)
+            ckpt.prune(directory, self.cfg.checkpoint.keep_last, protect=self.resumed_from)
+            log.info("committed checkpoint %s (written in %.2f s)",
+                     ", ".join(p.name for p in paths), time.perf_counter() - t0)
+
+        if self.checkpointer is not None:
+            stall = self.checkpointer.save(self.state_dict(), write)
+        else:
+            t0 = time.perf_counter()
+            write(self.state_dict())
+            stall = time.perf_counter() - t0
+        log.info("checkpoint of step %d: training stalled %.3f s (%s)", step, stall,
+                 "async" if self.checkpointer is not None else "sync")
+
+    def _reopen_if_limits_raised(self) -> None:
+        """A run that ended at max_steps / max_epochs continues when the config now allows more;
+        an early-stopped run stays stopped."""
+        t = self.cfg.training
+        if not (self.state.finished and self.state.stop_reason.startswith("max_")):
+            return
+        if (not t.max_steps or self.state.step < t.max_steps) and self.sampler.epoch < t.max_epochs:
+            log.info("training limits raised (max_steps %s, max_epochs %d): continuing after "
+                     "step %d", t.max_steps, t.max_epochs, self.state.step)
+            self.state.finished, self.state.stop_reason = False, ""
+
+    def wait_for_checkpoint(self) -> None:
+        if self.checkpointer is not None:
+            self.checkpointer.wait()
+
+    def _checkpoint_due(self, end_of_epoch: bool) -> bool:
+        c = self.cfg.checkpoint
+        if end_of_epoch:  # the epoch-end checkpoint of this step follows
+            return False
+        by_steps = bool(c.every_steps) and self.state.step % c.every_steps == 0
+        by_time = (c.every_seconds is not None and self.info.is_main
+                   and time.monotonic() - self._last_save_time >= c.every_seconds)
+        return by_steps or by_time
 
     def resume(self) -> bool:
         """Load the newest valid checkpoint (chosen by rank 0, loaded by every rank)."""
@@ -116,15 +172,27 @@ class Trainer:
         if choice is None:
             log.info("no checkpoint in %s: starting from scratch", self.cfg.checkpoint.dir)
             return False
+        self.resumed_from = Path(choice)
         state = ckpt.load_state(choice, map_location=self.info.device)
         ckpt.check_compatible(self.model.state_dict(), state["model"], choice)
         if fingerprint(state["config"]) != self.cfg.fingerprint():
             log.warning("checkpoint %s was written with a different config; resuming anyway",
                         choice)
+        old_batch = state["sampler"].get("global_batch_size", self.sampler.global_batch_size)
         for key, obj in self.stateful().items():
             obj.load_state_dict(state[key])
+        perturb_replica(self.cfg.faults, self.info.rank, self.model)
+        # replicas must be identical after loading, or DDP would silently average diverged models
+        assert_same_across_ranks(ckpt.tensors_digest(self.model.state_dict()),
+                                 f"model parameters loaded from {choice}")
+        if old_batch != self.sampler.global_batch_size:
+            log.warning("global batch changed from %d to %d samples (world size now %d); the "
+                        "learning rate is not rescaled. Set batch.global_batch_size to keep the "
+                        "global batch constant.", old_batch, self.sampler.global_batch_size,
+                        self.info.world_size)
         log.info("resumed from %s: step %d, epoch %d, %d samples into the epoch", choice,
                  self.state.step, self.sampler.epoch, self.sampler.cursor)
+        self._reopen_if_limits_raised()
         return True
 
     # ------------------------------------------------------------ steps
@@ -185,6 +253,7 @@ class Trainer:
             log.info("training already finished at step %d (%s); nothing to do",
                      self.state.step, self.state.stop_reason)
             return self.results
+        self._open_trace()
         bar = self._progress_bar()
         try:
             while not self.state.finished:
@@ -192,6 +261,10 @@ class Trainer:
         finally:
             if bar is not None:
                 bar.close()
+            if self.trace is not None:
+                self.trace.close()
+            if self.checkpointer is not None:
+                self.checkpointer.close()  # the last checkpoint is committed before we exit
         if self.results.get("eval_step") != self.state.step:  # report the final model
             self.results.update(self.evaluate("val", self.cfg.eval.max_batches),
                                 eval_step=self.state.step)
@@ -223,19 +296,28 @@ class Trainer:
             generator=torch.Generator().manual_seed(
                 step_seed(self.cfg.seed, epoch, self.sampler.cursor, self.info.rank)))
         batches = iter(loader)
-        accum = self.cfg.batch.grad_accum_steps
+        accum = self.sampler.grad_accum_steps
         while self.sampler.steps_left_in_epoch() > 0:
             t0 = time.perf_counter()
+            cursor = self.sampler.cursor
             loss = self.train_step([next(batches) for _ in range(accum)])
             self.sampler.advance()
             self.state.step += 1
             self.state.samples += self.sampler.global_batch_size
             self.steps_this_attempt += 1
+            if self.trace is not None:
+                indices = [i for mb in self.sampler.step_indices(cursor) for i in mb]
+                self.trace.record_step(epoch, self.state.step, self.info.world_size,
+                                       self._global_mean(loss), indices)
             maybe_sigkill(self.cfg.faults, self.info.rank, self.info.restart_count,
                           self.steps_this_attempt)
             self._log_step(loss, time.perf_counter() - t0, bar)
             if self._after_step(end_of_epoch=self.sampler.steps_left_in_epoch() == 0):
                 return
+        if self.trace is not None and self.info.is_main:
+            self.trace.record_epoch_end(epoch, self.state.step, self.sampler.num_samples,
+                                        self.sampler.permutation(epoch)[self.sampler.cursor:]
+                                        .tolist())
         self.sampler.set_epoch(epoch + 1)
         if epoch + 1 >= self.cfg.training.max_epochs:
             self._finish("max_epochs reached")
@@ -246,19 +328,21 @@ class Trainer:
         True when training is over (its final checkpoint is then written)."""
         step, every_eval = self.state.step, self.cfg.eval.every_steps
         eval_due = (every_eval and step % every_eval == 0) or (not every_eval and end_of_epoch)
-        if eval_due and self._evaluate_and_decide():
-            self.save()
-            return True
-        if self.cfg.training.max_steps and step >= self.cfg.training.max_steps:
+        if eval_due:
+            self._evaluate_and_decide()
+        max_steps = self.cfg.training.max_steps
+        if not self.state.finished and max_steps and step >= max_steps:
             self._finish("max_steps reached")
+        if self.state.finished:
             self.save()
             return True
-        every_ckpt = self.cfg.checkpoint.every_steps
-        if every_ckpt and step % every_ckpt == 0 and not end_of_epoch:
-            self.save()  # the epoch-end checkpoint of this step follows otherwise
+        due = self._checkpoint_due(end_of_epoch)
+        if due or (self._best_pending and not end_of_epoch):
+            self.save(step_checkpoint=due)
         return False
 
-    def _evaluate_and_decide(self) -> bool:
+    def _evaluate_and_decide(self) -> None:
+        """Validate, let rank 0 decide early stopping; marks a pending best checkpoint."""
         metrics = self.evaluate("val", self.cfg.eval.max_batches)
         self.results.update(metrics, eval_step=self.state.step)
         es = self.cfg.early_stopping
@@ -274,13 +358,11 @@ class Trainer:
                  f" (planted {value:.6g})" if planted is not None else "", self.early.best,
                  self.early.best_step, self.early.patience_left)
         self._scalars(metrics)
-        if decision.improved and self.cfg.checkpoint.keep_best:
-            self.save(best=True)
+        self._best_pending = decision.improved
         if decision.stop:
             self._finish(f"early stopping: no improvement of {es.metric} in "
                          f"{es.patience} evaluations; best {self.early.best:.6g} "
                          f"at step {self.early.best_step}")
-        return decision.stop
 
     def _finish(self, reason: str) -> None:
         self.state.finished, self.state.stop_reason = True, reason
@@ -301,8 +383,7 @@ class Trainer:
             bar.update(1)
         if self.state.step % self.cfg.training.log_every_steps:
             return
-        mean_loss = all_reduce_sums({"loss": (loss.item(), 1.0)}, self.info.device)["loss"]
-        value = mean_loss[0] / mean_loss[1]
+        value = self._global_mean(loss)
         lr = self.scheduler.get_last_lr()[0]
         if bar is not None:
             bar.set_postfix(loss=f"{value:.4f}", lr=f"{lr:.2e}")
@@ -310,6 +391,23 @@ class Trainer:
                  self.state.step, self.total_steps, value, lr,
                  self.sampler.global_batch_size / max(seconds, 1e-9))
         self._scalars({"train/loss": value, "train/lr": lr})
+
+    def _global_mean(self, loss: torch.Tensor) -> float:
+        total, count = all_reduce_sums({"loss": (loss.item(), 1.0)}, self.info.device)["loss"]
+        return total / count
+
+    def _open_trace(self) -> None:
+        """Rank 0 rewinds the sample trace to the resumed step before any rank appends."""
+        directory = self.cfg.audit.trace_dir
+        if not directory:
+            return
+        if self.info.is_main:
+            dropped = audit.rewind(directory, self.state.step)
+            if dropped:
+                log.info("sample trace: dropped %d entries of steps after %d (lost work)",
+                         dropped, self.state.step)
+        barrier()
+        self.trace = audit.SampleTrace(directory, self.info.rank)
 
     def _scalars(self, values: dict[str, float]) -> None:
         if self.writer is not None:
@@ -334,8 +432,9 @@ def build_trainer(cfg: Config, info: DistInfo) -> Trainer:
         net = DDP(model, device_ids=[info.device] if info.device.type == "cuda" else None,
                   bucket_cap_mb=d.bucket_cap_mb, static_graph=d.static_graph,
                   find_unused_parameters=d.find_unused_parameters)
-    sampler = ElasticSampler(len(bundle.train), cfg.seed, cfg.batch.micro_batch_size,
-                             cfg.batch.grad_accum_steps, info.rank, info.world_size)
+    accum = cfg.batch.accumulation_for(info.world_size)
+    sampler = ElasticSampler(len(bundle.train), cfg.seed, cfg.batch.micro_batch_size, accum,
+                             info.rank, info.world_size)
     total = sampler.steps_per_epoch() * cfg.training.max_epochs
     if cfg.training.max_steps:
         total = min(total, cfg.training.max_steps)
@@ -355,7 +454,9 @@ def build_trainer(cfg: Config, info: DistInfo) -> Trainer:
              "(%d x micro-batch %d x accumulation %d); %d steps per epoch; %d steps in total",
              cfg.task, len(bundle.train), len(bundle.val), len(bundle.test), info.world_size,
              sampler.global_batch_size, info.world_size, cfg.batch.micro_batch_size,
-             cfg.batch.grad_accum_steps, sampler.steps_per_epoch(), total)
+             accum, sampler.steps_per_epoch(), total)
+    checkpointer = AsyncCheckpointer() if cfg.checkpoint.async_save and info.is_main else None
     return Trainer(cfg=cfg, info=info, bundle=bundle, model=model, net=net, optimizer=optimizer,
                    scheduler=scheduler, scaler=scaler, sampler=sampler, total_steps=total,
-                   early=EarlyStopping(cfg.early_stopping), writer=writer)
+                   early=EarlyStopping(cfg.early_stopping), writer=writer,
+                   checkpointer=checkpointer)

@@ -46,6 +46,7 @@ class ElasticSampler:
         self.shuffle = shuffle
         self.epoch = 0
         self.cursor = 0
+        self._perm: tuple[tuple[int, int], np.ndarray] | None = None
         if self.steps_per_epoch() == 0:
             raise ValueError(
                 f"dataset of {num_samples} samples is smaller than one global batch of "
@@ -64,9 +65,12 @@ class ElasticSampler:
         return (self.num_samples - self.cursor) // self.global_batch_size
 
     def permutation(self, epoch: int) -> np.ndarray:
-        if not self.shuffle:
-            return np.arange(self.num_samples)
-        return np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
+        """The order of epoch ``epoch`` (int64 array of ``num_samples`` indices); cached."""
+        if self._perm is None or self._perm[0] != (self.seed, epoch):
+            order = (np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
+                     if self.shuffle else np.arange(self.num_samples))
+            self._perm = ((self.seed, epoch), order)
+        return self._perm[1]
 
     def set_epoch(self, epoch: int) -> None:
         """Start ``epoch`` from its beginning (a no-op for the epoch being resumed)."""
@@ -100,8 +104,10 @@ class ElasticSampler:
         return self.steps_left_in_epoch() * self.grad_accum_steps
 
     def state_dict(self) -> dict[str, Any]:
+        # world_size and global_batch_size are informational: the cursor alone is the position
         return {"seed": self.seed, "epoch": self.epoch, "cursor": self.cursor,
-                "num_samples": self.num_samples}
+                "num_samples": self.num_samples, "world_size": self.world_size,
+                "global_batch_size": self.global_batch_size}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state["num_samples"] != self.num_samples:

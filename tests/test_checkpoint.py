@@ -15,8 +15,9 @@ def state(v: float) -> dict:
 
 
 def save(d, step, v=None):
-    return ckpt.write_checkpoint(d, f"step-{step:08d}", state(v if v is not None else step),
-                                 {"step": step, "epoch": 0, "world_size": 2})
+    (path,) = ckpt.write_checkpoint(d, f"step-{step:08d}", state(v if v is not None else step),
+                                    {"step": step, "epoch": 0, "world_size": 2})
+    return path
 
 
 def test_commit_round_trip_and_manifest(tmp_path):
@@ -53,6 +54,30 @@ def test_same_size_corruption_is_caught_by_sha256(tmp_path):
     assert ckpt.inspect(newest).valid  # size still matches
     assert "sha256 mismatch" in ckpt.inspect(newest, verify=True).reason
     assert ckpt.latest_valid(tmp_path).step == 1
+
+
+def test_deleted_state_file_is_skipped(tmp_path):
+    save(tmp_path, 1)
+    (save(tmp_path, 2) / "state.pt").unlink()
+    assert ckpt.inspect(tmp_path / "step-00000002").reason == "state.pt missing"
+    assert ckpt.latest_valid(tmp_path).step == 1
+
+
+def test_one_write_commits_step_and_best(tmp_path):
+    step, best = ckpt.write_checkpoint(tmp_path, ["step-00000007", "best-step-00000007"],
+                                       state(7.0), {"step": 7})
+    assert ckpt.inspect(step, verify=True).valid and ckpt.inspect(best, verify=True).valid
+    assert os.stat(step / "state.pt").st_ino == os.stat(best / "state.pt").st_ino  # hard link
+    assert [c.kind for c in ckpt.list_checkpoints(tmp_path)] == ["best", "step"]
+
+
+def test_prune_never_deletes_the_resumed_checkpoint(tmp_path):
+    resumed = save(tmp_path, 1)
+    for s in range(2, 6):
+        save(tmp_path, s)
+    ckpt.prune(tmp_path, keep_last=2, protect=resumed)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "step-00000001", "step-00000004", "step-00000005"]
 
 
 def test_uncommitted_directory_is_ignored_and_pruned(tmp_path):

@@ -1,0 +1,43 @@
+"""Sample trace bookkeeping: rewind to the resumed step, torn lines, per-epoch audit."""
+
+from elastic_runner.audit import SampleTrace, audit, loss_curve, read_entries, rewind
+
+
+def write_epoch(tmp_path, epoch, steps, world_size=2, per_rank=2, n=None, dropped=()):
+    traces = [SampleTrace(tmp_path, r) for r in range(world_size)]
+    idx = 0
+    for step in steps:
+        for t in traces:
+            t.record_step(epoch, step, world_size, 0.5, list(range(idx, idx + per_rank)))
+            idx += per_rank
+    if n is not None:
+        traces[0].record_epoch_end(epoch, steps[-1], n, list(dropped))
+    for t in traces:
+        t.close()
+
+
+def test_complete_epoch_is_ok_and_counts_tail(tmp_path):
+    write_epoch(tmp_path, 0, [1, 2, 3], n=13, dropped=[12])
+    (r,) = audit(tmp_path)
+    assert r.complete and r.ok and r.steps == 3
+    assert (r.expected, r.seen_once, r.dropped) == (12, 12, 1)
+
+
+def test_duplicates_and_missing_are_reported(tmp_path):
+    write_epoch(tmp_path, 0, [1, 2], n=10)  # indices 0..7 seen, 8 and 9 missing
+    t = SampleTrace(tmp_path, 0)
+    t.record_step(0, 3, 2, 0.5, [3])  # 3 seen twice
+    t.close()
+    (r,) = audit(tmp_path)
+    assert not r.ok and r.missing == [8, 9] and r.duplicated == [3]
+
+
+def test_rewind_drops_lost_steps_and_torn_lines(tmp_path):
+    write_epoch(tmp_path, 0, [1, 2, 3, 4])
+    with open(tmp_path / "rank-1.jsonl", "a") as f:
+        f.write('{"epoch": 0, "step": 5, "ind')  # SIGKILL mid-write
+    assert rewind(tmp_path, 2) == 5
+    assert sorted({e["step"] for e in read_entries(tmp_path)}) == [1, 2]
+    (r,) = audit(tmp_path)
+    assert not r.complete and r.seen_once == 8
+    assert loss_curve(tmp_path) == {1: 0.5, 2: 0.5}

@@ -1,0 +1,59 @@
+"""The training loop in one process (world size 1, no launcher): schedule, accumulation,
+precision and optimizer options, and resume of a finished run."""
+
+import math
+
+import pytest
+import torch
+
+from elastic_runner.config import load_config
+from elastic_runner.dist import init_distributed
+from elastic_runner.loop import build_trainer, lr_factor
+
+from .procs import CONFIGS
+
+
+def trainer(tmp_path, *overrides):
+    cfg = load_config(CONFIGS / "digits.yaml", [
+        f"checkpoint.dir={tmp_path}", "logging.tensorboard_dir=null", "logging.progress_bar=false",
+        *overrides])
+    return build_trainer(cfg, init_distributed(cfg.distributed.backend))
+
+
+def test_lr_schedule_warmup_then_cosine_to_floor():
+    f = [lr_factor(s, warmup_steps=4, total_steps=20, min_ratio=0.1) for s in range(21)]
+    assert f[:4] == [0.25, 0.5, 0.75, 1.0]
+    assert f[4] == pytest.approx(1.0) and f[12] == pytest.approx(0.55)
+    assert f[20] == pytest.approx(0.1) and all(a >= b for a, b in zip(f[3:], f[4:], strict=False))
+    assert lr_factor(10, 0, 20, 0.1, cosine=False) == 1.0
+
+
+def test_gradient_accumulation_matches_one_large_micro_batch(tmp_path):
+    common = ["model.dropout=0.0", "training.max_steps=3", "optimizer.name=sgd",
+              "checkpoint.every_steps=0"]
+    a = trainer(tmp_path / "a", *common, "batch.micro_batch_size=8", "batch.grad_accum_steps=2")
+    b = trainer(tmp_path / "b", *common, "batch.micro_batch_size=16", "batch.grad_accum_steps=1")
+    a.fit()
+    b.fit()
+    assert a.state.step == b.state.step == 3
+    for (name, pa), pb in zip(a.model.named_parameters(), b.model.parameters(), strict=True):
+        assert torch.allclose(pa, pb, atol=1e-6), name
+
+
+def test_bf16_constant_schedule_and_finished_run_is_not_resumed(tmp_path):
+    t = trainer(tmp_path, "training.precision=bf16", "schedule.name=constant",
+                "schedule.warmup_steps=0", "training.max_steps=4")
+    res = t.fit()
+    assert t.state.step == 4 and math.isfinite(res["test_loss"])
+    assert t.scheduler.get_last_lr()[0] == pytest.approx(t.cfg.optimizer.lr)
+    again = trainer(tmp_path, "training.precision=bf16", "training.max_steps=4")
+    assert again.resume() and again.state.finished
+    again.fit()
+    assert again.state.step == 4
+
+
+def test_fp16_on_cpu_is_a_config_error(tmp_path):
+    from elastic_runner.config import ConfigError
+
+    with pytest.raises(ConfigError, match="training.precision: 'fp16' needs CUDA"):
+        trainer(tmp_path, "training.precision=fp16")

@@ -1,0 +1,130 @@
+"""Exact, elastic resume with real torchrun process groups: world-size changes with a sample
+audit, corrupt newest checkpoints, bitwise replay for char_lm, diverged replicas."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from elastic_runner import audit
+from elastic_runner import checkpoint as ckpt
+
+from .procs import CONFIGS, cli, run_cli
+from .test_train_torchrun import assert_same_tensors, final_state
+
+pytestmark = pytest.mark.slow
+
+DIGITS = str(CONFIGS / "digits.yaml")
+QUIET = ["logging.tensorboard_dir=null", "early_stopping.enabled=false"]
+
+
+def run_to_end(launch, name, *args, timeout=300):
+    job = launch(cli("run", *args, "--monitor-interval", "0.2"), name=name)
+    assert job.wait(timeout=timeout) == 0, job.output[-3000:]
+    return job
+
+
+def test_world_size_2_1_2_within_an_epoch(launch, tmp_path):
+    """Every sample of every epoch exactly once across 2 -> 1 -> 2 workers; with a constant
+    global batch the loss curve continues as in an uninterrupted run."""
+    # global batch 16: accumulation 2 at world size 2, 4 at world size 1; 78 steps per epoch
+    common = [DIGITS, *QUIET, "batch.micro_batch_size=4", "batch.global_batch_size=16",
+              "schedule.name=constant", "schedule.warmup_steps=0", "model.dropout=0.0",
+              "training.max_epochs=2", "checkpoint.every_steps=5"]
+    ref_ck, ref_trace = tmp_path / "ref", tmp_path / "ref-trace"
+    run_to_end(launch, "reference", *common, f"checkpoint.dir={ref_ck}",
+               "--trace-samples", str(ref_trace))
+
+    ck, trace = tmp_path / "ck", tmp_path / "trace"
+    phases = [("2", "training.max_steps=10"), ("1", "training.max_steps=25"), ("2", None)]
+    for i, (nproc, limit) in enumerate(phases):
+        job = run_to_end(launch, f"phase{i}", *common, f"checkpoint.dir={ck}",
+                         *([limit] if limit else []), "--nproc-per-node", nproc,
+                         "--trace-samples", str(trace))
+        if i:
+            assert "resumed from" in job.output
+    assert "global batch changed" not in job.output
+
+    reports = audit.audit(trace)
+    assert [r.epoch for r in reports] == [0, 1]
+    for r in reports:
+        assert r.complete and r.ok, r
+        assert r.seen_once == r.expected == 1257 - r.dropped
+    worlds = {e["step"]: e["world_size"] for e in audit.read_entries(trace) if "world_size" in e}
+    assert worlds[10] == 2 and worlds[11] == 1 and worlds[25] == 1 and worlds[26] == 2
+    printed = run_cli("audit", str(trace))
+    assert printed.returncode == 0 and printed.stdout.count(" ok ") == 2, printed.stdout
+
+    ref, got = audit.loss_curve(ref_trace), audit.loss_curve(trace)
+    assert ref.keys() == got.keys() and len(ref) == 2 * 78
+    jumps = [abs(got[s] - ref[s]) for s in (11, 12, 26, 27)]
+    assert max(jumps) < 1e-3, jumps  # the same samples in the same steps: only rounding differs
+    want, have = final_state(ref_ck)["model"], final_state(ck)["model"]
+    for k in want:
+        assert torch.allclose(want[k], have[k], atol=1e-3), k
+
+
+def test_without_global_batch_the_log_names_the_change(launch, tmp_path):
+    ck = tmp_path / "ck"
+    common = [DIGITS, *QUIET, f"checkpoint.dir={ck}", "batch.micro_batch_size=8",
+              "batch.grad_accum_steps=1"]
+    run_to_end(launch, "two", *common, "training.max_steps=4")
+    job = run_to_end(launch, "one", *common, "training.max_steps=6", "--nproc-per-node", "1")
+    assert "global batch changed from 16 to 8 samples (world size now 1)" in job.output
+
+
+def corrupt(path, how: str) -> str:
+    f = path / "state.pt"
+    if how == "truncate":
+        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+        return "bytes, manifest says"
+    if how == "bitflip":
+        data = bytearray(f.read_bytes())
+        data[len(data) // 2] ^= 0x01
+        f.write_bytes(bytes(data))
+        return "sha256 mismatch"
+    f.unlink()
+    return "state.pt missing"
+
+
+@pytest.mark.parametrize("how", ["truncate", "bitflip", "delete"])
+def test_corrupt_newest_checkpoint_falls_back_to_previous(launch, tmp_path, how):
+    ck = tmp_path / "ck"
+    common = [DIGITS, *QUIET, f"checkpoint.dir={ck}", "checkpoint.every_steps=2"]
+    run_to_end(launch, "first", *common, "training.max_steps=6")
+    reason = corrupt(ck / "step-00000006", how)
+    listing = run_cli("checkpoints", str(ck), "--verify")
+    assert "INVALID" in listing.stdout and reason in listing.stdout
+
+    job = run_to_end(launch, "again", *common, "training.max_steps=8")
+    out = job.output
+    assert f"skipping checkpoint {ck / 'step-00000006'}: " in out and reason in out
+    assert f"resumed from {ck / 'step-00000004'}: step 4" in out
+    assert final_state(ck)["train_state"]["step"] == 8
+
+
+def test_char_lm_kill_and_resume_is_bitwise_identical(launch, tmp_path):
+    common = [str(CONFIGS / "char_lm.yaml"), *QUIET, "model.dropout=0.1",
+              "training.max_steps=40", "eval.every_steps=20", "checkpoint.every_steps=10"]
+    run_to_end(launch, "reference", *common, f"checkpoint.dir={tmp_path / 'ref'}")
+    job = run_to_end(launch, "killed", *common, f"checkpoint.dir={tmp_path / 'ck'}",
+                     "faults.sigkill_rank=1", "faults.sigkill_after_steps=15",
+                     "--max-restarts", "1")
+    assert "sends itself SIGKILL after 15 steps" in job.output
+    assert "resumed from" in job.output and ": step 10," in job.output
+    want, got = final_state(tmp_path / "ref"), final_state(tmp_path / "ck")
+    assert want["train_state"]["step"] == got["train_state"]["step"] == 40
+    assert_same_tensors(want["model"], got["model"])
+    for a, b in zip(want["optimizer"]["state"].values(), got["optimizer"]["state"].values(),
+                    strict=True):
+        assert_same_tensors(a, b)
+
+
+def test_diverged_replicas_after_resume_fail_loudly(launch, tmp_path):
+    ck = tmp_path / "ck"
+    run_to_end(launch, "first", DIGITS, *QUIET, f"checkpoint.dir={ck}", "training.max_steps=2")
+    job = launch(cli("run", DIGITS, *QUIET, f"checkpoint.dir={ck}", "training.max_steps=4",
+                     "faults.perturb_rank=1", "--max-restarts", "0"), name="diverged")
+    assert job.wait(timeout=300) == 1
+    assert "model parameters loaded from" in job.output and "differs between ranks" in job.output
+    assert [c.step for c in ckpt.list_checkpoints(ck) if c.kind == "step"] == [2]
