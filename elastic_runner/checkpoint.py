@@ -1,19 +1,25 @@
-"""Atomic, verified checkpoints on a (shared) filesystem. Knows nothing about training.
+"""Atomic, verified checkpoints on a local/shared filesystem or an object store (fsspec).
+Knows nothing about training.
 
-Layout: one directory per checkpoint inside ``checkpoint.dir``::
+Layout: one directory (prefix) per checkpoint inside ``checkpoint.dir``::
 
     step-00000120/         state.pt (torch.save of a dict of tensors and plain values)
                            manifest.json (written last: format, step, epoch, world_size, time,
                                           config hash, and bytes + sha256 of every file)
     best-step-00000100/    the same, for the best evaluation so far
 
-Commit protocol: everything is written under ``.tmp-<name>-<pid>/`` in the same directory, each
-file is flushed and fsynced, the manifest is written last and fsynced, the temporary directory is
-fsynced, then ``os.replace``-d to its final name and the parent directory is fsynced. A crash at
-any instant leaves either no directory of that name or a complete one; stray ``.tmp-*`` entries are
-ignored and removed by the next prune. Readers trust only directories whose manifest verifies.
+Commit protocol, local paths: everything is written under ``.tmp-<name>-<pid>/`` in the same
+directory, each file is flushed and fsynced, the manifest is written last and fsynced, the
+temporary directory is fsynced, then ``os.replace``-d to its final name and the parent directory
+is fsynced. A crash at any instant leaves either no directory of that name or a complete one;
+stray ``.tmp-*`` entries are ignored and removed by the next prune.
 
-Loading uses ``torch.load(..., weights_only=True)``: no arbitrary unpickling.
+Commit protocol, URLs (``s3://``, ``gs://``, ... through fsspec): object stores have no atomic
+rename, so files are written in place and the manifest is written last; a checkpoint without a
+manifest, or whose files do not match it, is invalid. Rewriting a name deletes its manifest first.
+
+Either way readers trust only checkpoints whose manifest verifies (sizes always, sha256 before
+loading). Loading uses ``torch.load(..., weights_only=True)``: no arbitrary unpickling.
 """
 
 from __future__ import annotations
@@ -27,9 +33,11 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
+import fsspec
 import torch
+from fsspec.implementations.local import LocalFileSystem
 
 log = logging.getLogger(__name__)
 
@@ -45,13 +53,14 @@ class CheckpointError(RuntimeError):
 
 @dataclass(frozen=True)
 class CheckpointInfo:
-    """One checkpoint directory as found on disk.
+    """One checkpoint as found in storage.
 
-    ``size_bytes`` is the total of its files; ``valid`` is False with ``reason`` when the manifest
-    is missing or unreadable or a file's size differs (``verify`` also checks sha256).
+    ``path`` is a local path or a URL; ``size_bytes`` is the total of its files; ``valid`` is
+    False with ``reason`` when the manifest is missing or unreadable or a file's size differs
+    (``inspect(..., verify=True)`` also checks sha256).
     """
 
-    path: Path
+    path: str
     kind: str  # "step" or "best"
     step: int
     epoch: int | None
@@ -62,6 +71,45 @@ class CheckpointInfo:
     reason: str = ""
     config_hash: str | None = None
 
+    @property
+    def name(self) -> str:
+        return self.path.rstrip("/").rsplit("/", 1)[-1]
+
+
+def _resolve(location: str | Path) -> tuple[fsspec.AbstractFileSystem, str]:
+    fs, root = fsspec.core.url_to_fs(str(location))
+    return fs, root.rstrip("/")
+
+
+def _is_local(fs: fsspec.AbstractFileSystem) -> bool:
+    return isinstance(fs, LocalFileSystem)
+
+
+def _display(fs: fsspec.AbstractFileSystem, path: str) -> str:
+    return path if _is_local(fs) else fs.unstrip_protocol(path)
+
+
+class _HashingWriter:
+    """File wrapper that counts and hashes what ``torch.save`` writes (no second read)."""
+
+    def __init__(self, f: BinaryIO) -> None:
+        self.f, self.sha, self.size = f, hashlib.sha256(), 0
+
+    def write(self, data: bytes) -> int:
+        self.sha.update(data)
+        self.size += len(data)
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def _save_hashed(f: BinaryIO, state: dict[str, Any]) -> dict[str, Any]:
+    w = _HashingWriter(f)
+    torch.save(state, w)
+    w.flush()
+    return {"bytes": w.size, "sha256": w.sha.hexdigest()}
+
 
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
@@ -71,47 +119,57 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _sha256(path: Path) -> str:
+def _sha256(fs: fsspec.AbstractFileSystem, path: str) -> str:
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with fs.open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 22), b""):
             h.update(chunk)
     return h.hexdigest()
 
 
-def _write_synced(path: Path, write) -> None:
-    with open(path, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
+def _manifest(meta: dict[str, Any], files: dict[str, Any]) -> bytes:
+    return json.dumps({"format_version": FORMAT_VERSION, "time": time.time(), **meta,
+                       "files": files}, indent=1).encode()
 
 
-def write_checkpoint(directory: Path, names: str | list[str], state: dict[str, Any],
-                     meta: dict[str, Any]) -> list[Path]:
-    """Write ``state`` once and atomically commit it under each of ``names`` (e.g. a step and a
-    best checkpoint of the same step; later names hard-link the first one's file, or copy it
-    where links are not supported). ``meta`` (step, epoch, world_size, config_hash, ...) goes
-    into the manifest. An existing checkpoint of the same name is replaced (its step was redone
-    after a restart). Returns the final paths.
+def write_checkpoint(directory: str | Path, names: str | list[str], state: dict[str, Any],
+                     meta: dict[str, Any]) -> list[str]:
+    """Write ``state`` once and commit it under each of ``names`` (e.g. a step and a best
+    checkpoint of the same step; later names hard-link, or copy, the first one's file).
+
+    ``meta`` (step, epoch, world_size, config_hash, ...) goes into the manifest. An existing
+    checkpoint of the same name is replaced (its step was redone after a restart).
+
+    Returns:
+        The committed checkpoints' paths (local) or URLs.
     """
     names = [names] if isinstance(names, str) else names
+    fs, root = _resolve(directory)
+    if _is_local(fs):
+        return [str(p) for p in _write_local(Path(root), names, state, meta)]
+    return [_display(fs, p) for p in _write_object_store(fs, root, names, state, meta)]
+
+
+def _write_local(directory: Path, names: list[str], state: dict[str, Any],
+                 meta: dict[str, Any]) -> list[Path]:
     directory.mkdir(parents=True, exist_ok=True)
-    staged = []
-    for i, name in enumerate(names):
+    staged: list[Path] = []
+    files: dict[str, Any] = {}
+    for name in names:
         tmp = directory / f".tmp-{name}-{os.getpid()}"
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir()
-        if i == 0:
-            _write_synced(tmp / STATE_FILE, lambda f: torch.save(state, f))
-            files = {STATE_FILE: {"bytes": (tmp / STATE_FILE).stat().st_size,
-                                  "sha256": _sha256(tmp / STATE_FILE)}}
+        if not staged:
+            with open(tmp / STATE_FILE, "wb") as f:
+                files[STATE_FILE] = _save_hashed(f, state)
+                os.fsync(f.fileno())
         else:
             _link_or_copy(staged[0] / STATE_FILE, tmp / STATE_FILE)
-        manifest = {"format_version": FORMAT_VERSION, "time": time.time(), **meta,
-                    "files": files}
-        _write_synced(tmp / MANIFEST, lambda f, m=manifest: f.write(json.dumps(m, indent=1)
-                                                                     .encode()))
+        with open(tmp / MANIFEST, "wb") as f:
+            f.write(_manifest(meta, files))
+            f.flush()
+            os.fsync(f.fileno())
         _fsync_dir(tmp)
         staged.append(tmp)
     finals = []
@@ -136,43 +194,70 @@ def _link_or_copy(src: Path, dst: Path) -> None:
             os.fsync(f.fileno())
 
 
-def inspect(path: Path, verify: bool = False) -> CheckpointInfo:
-    """Describe the checkpoint at ``path``; ``verify`` also checks every file's sha256."""
-    m = _NAME.match(path.name)
+def _write_object_store(fs: fsspec.AbstractFileSystem, root: str, names: list[str],
+                        state: dict[str, Any], meta: dict[str, Any]) -> list[str]:
+    finals = [f"{root}/{name}" for name in names]
+    for final in finals:  # invalidate before overwriting: no manifest, no trust
+        if fs.exists(final):
+            fs.rm(final, recursive=True)
+        fs.makedirs(final, exist_ok=True)
+    with fs.open(f"{finals[0]}/{STATE_FILE}", "wb") as f:
+        files = {STATE_FILE: _save_hashed(f, state)}
+    for final in finals[1:]:
+        fs.copy(f"{finals[0]}/{STATE_FILE}", f"{final}/{STATE_FILE}")
+    for final in finals:
+        fs.pipe_file(f"{final}/{MANIFEST}", _manifest(meta, files))
+    return finals
+
+
+def inspect(path: str | Path, verify: bool = False) -> CheckpointInfo:
+    """Describe the checkpoint at ``path`` (directory or URL); ``verify`` also checks every
+    file's sha256."""
+    fs, p = _resolve(path)
+    display = _display(fs, p)
+    m = _NAME.match(p.rsplit("/", 1)[-1])
     kind = "best" if m and m["kind"] == "best-step" else "step"
     step = int(m["step"]) if m else -1
-    size = sum(p.stat().st_size for p in path.iterdir() if p.is_file()) if path.is_dir() else 0
+    try:
+        entries = fs.ls(p, detail=True)
+    except FileNotFoundError:
+        entries = []
+    sizes = {e["name"].rstrip("/").rsplit("/", 1)[-1]: e["size"] for e in entries
+             if e["type"] == "file"}
+    size = sum(sizes.values())
 
     def bad(reason: str) -> CheckpointInfo:
-        return CheckpointInfo(path, kind, step, None, None, None, size, False, reason)
+        return CheckpointInfo(display, kind, step, None, None, None, size, False, reason)
 
-    try:
-        manifest = json.loads((path / MANIFEST).read_text())
-    except FileNotFoundError:
+    if MANIFEST not in sizes:
         return bad("no manifest (incomplete write)")
+    try:
+        manifest = json.loads(fs.cat_file(f"{p}/{MANIFEST}"))
     except (OSError, ValueError) as e:
         return bad(f"unreadable manifest: {e}")
     if manifest.get("format_version") != FORMAT_VERSION:
         return bad(f"format version {manifest.get('format_version')} != {FORMAT_VERSION}")
     for fname, desc in manifest.get("files", {}).items():
-        f = path / fname
-        if not f.is_file():
+        if fname not in sizes:
             return bad(f"{fname} missing")
-        if f.stat().st_size != desc["bytes"]:
-            return bad(f"{fname} has {f.stat().st_size} bytes, manifest says {desc['bytes']}")
-        if verify and _sha256(f) != desc["sha256"]:
+        if sizes[fname] != desc["bytes"]:
+            return bad(f"{fname} has {sizes[fname]} bytes, manifest says {desc['bytes']}")
+        if verify and _sha256(fs, f"{p}/{fname}") != desc["sha256"]:
             return bad(f"{fname} sha256 mismatch (corrupt)")
-    return CheckpointInfo(path, kind, manifest["step"], manifest.get("epoch"),
+    return CheckpointInfo(display, kind, manifest["step"], manifest.get("epoch"),
                           manifest.get("world_size"), manifest.get("time"), size, True, "",
                           manifest.get("config_hash"))
 
 
 def list_checkpoints(directory: str | Path) -> list[CheckpointInfo]:
-    """All checkpoint directories in ``directory`` (valid or not), oldest step first."""
-    d = Path(directory)
-    if not d.is_dir():
+    """All checkpoints in ``directory`` (valid or not), oldest step first."""
+    fs, root = _resolve(directory)
+    try:
+        entries = fs.ls(root, detail=True)
+    except FileNotFoundError:
         return []
-    found = [inspect(p) for p in d.iterdir() if p.is_dir() and _NAME.match(p.name)]
+    found = [inspect(_display(fs, e["name"].rstrip("/"))) for e in entries
+             if e["type"] == "directory" and _NAME.match(e["name"].rstrip("/").rsplit("/", 1)[-1])]
     return sorted(found, key=lambda c: (c.step, c.kind))
 
 
@@ -190,37 +275,41 @@ def latest_valid(directory: str | Path, kind: str = "step") -> CheckpointInfo | 
 def load_state(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
     """Load a checkpoint's state (``weights_only=True``).
 
-    ``path`` is a checkpoint directory or its ``state.pt``.
+    ``path`` is a checkpoint directory/URL or its ``state.pt``.
 
     Raises:
         CheckpointError: the file is missing or cannot be unpickled safely.
     """
-    p = Path(path)
-    f = p / STATE_FILE if p.is_dir() else p
+    fs, p = _resolve(path)
+    f = p if p.endswith(".pt") else f"{p}/{STATE_FILE}"
     try:
-        return torch.load(f, map_location=map_location, weights_only=True)
+        with fs.open(f, "rb") as fh:
+            return torch.load(fh, map_location=map_location, weights_only=True)
     except FileNotFoundError as e:
-        raise CheckpointError(f"checkpoint {p}: {f.name} not found") from e
+        raise CheckpointError(f"checkpoint {path}: {STATE_FILE} not found") from e
     except Exception as e:  # torch raises UnpicklingError/RuntimeError for damaged files
-        raise CheckpointError(f"checkpoint {p}: cannot load {f.name}: {e}") from e
+        raise CheckpointError(f"checkpoint {path}: cannot load {STATE_FILE}: {e}") from e
 
 
-def prune(directory: str | Path, keep_last: int, protect: Path | None = None) -> list[Path]:
+def prune(directory: str | Path, keep_last: int, protect: str | Path | None = None) -> list[str]:
     """Delete all but the newest ``keep_last`` valid step checkpoints and all but the newest
-    valid best one, never ``protect`` (the checkpoint this run resumed from), plus stray
+    valid best one, never ``protect`` (the checkpoint this run resumed from), plus stray local
     temporary directories of dead writers. Invalid checkpoints are left for inspection.
     Returns the removed paths."""
-    d = Path(directory)
-    removed = []
-    infos = [c for c in list_checkpoints(d) if c.valid and c.path != protect]
+    fs, root = _resolve(directory)
+    keep = str(protect) if protect is not None else None
+    infos = [c for c in list_checkpoints(directory) if c.valid and c.path != keep]
     steps = [c for c in infos if c.kind == "step"]
     bests = [c for c in infos if c.kind == "best"]
     doomed = [c.path for c in steps[:-keep_last]] + [c.path for c in bests[:-1]]
-    doomed += [p for p in d.glob(".tmp-*") if not p.name.endswith(f"-{os.getpid()}")]
-    for p in doomed:
-        shutil.rmtree(p, ignore_errors=True)
-        removed.append(p)
-    return removed
+    for path in doomed:
+        fs.rm(_resolve(path)[1], recursive=True)
+    if _is_local(fs):
+        for p in Path(root).glob(".tmp-*"):
+            if not p.name.endswith(f"-{os.getpid()}"):
+                shutil.rmtree(p, ignore_errors=True)
+                doomed.append(str(p))
+    return doomed
 
 
 def tensors_digest(tensors: dict[str, torch.Tensor]) -> str:

@@ -151,7 +151,7 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
         if args.verify and c.valid:
             c = ckpt.inspect(c.path, verify=True)
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(c.time)) if c.time else "-"
-        print(f"{c.path.name:<20} {c.step:>8} {_dash(c.epoch):>5} {_dash(c.world_size):>5} "
+        print(f"{c.name:<20} {c.step:>8} {_dash(c.epoch):>5} {_dash(c.world_size):>5} "
               f"{when:<19} {c.size_bytes / 2**20:>8.2f}MB  "
               f"{'valid' if c.valid else 'INVALID: ' + c.reason}")
     return EXIT_OK

@@ -22,21 +22,21 @@ from .config import Config, from_dict, task_builder
 from .tasks.base import TaskBundle
 
 
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint directory, or the newest valid one when ``path`` is a checkpoint dir root.
+def resolve_checkpoint(path: str | Path) -> str:
+    """A checkpoint (directory or URL), or the newest valid one when ``path`` is a
+    ``checkpoint.dir``.
 
     Raises:
         CheckpointError: nothing valid at ``path``.
     """
-    p = Path(path)
-    if (p / ckpt.MANIFEST).is_file() or (p / ckpt.STATE_FILE).is_file():
-        info = ckpt.inspect(p, verify=True)
-        if not info.valid:
-            raise ckpt.CheckpointError(f"checkpoint {p} is not valid: {info.reason}")
-        return p
-    found = ckpt.latest_valid(p)
+    info = ckpt.inspect(path, verify=True)
+    if info.valid:
+        return info.path
+    if info.step >= 0:  # named like a checkpoint, but broken
+        raise ckpt.CheckpointError(f"checkpoint {path} is not valid: {info.reason}")
+    found = ckpt.latest_valid(path)
     if found is None:
-        raise ckpt.CheckpointError(f"no valid checkpoint at {p}")
+        raise ckpt.CheckpointError(f"no valid checkpoint at {path}")
     return found.path
 
 

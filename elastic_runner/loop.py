@@ -15,9 +15,9 @@ import math
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
+import fsspec
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -88,7 +88,7 @@ class Trainer:
     writer: Any = None  # tensorboard SummaryWriter on rank 0
     trace: audit.SampleTrace | None = None
     checkpointer: AsyncCheckpointer | None = None
-    resumed_from: Path | None = None
+    resumed_from: str | None = None
     _best_pending: bool = False
     _last_save_time: float = field(default_factory=time.monotonic)
     steps_this_attempt: int = 0
@@ -120,14 +120,14 @@ class Trainer:
         meta = {"step": self.state.step, "epoch": self.sampler.epoch,
                 "cursor": self.sampler.cursor, "world_size": self.info.world_size,
                 "config_hash": self.cfg.fingerprint(), "finished": self.state.finished}
-        directory, step = Path(self.cfg.checkpoint.dir), self.state.step
+        directory, step = self.cfg.checkpoint.dir, self.state.step
 
         def write(state: dict[str, Any]) -> None:
             t0 = time.perf_counter()
             paths = ckpt.write_checkpoint(directory, names, state, meta)
             ckpt.prune(directory, self.cfg.checkpoint.keep_last, protect=self.resumed_from)
             log.info("committed checkpoint %s (written in %.2f s)",
-                     ", ".join(p.name for p in paths), time.perf_counter() - t0)
+                     ", ".join(paths), time.perf_counter() - t0)
 
         if self.checkpointer is not None:
             stall = self.checkpointer.save(self.state_dict(), write)
@@ -167,12 +167,12 @@ class Trainer:
         choice = None
         if self.info.is_main:
             found = ckpt.latest_valid(self.cfg.checkpoint.dir)
-            choice = str(found.path) if found else None
+            choice = found.path if found else None
         choice = broadcast_object(choice)
         if choice is None:
             log.info("no checkpoint in %s: starting from scratch", self.cfg.checkpoint.dir)
             return False
-        self.resumed_from = Path(choice)
+        self.resumed_from = choice
         state = ckpt.load_state(choice, map_location=self.info.device)
         ckpt.check_compatible(self.model.state_dict(), state["model"], choice)
         if fingerprint(state["config"]) != self.cfg.fingerprint():
@@ -273,20 +273,23 @@ class Trainer:
                             stop_reason=self.state.stop_reason)
         log.info("finished: %s", _fmt(self.results))
         if self.info.is_main:
-            out = Path(self.cfg.checkpoint.dir) / "results.json"
-            out.write_text(json.dumps(self.results, indent=1))
+            self._write_json("results.json", self.results)
         self._write_rank_summary()
         return self.results
 
     def _write_rank_summary(self) -> None:
         """Each rank records where it left the loop (``<checkpoint.dir>/ranks/rank-<r>.json``), so
         operators and tests can check that all ranks stopped after the same step."""
-        d = Path(self.cfg.checkpoint.dir) / "ranks"
-        d.mkdir(parents=True, exist_ok=True)
-        (d / f"rank-{self.info.rank}.json").write_text(json.dumps({
+        self._write_json(f"ranks/rank-{self.info.rank}.json", {
             "rank": self.info.rank, "world_size": self.info.world_size, "step": self.state.step,
             "epoch": self.sampler.epoch, "stop_reason": self.state.stop_reason,
-            "restart_count": self.info.restart_count}))
+            "restart_count": self.info.restart_count})
+
+    def _write_json(self, relative: str, value: dict[str, Any]) -> None:
+        """Write a small JSON report next to the checkpoints (local path or fsspec URL)."""
+        with fsspec.open(f"{self.cfg.checkpoint.dir.rstrip('/')}/{relative}", "w",
+                         auto_mkdir=True) as f:
+            f.write(json.dumps(value, indent=1))
 
     def _run_epoch(self, bar: Any) -> None:
         epoch = self.sampler.epoch

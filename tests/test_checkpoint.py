@@ -3,6 +3,7 @@
 import json
 import os
 import pickle
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ def state(v: float) -> dict:
 def save(d, step, v=None):
     (path,) = ckpt.write_checkpoint(d, f"step-{step:08d}", state(v if v is not None else step),
                                     {"step": step, "epoch": 0, "world_size": 2})
-    return path
+    return Path(path)
 
 
 def test_commit_round_trip_and_manifest(tmp_path):
@@ -64,8 +65,8 @@ def test_deleted_state_file_is_skipped(tmp_path):
 
 
 def test_one_write_commits_step_and_best(tmp_path):
-    step, best = ckpt.write_checkpoint(tmp_path, ["step-00000007", "best-step-00000007"],
-                                       state(7.0), {"step": 7})
+    step, best = map(Path, ckpt.write_checkpoint(
+        tmp_path, ["step-00000007", "best-step-00000007"], state(7.0), {"step": 7}))
     assert ckpt.inspect(step, verify=True).valid and ckpt.inspect(best, verify=True).valid
     assert os.stat(step / "state.pt").st_ino == os.stat(best / "state.pt").st_ino  # hard link
     assert [c.kind for c in ckpt.list_checkpoints(tmp_path)] == ["best", "step"]

@@ -113,12 +113,12 @@ def test_early_stop_all_ranks_stop_at_same_step_and_restart_does_not_train(launc
     assert all("early stopping" in s["stop_reason"] for s in summaries)
     best = [c for c in ckpt.list_checkpoints(ck) if c.kind == "best"]
     assert [c.step for c in best] == [8]
-    before = [(c.path.name, c.time) for c in ckpt.list_checkpoints(ck)]
+    before = [(c.name, c.time) for c in ckpt.list_checkpoints(ck)]
 
     again = launch(cli("run", *args), name="again")
     assert again.wait(timeout=300) == 0, again.output[-3000:]
     assert "training already finished at step 16" in again.output
-    assert [(c.path.name, c.time) for c in ckpt.list_checkpoints(ck)] == before
+    assert [(c.name, c.time) for c in ckpt.list_checkpoints(ck)] == before
 
 
 def test_checkpoint_of_another_model_names_mismatched_tensors(launch, tmp_path):
