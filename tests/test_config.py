@@ -73,3 +73,14 @@ def test_validate_prints_resolved_values():
     res = run_cli("validate", str(CONFIGS / "digits.yaml"), "optimizer.lr=0.5")
     assert res.returncode == 0, res.stderr
     assert "lr: 0.5" in res.stdout and "valid (config hash" in res.stdout
+
+
+def test_global_batch_derives_accumulation_or_names_valid_world_sizes():
+    cfg = load_config(CONFIGS / "digits.yaml", ["batch.micro_batch_size=4",
+                                                "batch.global_batch_size=24"])
+    assert [cfg.batch.accumulation_for(w) for w in (1, 2, 3, 6)] == [6, 3, 2, 1]
+    with pytest.raises(ConfigError, match=r"valid world sizes: \[1, 2, 3, 6\]"):
+        cfg.batch.accumulation_for(4)
+    with pytest.raises(ConfigError, match="must be a multiple of batch.micro_batch_size"):
+        load_config(CONFIGS / "digits.yaml", ["batch.micro_batch_size=4",
+                                              "batch.global_batch_size=10"])

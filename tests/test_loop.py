@@ -57,3 +57,18 @@ def test_fp16_on_cpu_is_a_config_error(tmp_path):
 
     with pytest.raises(ConfigError, match="training.precision: 'fp16' needs CUDA"):
         trainer(tmp_path, "training.precision=fp16")
+
+
+def test_wall_clock_checkpoint_cadence(tmp_path):
+    import time
+
+    t = trainer(tmp_path, "checkpoint.every_steps=0", "checkpoint.every_seconds=60")
+    t.state.step = 7
+    assert not t._checkpoint_due(end_of_epoch=False)  # just started
+    t._last_save_time = time.monotonic() - 61
+    assert t._checkpoint_due(end_of_epoch=False)
+    assert not t._checkpoint_due(end_of_epoch=True)  # the epoch-end checkpoint covers it
+    t.save()
+    t.wait_for_checkpoint()
+    assert not t._checkpoint_due(end_of_epoch=False)
+    assert (tmp_path / "step-00000007" / "manifest.json").is_file()

@@ -20,6 +20,8 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
+from elastic_runner.config import ConfigError
+
 # (sum, count): metric value = sum / count after summing both over ranks, so a sharded
 # evaluation equals the single-process one exactly.
 MetricSums = dict[str, tuple[float, float]]
@@ -51,3 +53,15 @@ class TaskBundle:
     metrics_fn: Callable[[torch.Tensor, torch.Tensor], MetricSums]
     artifacts: dict[str, Any] = field(default_factory=dict)
     sample_fn: Callable[..., str] | None = None
+
+
+def check_split_fractions(val_fraction: float, test_fraction: float) -> None:
+    """Raise :class:`ConfigError` unless both fractions are in (0, 1) and leave a train split."""
+    for key, frac in (("val_fraction", val_fraction), ("test_fraction", test_fraction)):
+        if not 0.0 < frac < 1.0:
+            raise ConfigError(f"data.{key}: must be in (0, 1), got {frac!r}")
+    if val_fraction + test_fraction >= 1.0:
+        raise ConfigError(
+            "data.val_fraction + data.test_fraction: must be < 1 to leave a training split, "
+            f"got {val_fraction + test_fraction!r}"
+        )

@@ -32,7 +32,7 @@ from torch.utils.data import Dataset
 
 from elastic_runner.config import Config, ConfigError
 from elastic_runner.config import DataConfig as BaseDataConfig
-from elastic_runner.tasks.base import MetricSums, TaskBundle
+from elastic_runner.tasks.base import MetricSums, TaskBundle, check_split_fractions
 
 DEFAULT_CORPUS_MODULES: tuple[str, ...] = (
     "argparse",
@@ -328,14 +328,7 @@ def _check(cfg: Config) -> None:
         raise ConfigError(f"data.block_size: must be >= 1, got {data.block_size!r}")
     if not data.corpus_modules:
         raise ConfigError("data.corpus_modules: must name at least one module")
-    for key, frac in (("val_fraction", data.val_fraction), ("test_fraction", data.test_fraction)):
-        if not 0.0 < frac < 1.0:
-            raise ConfigError(f"data.{key}: must be in (0, 1), got {frac!r}")
-    if data.val_fraction + data.test_fraction >= 1.0:
-        raise ConfigError(
-            "data.val_fraction + data.test_fraction: must be < 1 to leave a training split, "
-            f"got {data.val_fraction + data.test_fraction!r}"
-        )
+    check_split_fractions(data.val_fraction, data.test_fraction)
     for key in ("n_layer", "n_head", "n_embd"):
         if getattr(model, key) < 1:
             raise ConfigError(f"model.{key}: must be >= 1, got {getattr(model, key)!r}")

@@ -18,7 +18,7 @@ from torch.utils.data import TensorDataset
 
 from elastic_runner.config import Config, ConfigError
 from elastic_runner.config import DataConfig as BaseDataConfig
-from elastic_runner.tasks.base import MetricSums, TaskBundle
+from elastic_runner.tasks.base import MetricSums, TaskBundle, check_split_fractions
 
 NUM_CLASSES = 10
 IMAGE_SHAPE = (1, 8, 8)  # (channels, height, width)
@@ -85,14 +85,7 @@ def split_indices(
 
 def _check(cfg: Config) -> None:
     data, model = cfg.data, cfg.model
-    for key, frac in (("val_fraction", data.val_fraction), ("test_fraction", data.test_fraction)):
-        if not 0.0 < frac < 1.0:
-            raise ConfigError(f"data.{key}: must be in (0, 1), got {frac!r}")
-    if data.val_fraction + data.test_fraction >= 1.0:
-        raise ConfigError(
-            "data.val_fraction + data.test_fraction: must be < 1 to leave a training split, "
-            f"got {data.val_fraction + data.test_fraction!r}"
-        )
+    check_split_fractions(data.val_fraction, data.test_fraction)
     for key in ("channels", "hidden"):
         if getattr(model, key) < 1:
             raise ConfigError(f"model.{key}: must be >= 1, got {getattr(model, key)!r}")
