@@ -36,9 +36,14 @@ class SampleTrace:
         self._file.flush()
 
     def record_step(self, epoch: int, step: int, world_size: int, loss: float,
-                    indices: list[int]) -> None:
-        self._write({"epoch": epoch, "step": step, "rank": self.rank, "world_size": world_size,
-                     "loss": loss, "indices": indices})
+                    indices: list[int], skipped: bool = False) -> None:
+        """``skipped``: the update of this step was skipped (non-finite loss or gradient); its
+        samples were consumed but did not change the model."""
+        entry = {"epoch": epoch, "step": step, "rank": self.rank, "world_size": world_size,
+                 "loss": loss, "indices": indices}
+        if skipped:
+            entry["skipped"] = True
+        self._write(entry)
 
     def record_epoch_end(self, epoch: int, step: int, num_samples: int, dropped: list[int]
                          ) -> None:

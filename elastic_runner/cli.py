@@ -57,11 +57,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rdzv-backend", choices=["c10d", "etcd", "etcd-v2"], default=None,
                    help="rendezvous backend (default: embedded c10d store, standalone)")
     p.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
-                   help="rendezvous endpoint (etcd server or c10d store host)")
-    p.add_argument("--rdzv-id", default=None, help="job id shared by all nodes of one job")
+                   help="rendezvous endpoint (etcd client URL host:port, default port 2379; or "
+                        "the c10d store host); an etcd endpoint is checked before the agent "
+                        "starts")
+    p.add_argument("--rdzv-id", default=None,
+                   help="job id shared by all nodes of one job; new for every job on a "
+                        "persistent etcd (an ended job's rendezvous stays closed for 2 h)")
     p.add_argument("--rdzv-conf", action="append", metavar="KEY=VALUE",
-                   help="extra rendezvous options such as join_timeout=600, passed to torchrun "
-                        "(repeatable)")
+                   help="extra rendezvous options passed to torchrun (repeatable or "
+                        "comma-separated), e.g. join_timeout=600, last_call_timeout=30, "
+                        "read_timeout=60; etcd TLS: protocol=https, cacert=CA.pem, "
+                        "cert=CLIENT.pem, key=CLIENT.key (etcd-v2's spellings ca_cert, ssl_cert, "
+                        "ssl_cert_key also work)")
     p.add_argument("--max-restarts", type=int, default=None,
                    help="worker-group restarts before the job fails (default 3)")
     p.add_argument("--monitor-interval", type=float, default=None, metavar="S",

@@ -107,6 +107,7 @@ class TrainingConfig:
     grad_clip_norm: float | None = 1.0
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"  # fp16 uses a GradScaler (CUDA only)
     log_every_steps: int = 10
+    max_bad_steps: int = 3  # non-finite steps in a row before rolling back to the last checkpoint
 
 
 @dataclass
@@ -161,14 +162,39 @@ class AuditConfig:
 
 
 @dataclass
-class FaultConfig:
-    """Off-by-default fault injection for tests and drills (see ``faults.py``)."""
+class FaultSpec:
+    """One injected fault: rank ``rank`` does ``kind`` when it completes global optimizer step
+    ``step`` (or its ``after_steps``-th step of the current restart attempt), in restart attempts
+    ``0 .. attempts-1``. ``nan`` poisons the loss of ``count`` consecutive steps starting at that
+    step; with ``repeat`` it fires again when those steps are replayed after a rollback."""
 
-    sigkill_rank: int | None = None  # this rank SIGKILLs itself ...
-    sigkill_after_steps: int = 0  # ... after this many optimizer steps of an attempt ...
-    sigkill_attempts: int = 1  # ... in restart attempts 0 .. sigkill_attempts-1
+    kind: Literal["sigkill", "sigterm", "raise", "hang", "nan"] = "sigkill"
+    rank: int = 0
+    step: int | None = None
+    after_steps: int | None = None
+    attempts: int = 1
+    count: int = 1
+    repeat: bool = False
+
+
+@dataclass
+class FaultConfig:
+    """Off-by-default fault injection for tests and drills (see ``faults.py``). The environment
+    variable ``ELASTIC_RUNNER_FAULTS`` (a YAML list of fault specs) is appended to ``inject``."""
+
+    inject: list[FaultSpec] = field(default_factory=list)
     planted_metric: list[float] | None = None  # replaces the early-stopping metric, one per eval
     perturb_rank: int | None = None  # this rank's weights diverge after loading a checkpoint
+
+
+@dataclass
+class WatchdogConfig:
+    """Hang detection: a rank whose step (or long operation) exceeds its budget dumps the stack
+    traces of all its threads to the log and exits, so torchrun restarts the group."""
+
+    hang_timeout_seconds: float | None = 300.0  # one optimizer step; None: off
+    long_op_timeout_seconds: float = 1800.0  # first step of an attempt, checkpoint I/O, eval
+    dump_grace_seconds: float = 2.0  # wait before exiting, so stuck peers dump their stacks too
 
 
 @dataclass
@@ -187,6 +213,7 @@ class Config:
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     audit: AuditConfig = field(default_factory=AuditConfig)
+    watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
     faults: FaultConfig = field(default_factory=FaultConfig)
 
     def to_dict(self) -> dict[str, Any]:
@@ -200,7 +227,7 @@ def fingerprint(config: dict[str, Any]) -> str:
     """sha256 (hex, 16 chars) of what determines the trained model, from a config dict: excludes
     the checkpoint, logging, audit and fault-injection sections, so moving the checkpoint dir keeps
     resume working."""
-    d = {k: v for k, v in config.items() if k not in ("checkpoint", "logging", "audit", "faults")}
+    d = {k: v for k, v in config.items() if k not in ("checkpoint", "logging", "audit", "watchdog", "faults")}
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -265,9 +292,15 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
             raise ConfigError(f"{path}: invalid YAML: {e}") from e
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: top level must be a mapping, got {type(raw).__name__}")
-    for item in overrides or []:
+    for item in [*(overrides or []), *_env_faults()]:
         apply_override(raw, item)
     return from_dict(raw)
+
+
+def _env_faults() -> list[str]:
+    """``ELASTIC_RUNNER_FAULTS`` as an override appending to ``faults.inject`` (for drills)."""
+    text = os.environ.get("ELASTIC_RUNNER_FAULTS")
+    return [f"faults.inject+={text}"] if text else []
 
 
 def apply_override(raw: dict[str, Any], item: str) -> None:
@@ -275,6 +308,8 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
     key, sep, value = item.partition("=")
     if not sep or not key:
         raise ConfigError(f"override {item!r}: expected key.path=value")
+    append = key.endswith("+")
+    key = key.rstrip("+")
     parts = key.split(".")
     node = raw
     for i, part in enumerate(parts[:-1]):
@@ -283,9 +318,14 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
             raise ConfigError(f"override {item!r}: {'.'.join(parts[: i + 1])} is not a section")
         node = child
     try:
-        node[parts[-1]] = yaml.safe_load(value)
+        parsed = yaml.safe_load(value)
     except yaml.YAMLError as e:
         raise ConfigError(f"override {item!r}: invalid value: {e}") from e
+    if append:  # key+=[...] extends a list
+        if not isinstance(parsed, list):
+            raise ConfigError(f"override {item!r}: += needs a YAML list")
+        parsed = [*(node.get(parts[-1]) or []), *parsed]
+    node[parts[-1]] = parsed
 
 
 def from_dict(raw: dict[str, Any]) -> Config:
@@ -409,6 +449,7 @@ def _check_values(cfg: Config) -> None:
         (cfg.distributed.timeout_seconds > 0, "distributed.timeout_seconds", "must be > 0"),
         (cfg.data.num_workers >= 0, "data.num_workers", "must be >= 0"),
         (cfg.training.log_every_steps >= 1, "training.log_every_steps", "must be >= 1"),
+        (cfg.training.max_bad_steps >= 1, "training.max_bad_steps", "must be >= 1"),
     ]
     for ok, key, msg in checks:
         if not ok:

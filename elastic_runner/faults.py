@@ -1,27 +1,87 @@
-"""Off-by-default fault injection for tests and drills (config section ``faults``)."""
+"""Off-by-default fault injection for tests and drills (config section ``faults``).
+
+A drill on a real cluster, without editing the config::
+
+    ELASTIC_RUNNER_FAULTS='[{kind: sigterm, rank: 1, step: 200}]' elastic-runner run job.yaml
+
+Kinds (each a real event, not a simulation of the runner's reaction):
+
+* ``sigkill``: the rank sends itself SIGKILL (a crash without any cleanup);
+* ``sigterm``: the rank sends itself SIGTERM (what an eviction delivers);
+* ``raise``: the rank raises ``InjectedFault`` (a Python error, recorded in the error file);
+* ``hang``: the rank blocks forever inside its next step (a stuck collective / data loader);
+* ``nan``: the rank's loss becomes NaN for ``count`` steps.
+"""
 
 from __future__ import annotations
 
 import logging
 import os
 import signal
+import threading
 
 import torch
 
-from .config import FaultConfig
+from .config import FaultConfig, FaultSpec
 
 log = logging.getLogger(__name__)
 
 
-def maybe_sigkill(cfg: FaultConfig, rank: int, restart_count: int, steps_this_attempt: int
-                  ) -> None:
-    """SIGKILL this process (a real, uncatchable signal death) when the plan says so."""
-    if (cfg.sigkill_rank == rank and restart_count < cfg.sigkill_attempts
-            and steps_this_attempt == cfg.sigkill_after_steps):
-        log.warning("fault injection: rank %d sends itself SIGKILL after %d steps of attempt %d",
-                    rank, steps_this_attempt, restart_count)
-        logging.shutdown()
-        os.kill(os.getpid(), signal.SIGKILL)
+class InjectedFault(RuntimeError):
+    """Raised by a ``raise`` fault."""
+
+
+class FaultInjector:
+    """Evaluates the configured faults for one rank of one restart attempt."""
+
+    def __init__(self, cfg: FaultConfig, rank: int, restart_count: int) -> None:
+        self.specs = [f for f in cfg.inject if f.rank == rank and restart_count < f.attempts]
+        self.rank, self.restart_count = rank, restart_count
+        self._fired: set[tuple[int, int]] = set()  # (spec index, step) already fired
+
+    def _due(self, spec: FaultSpec, step: int, steps_this_attempt: int, span: int = 1) -> bool:
+        if spec.step is not None:
+            return spec.step <= step < spec.step + span
+        return spec.after_steps is not None and (
+            spec.after_steps <= steps_this_attempt < spec.after_steps + span)
+
+    def _take(self, i: int, spec: FaultSpec, step: int) -> bool:
+        if (i, step) in self._fired and not spec.repeat:
+            return False
+        self._fired.add((i, step))
+        return True
+
+    def poison_loss(self, step: int, steps_this_attempt: int) -> bool:
+        """True if the step about to run (global ``step``, 1-based) must produce a NaN loss."""
+        return any(spec.kind == "nan" and self._due(spec, step, steps_this_attempt, spec.count)
+                   and self._take(i, spec, step) for i, spec in enumerate(self.specs))
+
+    def hang_now(self, step: int, steps_this_attempt: int) -> None:
+        """Block forever if a ``hang`` fault is due at the step about to run."""
+        for i, spec in enumerate(self.specs):
+            if spec.kind == "hang" and self._due(spec, step, steps_this_attempt) \
+                    and self._take(i, spec, step):
+                log.warning("fault injection: rank %d hangs in step %d", self.rank, step)
+                _hang_forever()
+
+    def after_step(self, step: int, steps_this_attempt: int) -> None:
+        """Fire ``sigkill`` / ``sigterm`` / ``raise`` faults due after ``step`` completed."""
+        for i, spec in enumerate(self.specs):
+            if spec.kind not in ("sigkill", "sigterm", "raise"):
+                continue
+            if not (self._due(spec, step, steps_this_attempt) and self._take(i, spec, step)):
+                continue
+            log.warning("fault injection: rank %d %s after step %d (%d steps of attempt %d)",
+                        self.rank, spec.kind, step, steps_this_attempt, self.restart_count)
+            if spec.kind == "raise":
+                raise InjectedFault(f"fault injection: rank {self.rank} raises after step {step}")
+            for handler in logging.getLogger("elastic_runner").handlers:
+                handler.flush()
+            os.kill(os.getpid(), signal.SIGKILL if spec.kind == "sigkill" else signal.SIGTERM)
+
+
+def _hang_forever() -> None:
+    threading.Event().wait()
 
 
 def planted_metric(cfg: FaultConfig, eval_index: int) -> float | None:

@@ -4,6 +4,12 @@ The command line is translated into torchrun's own arguments and parsed by torch
 everything torchrun documents holds, including defaults from the ``PET_*`` environment variables
 that the Kubeflow training operator sets. The agent runs in this process (no shell-out); the
 workers run ``python -m elastic_runner train CONFIG [overrides]``.
+
+With an etcd rendezvous (``--rdzv-backend etcd-v2`` or legacy ``etcd``) an option given in the
+other backend's spelling (``cacert`` for ``ca_cert``, ``join_timeout`` for ``timeout``, ...; see
+:mod:`elastic_runner.etcd_check`) is added in the chosen backend's spelling, and the server is
+checked before the agent starts, so that an unreachable or misconfigured etcd ends in one line,
+not a traceback. Rendezvous errors (closed, timed out) end in one line too.
 """
 
 from __future__ import annotations
@@ -11,12 +17,31 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 import uuid
 
+import etcd
 import torch
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous import (
+    RendezvousClosedError,
+    RendezvousError,
+    RendezvousTimeoutError,
+)
 from torch.distributed.launcher.api import elastic_launch
 from torch.distributed.run import config_from_args, get_args_parser
+
+from . import rdzv_fix
+from .etcd_check import (
+    ETCD_BACKENDS,
+    EtcdCheckError,
+    check_etcd,
+    parse_conf,
+    wait_seconds,
+    with_aliases,
+)
+from .preempt import EXIT_PREEMPTED
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +76,13 @@ def torchrun_argv(args: argparse.Namespace) -> list[str]:
     opt("--rdzv-backend", args.rdzv_backend, "c10d")
     opt("--rdzv-endpoint", endpoint)
     opt("--rdzv-id", run_id)
-    opt("--rdzv-conf", ",".join(args.rdzv_conf) if args.rdzv_conf else None)
+    conf = ",".join(args.rdzv_conf) if args.rdzv_conf else None
+    backend = args.rdzv_backend or os.environ.get("PET_RDZV_BACKEND")
+    if backend in ETCD_BACKENDS:  # either backend's spelling of TLS files and join timeout
+        conf = conf if conf is not None else os.environ.get("PET_RDZV_CONF")
+        conf = ",".join(f"{k}={v}" for k, v in with_aliases(parse_conf(conf), backend).items())
+        conf = conf or None
+    opt("--rdzv-conf", conf)
     opt("--max-restarts", args.max_restarts, 3)
     opt("--monitor-interval", args.monitor_interval, 1.0)
     argv += ["--module", "elastic_runner", "train", str(args.config), *args.overrides]
@@ -61,22 +92,75 @@ def torchrun_argv(args: argparse.Namespace) -> list[str]:
 
 
 def launch(args: argparse.Namespace) -> int:
-    """Run the agent until the job ends; returns the process exit code."""
+    """Run the agent until the job ends; returns the process exit code (an etcd that cannot
+    serve the rendezvous, checked before the agent starts: 2; a failed rendezvous: 1)."""
     targs = get_args_parser().parse_args(torchrun_argv(args))
+    rdzv_fix.apply()
+    if targs.rdzv_backend in ETCD_BACKENDS:
+        conf = parse_conf(targs.rdzv_conf)
+        try:
+            version = check_etcd(targs.rdzv_endpoint, conf,
+                                 wait_seconds(conf, targs.rdzv_backend), targs.rdzv_backend)
+        except EtcdCheckError as e:
+            print(f"elastic-runner: error: {e}", file=sys.stderr, flush=True)
+            return 2
+        log.info("rendezvous: etcd %s at %s (%s), run id %r", version, targs.rdzv_endpoint,
+                 targs.rdzv_backend, targs.rdzv_id)
     config, cmd, cmd_args = config_from_args(targs)
     try:
         elastic_launch(config, cmd)(*cmd_args)
     except ChildFailedError as e:
         print(f"elastic-runner: job failed: {root_cause_line(e)}", flush=True)
+        _, first = e.get_first_failure()
+        return EXIT_PREEMPTED if first.exitcode == EXIT_PREEMPTED else 1
+    except SignalException as e:
+        # the agent got SIGTERM/SIGINT (eviction) and stopped the workers, which checkpointed
+        print(f"elastic-runner: stopped by {e.sigval.name}; workers checkpointed at their last "
+              "step boundary", flush=True)
+        return EXIT_PREEMPTED
+    except RendezvousClosedError:
+        kept = " (etcd keeps its state for 2 h)" if targs.rdzv_backend in ETCD_BACKENDS else ""
+        print(f"elastic-runner: error: rendezvous {targs.rdzv_id!r} at {targs.rdzv_endpoint} "
+              f"({targs.rdzv_backend}) is closed: a job with this --rdzv-id has already "
+              f"ended{kept}; start the job with a new --rdzv-id", file=sys.stderr, flush=True)
+        return 1
+    except RendezvousTimeoutError:
+        key = "timeout" if targs.rdzv_backend == "etcd" else "join_timeout"
+        limit = config.rdzv_configs.get(key, 600)
+        print(f"elastic-runner: error: rendezvous {targs.rdzv_id!r} at {targs.rdzv_endpoint} "
+              f"({targs.rdzv_backend}) timed out: fewer than {config.min_nodes} node(s) "
+              f"(--nnodes {targs.nnodes}) joined within {limit} s ({key}); start the other "
+              "nodes with the same --rdzv-endpoint and --rdzv-id, or raise --rdzv-conf "
+              "join_timeout=S", file=sys.stderr, flush=True)
+        return 1
+    except (RendezvousError, etcd.EtcdException) as e:  # e.g. etcd lost during the run
+        print(f"elastic-runner: error: rendezvous at {targs.rdzv_endpoint} "
+              f"({targs.rdzv_backend}) failed: {rendezvous_cause(e)}", file=sys.stderr,
+              flush=True)
         return 1
     return 0
+
+
+def rendezvous_cause(err: BaseException) -> str:
+    """``Type: first line`` of a rendezvous error and of the error it wraps (torch's etcd errors
+    say "See inner exception for details")."""
+    parts = []
+    e: BaseException | None = err
+    while e is not None and len(parts) < 2:
+        text = str(e).strip().splitlines()
+        parts.append(f"{type(e).__name__}: {text[0]}" if text else type(e).__name__)
+        e = e.__cause__ or e.__context__
+    return " <- ".join(parts)
 
 
 def root_cause_line(err: ChildFailedError) -> str:
     """One line naming the first failing rank, its exit code and its recorded error (the error
     file written by ``@record``, or the signal that killed it)."""
     rank, failure = err.get_first_failure()
-    lines = str(failure.message or "").strip().splitlines()
+    message = failure.message
+    if isinstance(message, dict):  # the error-file layout written by @record / ErrorHandler
+        message = message.get("message", "")
+    lines = str(message or "").strip().splitlines()
     message = lines[0] if lines else "(no error recorded)"
     return (f"rank {rank} (local_rank {failure.local_rank}) exited with code "
             f"{failure.exitcode}: {message}")

@@ -19,6 +19,7 @@ from typing import Any
 
 import fsspec
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Subset
@@ -35,10 +36,12 @@ from .dist import (
     broadcast_object,
 )
 from .early_stop import EarlyStopping
-from .faults import maybe_sigkill, perturb_replica, planted_metric
+from .faults import FaultInjector, perturb_replica, planted_metric
+from .preempt import Preempted, PreemptionFlag
 from .sampler import ElasticSampler, shard_indices
 from .state import RNGState, TrainState, seed_everything, step_seed
 from .tasks.base import TaskBundle
+from .watchdog import HangWatchdog
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +68,20 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int, min_ratio: float,
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+class TrainingFailed(RuntimeError):
+    """Training cannot continue (e.g. non-finite steps recurred after a rollback)."""
+
+
+class _Rollback(Exception):  # noqa: N818 - control flow inside the loop
+    pass
+
+
+@dataclass(frozen=True)
+class StepVote:
+    bad: bool  # some rank saw a non-finite loss or gradient: the update was skipped
+    preempt: bool  # some rank received SIGTERM/SIGINT: checkpoint and stop after this step
+
+
 def precision_dtype(precision: str) -> torch.dtype | None:
     return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
 
@@ -88,6 +105,9 @@ class Trainer:
     writer: Any = None  # tensorboard SummaryWriter on rank 0
     trace: audit.SampleTrace | None = None
     checkpointer: AsyncCheckpointer | None = None
+    watchdog: HangWatchdog | None = None
+    faults: FaultInjector | None = None
+    preempt: PreemptionFlag = field(default_factory=PreemptionFlag)
     resumed_from: str | None = None
     _best_pending: bool = False
     _last_save_time: float = field(default_factory=time.monotonic)
@@ -110,6 +130,7 @@ class Trainer:
         """Checkpoint the current step (all ranks call this; rank 0 writes). Commits
         ``step-N`` when ``step_checkpoint`` and ``best-step-N`` when the last evaluation
         improved; asynchronously when ``checkpoint.async_save``."""
+        self.watchdog.arm(self.cfg.watchdog.long_op_timeout_seconds, "checkpoint")
         names = [f"step-{self.state.step:08d}"] if step_checkpoint else []
         if self._best_pending and self.cfg.checkpoint.keep_best:
             names.append(f"best-step-{self.state.step:08d}")
@@ -197,8 +218,14 @@ class Trainer:
 
     # ------------------------------------------------------------ steps
 
-    def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """One optimizer step over this rank's micro-batches; returns the mean loss (detached)."""
+    def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
+                   poison: bool = False) -> tuple[torch.Tensor, StepVote]:
+        """One optimizer step over this rank's micro-batches.
+
+        Returns the mean loss (detached) and the step's vote: whether any rank saw a non-finite
+        loss or gradient (then the update is skipped on all ranks) and whether any rank was
+        asked to stop (SIGTERM). ``poison`` makes the loss NaN (fault injection).
+        """
         torch.manual_seed(step_seed(self.cfg.seed, self.sampler.epoch, self.state.step,
                                     self.info.rank))
         dtype = precision_dtype(self.cfg.training.precision)
@@ -211,16 +238,34 @@ class Trainer:
             with (contextlib.nullcontext() if sync else self.net.no_sync()), \
                  torch.autocast(self.info.device.type, dtype=dtype, enabled=dtype is not None):
                 loss = self.bundle.loss_fn(self.net(x), y) / n
+                if poison:
+                    loss = loss * float("nan")
             self.scaler.scale(loss).backward()
             total += loss.detach()
+        self.scaler.unscale_(self.optimizer)  # no-op without fp16
+        params = [p for p in self.model.parameters() if p.grad is not None]
         if self.cfg.training.grad_clip_norm:
-            self.scaler.unscale_(self.optimizer)
-            nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.training.grad_clip_norm)
-        self.scaler.step(self.optimizer)
+            norm = nn.utils.clip_grad_norm_(params, self.cfg.training.grad_clip_norm)
+        else:
+            norm = nn.utils.get_total_norm([p.grad for p in params])
+        # with fp16 the GradScaler owns overflow handling; the guard then looks at the loss only
+        finite = bool(torch.isfinite(total)) and (self.scaler.is_enabled()
+                                                  or bool(torch.isfinite(norm)))
+        vote = self._vote(bad=not finite)
+        if not vote.bad:
+            self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
-        return total
+        return total, vote
+
+    def _vote(self, bad: bool) -> StepVote:
+        """The one cross-rank reduction of each step boundary (MAX of two flags)."""
+        flags = torch.tensor([float(bad), float(self.preempt.requested)],
+                             device=self.info.device)
+        if self.info.distributed:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        return StepVote(bad=bool(flags[0]), preempt=bool(flags[1]))
 
     @torch.no_grad()
     def evaluate(self, split: str, max_batches: int | None = None) -> dict[str, float]:
@@ -249,6 +294,8 @@ class Trainer:
     # ------------------------------------------------------------ loop
 
     def fit(self) -> dict[str, Any]:
+        if self.state.stop_reason.startswith("failed:"):
+            raise TrainingFailed(self.state.stop_reason)
         if self.state.finished:
             log.info("training already finished at step %d (%s); nothing to do",
                      self.state.step, self.state.stop_reason)
@@ -257,8 +304,12 @@ class Trainer:
         bar = self._progress_bar()
         try:
             while not self.state.finished:
-                self._run_epoch(bar)
+                try:
+                    self._run_epoch(bar)
+                except _Rollback:
+                    self._rollback()
         finally:
+            self.watchdog.disarm()
             if bar is not None:
                 bar.close()
             if self.trace is not None:
@@ -296,14 +347,21 @@ class Trainer:
         loader = DataLoader(
             self.bundle.train, batch_sampler=self.sampler, num_workers=self.cfg.data.num_workers,
             pin_memory=self.cfg.data.pin_memory,
+            worker_init_fn=PreemptionFlag.ignore_in_child if self.cfg.data.num_workers else None,
             generator=torch.Generator().manual_seed(
                 step_seed(self.cfg.seed, epoch, self.sampler.cursor, self.info.rank)))
         batches = iter(loader)
         accum = self.sampler.grad_accum_steps
+        w = self.cfg.watchdog
         while self.sampler.steps_left_in_epoch() > 0:
             t0 = time.perf_counter()
-            cursor = self.sampler.cursor
-            loss = self.train_step([next(batches) for _ in range(accum)])
+            cursor, step = self.sampler.cursor, self.state.step + 1
+            first = self.steps_this_attempt == 0
+            self.watchdog.arm(w.long_op_timeout_seconds if first else w.hang_timeout_seconds,
+                              f"{'first ' if first else ''}step {step}")
+            self.faults.hang_now(step, self.steps_this_attempt + 1)
+            poison = self.faults.poison_loss(step, self.steps_this_attempt + 1)
+            loss, vote = self.train_step([next(batches) for _ in range(accum)], poison)
             self.sampler.advance()
             self.state.step += 1
             self.state.samples += self.sampler.global_batch_size
@@ -311,9 +369,11 @@ class Trainer:
             if self.trace is not None:
                 indices = [i for mb in self.sampler.step_indices(cursor) for i in mb]
                 self.trace.record_step(epoch, self.state.step, self.info.world_size,
-                                       self._global_mean(loss), indices)
-            maybe_sigkill(self.cfg.faults, self.info.rank, self.info.restart_count,
-                          self.steps_this_attempt)
+                                       self._global_mean(loss), indices, skipped=vote.bad)
+            self._count_bad_step(vote.bad)
+            self.faults.after_step(self.state.step, self.steps_this_attempt)
+            if vote.preempt:
+                self._stop_for_preemption()
             self._log_step(loss, time.perf_counter() - t0, bar)
             if self._after_step(end_of_epoch=self.sampler.steps_left_in_epoch() == 0):
                 return
@@ -325,6 +385,52 @@ class Trainer:
         if epoch + 1 >= self.cfg.training.max_epochs:
             self._finish("max_epochs reached")
         self.save()
+
+    def _count_bad_step(self, bad: bool) -> None:
+        """NaN/Inf guard: skipped updates in a row trigger one rollback, then a failure."""
+        if not bad:
+            self.state.bad_in_row = 0
+            return
+        self.state.bad_in_row += 1
+        self.state.bad_steps += 1
+        limit = self.cfg.training.max_bad_steps
+        log.warning("step %d: non-finite loss or gradient on at least one rank: update skipped "
+                    "on all ranks (%d in a row, limit %d)", self.state.step,
+                    self.state.bad_in_row, limit)
+        if self.state.bad_in_row < limit:
+            return
+        if self.state.rollbacks >= 1:
+            self._finish(f"failed: {limit} non-finite steps in a row at step {self.state.step}, "
+                         "again after rolling back to the last checkpoint")
+            self.save()
+            self.wait_for_checkpoint()
+            raise TrainingFailed(self.state.stop_reason)
+        raise _Rollback
+
+    def _rollback(self) -> None:
+        """Reload the newest valid checkpoint on all ranks (once per run)."""
+        self.wait_for_checkpoint()
+        rollbacks = self.state.rollbacks + 1
+        log.warning("rolling back to the last valid checkpoint after %d non-finite steps",
+                    self.cfg.training.max_bad_steps)
+        self.watchdog.arm(self.cfg.watchdog.long_op_timeout_seconds, "rollback")
+        if not self.resume():
+            raise TrainingFailed("non-finite steps and no checkpoint to roll back to")
+        self.state.rollbacks, self.state.bad_in_row = rollbacks, 0
+        if self.trace is not None:  # drop the trace of the discarded steps
+            self.trace.close()
+            self._open_trace()
+
+    def _stop_for_preemption(self) -> None:
+        """All ranks: commit a checkpoint of exactly this step, then leave with 143."""
+        log.warning("preemption: checkpointing step %d, then stopping (SIGTERM on at least one "
+                    "rank)", self.state.step)
+        self.watchdog.arm(self.cfg.watchdog.long_op_timeout_seconds, "preemption checkpoint")
+        self.save()
+        self.wait_for_checkpoint()
+        barrier()  # rank 0 has committed before any rank exits
+        raise Preempted(f"preempted by signal after step {self.state.step}; checkpoint "
+                        f"step-{self.state.step:08d} committed")
 
     def _after_step(self, end_of_epoch: bool) -> bool:
         """Evaluation, early stopping, max_steps and checkpoint cadence after one step; returns
@@ -346,6 +452,7 @@ class Trainer:
 
     def _evaluate_and_decide(self) -> None:
         """Validate, let rank 0 decide early stopping; marks a pending best checkpoint."""
+        self.watchdog.arm(self.cfg.watchdog.long_op_timeout_seconds, "evaluation")
         metrics = self.evaluate("val", self.cfg.eval.max_batches)
         self.results.update(metrics, eval_step=self.state.step)
         es = self.cfg.early_stopping
@@ -356,10 +463,11 @@ class Trainer:
             raise ConfigError(f"early_stopping.metric: {es.metric!r} is not reported by the "
                               f"task; available: {', '.join(sorted(metrics))}")
         decision = self.early.decide(value, self.state.step, self.info.rank)
-        log.info("eval at step %d: %s | early stopping on %s%s: best %.6g at step %s, "
-                 "patience left %d", self.state.step, _fmt(metrics), es.metric,
+        log.info("eval at step %d: %s | %s %s%s: best %.6g at step %s%s", self.state.step,
+                 _fmt(metrics), "early stopping on" if es.enabled else "tracking", es.metric,
                  f" (planted {value:.6g})" if planted is not None else "", self.early.best,
-                 self.early.best_step, self.early.patience_left)
+                 self.early.best_step,
+                 f", patience left {self.early.patience_left}" if es.enabled else "")
         self._scalars(metrics)
         self._best_pending = decision.improved
         if decision.stop:
@@ -462,4 +570,6 @@ def build_trainer(cfg: Config, info: DistInfo) -> Trainer:
     return Trainer(cfg=cfg, info=info, bundle=bundle, model=model, net=net, optimizer=optimizer,
                    scheduler=scheduler, scaler=scaler, sampler=sampler, total_steps=total,
                    early=EarlyStopping(cfg.early_stopping), writer=writer,
-                   checkpointer=checkpointer)
+                   checkpointer=checkpointer,
+                   watchdog=HangWatchdog(info.rank, cfg.watchdog.dump_grace_seconds),
+                   faults=FaultInjector(cfg.faults, info.rank, info.restart_count))

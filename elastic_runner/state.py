@@ -18,6 +18,9 @@ class TrainState:
     step: int = 0
     samples: int = 0  # samples trained on (sum of global batch sizes)
     evals: int = 0  # validation runs so far
+    bad_steps: int = 0  # steps skipped for a non-finite loss or gradient
+    bad_in_row: int = 0
+    rollbacks: int = 0  # rollbacks to the last checkpoint after max_bad_steps bad steps in a row
     finished: bool = False  # training ended (max_epochs / max_steps / early stop): do not resume
     stop_reason: str = ""
 

@@ -17,7 +17,8 @@ from .checkpoint import CheckpointError
 from .config import ConfigError, load_config
 from .dist import destroy_distributed, init_distributed
 from .logs import setup_logging
-from .loop import build_trainer
+from .loop import TrainingFailed, build_trainer
+from .preempt import EXIT_PREEMPTED, Preempted
 
 log = logging.getLogger("elastic_runner.worker")
 
@@ -34,6 +35,14 @@ def main(config_path: str, overrides: list[str], resume: bool = True, verbose: b
         ErrorHandler().record_exception(e)
         log.error("%s", e)
         return EXIT_BAD_INPUT
+    except Preempted as e:
+        ErrorHandler().record_exception(e)
+        log.warning("%s", e)
+        return EXIT_PREEMPTED
+    except TrainingFailed as e:
+        ErrorHandler().record_exception(e)
+        log.error("training failed: %s", e)
+        return 1
 
 
 @record
@@ -42,6 +51,7 @@ def _train(config_path: str, overrides: list[str], resume: bool) -> int:
     info = init_distributed(cfg.distributed.backend, cfg.distributed.timeout_seconds)
     try:
         trainer = build_trainer(cfg, info)
+        trainer.preempt.install()
         if resume and cfg.checkpoint.resume:
             trainer.resume()
         trainer.fit()

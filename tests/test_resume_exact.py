@@ -108,9 +108,9 @@ def test_char_lm_kill_and_resume_is_bitwise_identical(launch, tmp_path):
               "training.max_steps=40", "eval.every_steps=20", "checkpoint.every_steps=10"]
     run_to_end(launch, "reference", *common, f"checkpoint.dir={tmp_path / 'ref'}")
     job = run_to_end(launch, "killed", *common, f"checkpoint.dir={tmp_path / 'ck'}",
-                     "faults.sigkill_rank=1", "faults.sigkill_after_steps=15",
+                     "faults.inject=[{kind: sigkill, rank: 1, after_steps: 15}]",
                      "--max-restarts", "1")
-    assert "sends itself SIGKILL after 15 steps" in job.output
+    assert "fault injection: rank 1 sigkill after step 15" in job.output
     assert "resumed from" in job.output and ": step 10," in job.output
     want, got = final_state(tmp_path / "ref"), final_state(tmp_path / "ck")
     assert want["train_state"]["step"] == got["train_state"]["step"] == 40

@@ -89,12 +89,12 @@ def test_repeated_worker_kills_always_reform_the_group(launch, tmp_path):
     kills = 8
     job = launch(cli("run", DIGITS, *QUIET, f"checkpoint.dir={ck}", "checkpoint.every_steps=2",
                      "training.max_steps=30", "early_stopping.enabled=false",
-                     "faults.sigkill_rank=1", "faults.sigkill_after_steps=3",
-                     f"faults.sigkill_attempts={kills}", "--max-restarts", str(kills),
+                     f"faults.inject=[{{kind: sigkill, rank: 1, after_steps: 3, "
+                     f"attempts: {kills}}}]", "--max-restarts", str(kills),
                      "--monitor-interval", "0.2"), name="kills")
     assert job.wait(timeout=480) == 0, job.output[-4000:]
     out = job.output
-    assert out.count("sends itself SIGKILL") == kills
+    assert out.count("fault injection: rank 1 sigkill") == kills
     assert "connectFullMesh" not in out
     assert [s["restart_count"] for s in rank_summaries(ck)] == [kills, kills]
     assert final_state(ck)["train_state"]["step"] == 30

@@ -1,0 +1,55 @@
+"""Preemption: turn SIGTERM into a checkpoint at the next step boundary.
+
+Kubernetes evicts a pod by sending SIGTERM to its main process (torchrun's agent), which forwards
+SIGTERM to its workers and SIGKILLs them 30 s later (a fixed gap in torchrun, pytorch issue
+119856). Each worker only records the signal here; the training loop reduces the flag across
+ranks once per step (so one rank's signal stops all), writes a checkpoint of exactly that step,
+and exits with :data:`EXIT_PREEMPTED` (128 + SIGTERM), which a PyTorchJob with
+``restartPolicy: ExitCode`` treats as retryable.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from types import FrameType
+
+log = logging.getLogger(__name__)
+
+EXIT_PREEMPTED = 128 + signal.SIGTERM  # 143
+
+
+class Preempted(Exception):  # noqa: N818 - a control-flow signal, not an error
+    """Raised after the preemption checkpoint is committed; the worker exits 143."""
+
+
+class PreemptionFlag:
+    """Records SIGTERM (and SIGINT) instead of dying, once :meth:`install`-ed by the worker."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+
+    def install(self) -> None:
+        """Handle SIGTERM/SIGINT in this process (call from the main thread)."""
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, self._handle)
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.signum is None:
+            log.warning("received %s: will checkpoint and stop at the next step boundary",
+                        signal.Signals(signum).name)
+        self.signum = signum
+
+    @staticmethod
+    def ignore_in_child(worker_id: int = 0) -> None:
+        """DataLoader ``worker_init_fn``: loader workers ignore SIGTERM/SIGINT, so a signal sent
+        to the whole process group reaches the trainer's handler without killing the loaders
+        the preemption checkpoint still waits on."""
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)

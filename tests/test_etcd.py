@@ -1,0 +1,244 @@
+"""etcd rendezvous: ``elastic-runner run`` and plain torchrun against a real etcd 3.4 (both of
+torch's etcd backends), the rendezvous options torch receives, and the pre-flight check's one-line
+errors (unreachable, v2 API disabled, TLS)."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import time
+import urllib.request
+import uuid
+
+import pytest
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous.etcd_rendezvous import (
+    _create_etcd_client as legacy_etcd_client,
+)
+from torch.distributed.elastic.rendezvous.etcd_rendezvous_backend import create_backend
+from torch.distributed.run import config_from_args, get_args_parser
+
+from elastic_runner.cli import build_parser
+from elastic_runner.etcd_check import EtcdCheckError, check_etcd, parse_conf
+from elastic_runner.launch import torchrun_argv
+
+from .etcd import EtcdServer
+from .procs import CONFIGS, cli, free_port
+
+DIGITS = str(CONFIGS / "digits.yaml")
+SHORT = ["logging.tensorboard_dir=null", "training.max_steps=6"]
+# where each backend keeps a run's rendezvous state in etcd
+STATE_KEY = {"etcd-v2": "/torch/elastic/rendezvous/{}", "etcd": "/torchelastic/p2p/run_{}"}
+_NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def rdzv_configs(monkeypatch: pytest.MonkeyPatch, *cmd: str) -> dict:
+    """The rendezvous options torch's handler receives for ``elastic-runner run *cmd``."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # config_from_args sets it otherwise
+    targs = get_args_parser().parse_args(torchrun_argv(build_parser().parse_args(["run", *cmd])))
+    return config_from_args(targs)[0].rdzv_configs
+
+
+def etcd_has_key(server: EtcdServer, key: str) -> bool:
+    try:
+        with _NO_PROXY.open(f"{server.url}/v2/keys{key}", timeout=10) as r:
+            return r.status == 200
+    except urllib.error.HTTPError as e:
+        if e.code == 404:
+            return False
+        raise
+
+
+def rank_summaries(ck) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted((ck / "ranks").glob("rank-*.json"))]
+
+
+def error_lines(output: str) -> list[str]:
+    return [ln for ln in output.splitlines() if ln.startswith("elastic-runner: error:")]
+
+
+# --- the rendezvous options torch receives (no processes) ---
+
+def test_etcd_v2_conf_carries_tls_and_timeouts(monkeypatch):
+    conf = rdzv_configs(
+        monkeypatch, "c.yaml", "--rdzv-backend", "etcd-v2", "--rdzv-endpoint", "etcd:2379",
+        "--rdzv-conf", "protocol=https,cacert=/tls/ca.pem,cert=/tls/c.pem,key=/tls/c.key",
+        "--rdzv-conf", "join_timeout=30,last_call_timeout=5,close_timeout=7,read_timeout=9",
+        "--rdzv-conf", "heartbeat=4,keep_alive_interval=2,keep_alive_max_attempt=3")
+    assert conf["protocol"] == "https"
+    # torch's etcd-v2 reads ca_cert/ssl_cert/ssl_cert_key: legacy spellings are carried over
+    assert (conf["ca_cert"], conf["ssl_cert"], conf["ssl_cert_key"]) == (
+        "/tls/ca.pem", "/tls/c.pem", "/tls/c.key")
+    assert (conf["cacert"], conf["cert"], conf["key"]) == ("/tls/ca.pem", "/tls/c.pem",
+                                                           "/tls/c.key")
+    for key, value in (("join_timeout", "30"), ("last_call_timeout", "5"),
+                       ("close_timeout", "7"), ("read_timeout", "9"), ("heartbeat", "4"),
+                       ("keep_alive_interval", "2"), ("keep_alive_max_attempt", "3")):
+        assert conf[key] == value, key
+
+
+def test_legacy_etcd_conf_gets_its_own_spellings(monkeypatch):
+    conf = rdzv_configs(monkeypatch, "c.yaml", "--rdzv-backend", "etcd", "--rdzv-conf",
+                        "protocol=https,ca_cert=/ca.pem,ssl_cert=/c.pem,ssl_cert_key=/c.key,"
+                        "join_timeout=45,last_call_timeout=5,etcd_prefix=/mine")
+    assert (conf["cacert"], conf["cert"], conf["key"]) == ("/ca.pem", "/c.pem", "/c.key")
+    assert conf["timeout"] == "45"  # legacy etcd's join timeout (torch's default would be 900)
+    assert (conf["last_call_timeout"], conf["etcd_prefix"]) == ("5", "/mine")
+
+
+def test_both_spellings_given_are_left_alone_and_pet_conf_is_completed(monkeypatch):
+    conf = rdzv_configs(monkeypatch, "c.yaml", "--rdzv-backend", "etcd-v2", "--rdzv-conf",
+                        "ca_cert=/a.pem,cacert=/b.pem")
+    assert (conf["ca_cert"], conf["cacert"]) == ("/a.pem", "/b.pem")
+
+    monkeypatch.setenv("PET_RDZV_BACKEND", "etcd-v2")
+    monkeypatch.setenv("PET_RDZV_CONF", "protocol=https,cacert=/ca.pem")
+    conf = rdzv_configs(monkeypatch, "c.yaml")
+    assert (conf["protocol"], conf["ca_cert"]) == ("https", "/ca.pem")
+
+
+# --- the pre-flight check against real servers (no workers) ---
+
+def test_fixture_restarts_on_the_same_port_and_data(etcd_server):
+    req = urllib.request.Request(f"{etcd_server.url}/v2/keys/probe", data=b"value=1",
+                                 method="PUT")
+    _NO_PROXY.open(req, timeout=10).close()
+    etcd_server.stop()
+    assert not etcd_server.healthy()
+    with pytest.raises(EtcdCheckError, match="connection refused"):
+        check_etcd(etcd_server.endpoint, {}, wait_s=0)
+    etcd_server.start()
+    assert etcd_has_key(etcd_server, "/probe")
+    assert check_etcd(etcd_server.endpoint, {}).startswith("3.")
+
+
+@pytest.mark.parametrize("etcd_server", [{"tls": True}], indirect=True)
+def test_tls_options_reach_torchs_etcd_client(etcd_server, monkeypatch):
+    s = etcd_server
+    tls = f"protocol=https,cacert={s.ca_file},cert={s.client_cert},key={s.client_key}"
+    for backend in ("etcd-v2", "etcd"):
+        assert check_etcd(s.endpoint, parse_conf(tls), backend=backend).startswith("3.4")
+    # what `run` hands torch's etcd-v2 client: a rendezvous state round trip over mutual TLS
+    conf = rdzv_configs(monkeypatch, "c.yaml", "--rdzv-backend", "etcd-v2", "--rdzv-endpoint",
+                        s.endpoint, "--rdzv-conf", tls)
+    backend, store = create_backend(RendezvousParameters("etcd-v2", s.endpoint, "tls-run", 1, 1,
+                                                         **conf))
+    assert backend.set_state(b"state")[0] == b"state"
+    store.set("key", "value")
+    assert store.get("key") == b"value"
+    # ... and the legacy etcd backend's client, given the etcd-v2 spellings
+    tls_v2 = f"protocol=https,ca_cert={s.ca_file},ssl_cert={s.client_cert}," \
+             f"ssl_cert_key={s.client_key}"
+    conf = rdzv_configs(monkeypatch, "c.yaml", "--rdzv-backend", "etcd", "--rdzv-endpoint",
+                        s.endpoint, "--rdzv-conf", tls_v2)
+    client = legacy_etcd_client(RendezvousParameters("etcd", s.endpoint, "tls-run", 1, 1, **conf))
+    client.write("/legacy-tls", "ok")
+    assert client.read("/legacy-tls").value == "ok"
+
+    no_ca = f"protocol=https,cert={s.client_cert},key={s.client_key}"
+    with pytest.raises(EtcdCheckError, match=r"not trusted .*cacert=CA.pem"):
+        check_etcd(s.endpoint, parse_conf(no_ca))
+    with pytest.raises(EtcdCheckError, match=r"TLS handshake .* failed .*client certificate"):
+        check_etcd(s.endpoint, parse_conf(f"protocol=https,cacert={s.ca_file}"))
+    with pytest.raises(EtcdCheckError, match=rf"etcd at {s.endpoint} expects HTTPS"):
+        check_etcd(s.endpoint, {})
+
+
+# --- end to end: real agents and workers (gloo on CPU) ---
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["etcd-v2", "etcd"])
+def test_run_with_etcd_rendezvous_then_same_id_is_refused(launch, etcd_server, tmp_path,
+                                                          backend):
+    run_id, ck = f"job-{uuid.uuid4().hex[:8]}", tmp_path / "ck"
+    args = [DIGITS, *SHORT, f"checkpoint.dir={ck}", "--nproc-per-node", "2",
+            "--rdzv-backend", backend, "--rdzv-endpoint", etcd_server.endpoint,
+            "--rdzv-id", run_id, "--rdzv-conf", "join_timeout=60", "--monitor-interval", "0.2"]
+    job = launch(cli("run", *args), name=backend)
+    assert job.wait(timeout=240) == 0, job.output[-3000:]
+    assert "rendezvous: etcd 3.4." in job.output
+    assert (ck / "results.json").is_file()
+    assert [(s["rank"], s["world_size"], s["step"]) for s in rank_summaries(ck)] == [
+        (0, 2, 6), (1, 2, 6)]
+    assert etcd_has_key(etcd_server, STATE_KEY[backend].format(run_id))
+
+    # the ended job closed its rendezvous; the same --rdzv-id again is refused in one line
+    again = launch(cli("run", *args), name=f"{backend}-again")
+    assert again.wait(timeout=120) == 1, again.output[-3000:]
+    errors = error_lines(again.output)
+    assert len(errors) == 1 and f"rendezvous '{run_id}'" in errors[0], again.output[-3000:]
+    assert "is closed" in errors[0] and "new --rdzv-id" in errors[0]
+    assert "Traceback" not in again.output
+
+
+@pytest.mark.slow
+def test_plain_torchrun_with_etcd_v2(launch, etcd_server, tmp_path):
+    ck = tmp_path / "ck"
+    job = launch([sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
+                  "--nproc-per-node=2", "--rdzv-backend=etcd-v2",
+                  f"--rdzv-endpoint={etcd_server.endpoint}", "--rdzv-id=plain-etcd",
+                  "--rdzv-conf=join_timeout=60", "-m", "elastic_runner", "train", DIGITS,
+                  *SHORT, f"checkpoint.dir={ck}"], name="torchrun-etcd")
+    assert job.wait(timeout=240) == 0, job.output[-3000:]
+    assert [(s["world_size"], s["step"]) for s in rank_summaries(ck)] == [(2, 6), (2, 6)]
+    assert etcd_has_key(etcd_server, STATE_KEY["etcd-v2"].format("plain-etcd"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["etcd-v2", "etcd"])
+def test_missing_nodes_time_out_after_join_timeout_in_one_line(launch, etcd_server, tmp_path,
+                                                               backend):
+    """join_timeout reaches either backend (legacy etcd reads it as ``timeout``)."""
+    t0 = time.monotonic()
+    job = launch(cli("run", DIGITS, *SHORT, f"checkpoint.dir={tmp_path / 'ck'}", "--nnodes", "2",
+                     "--rdzv-backend", backend, "--rdzv-endpoint", etcd_server.endpoint,
+                     "--rdzv-id", f"alone-{backend}", "--rdzv-conf", "join_timeout=3"),
+                 name="alone")
+    assert job.wait(timeout=60) == 1, job.output[-3000:]
+    assert time.monotonic() - t0 < 30
+    errors = error_lines(job.output)
+    assert len(errors) == 1, job.output[-3000:]
+    key = "timeout" if backend == "etcd" else "join_timeout"
+    assert errors[0] == (
+        f"elastic-runner: error: rendezvous 'alone-{backend}' at {etcd_server.endpoint} "
+        f"({backend}) timed out: fewer than 2 node(s) (--nnodes 2) joined within 3 s ({key}); "
+        "start the other nodes with the same --rdzv-endpoint and --rdzv-id, or raise "
+        "--rdzv-conf join_timeout=S")
+    assert "Traceback" not in job.output and "task digits" not in job.output
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["etcd-v2", "etcd"])
+def test_unreachable_etcd_fails_within_join_timeout_in_one_line(launch, tmp_path, backend):
+    endpoint = f"127.0.0.1:{free_port()}"  # nothing listens there
+    t0 = time.monotonic()
+    job = launch(cli("run", DIGITS, *SHORT, f"checkpoint.dir={tmp_path / 'ck'}",
+                     "--rdzv-backend", backend, "--rdzv-endpoint", endpoint, "--rdzv-id", "x",
+                     "--rdzv-conf", "join_timeout=2"), name="unreachable")
+    assert job.wait(timeout=60) == 2, job.output[-3000:]
+    assert time.monotonic() - t0 < 30
+    errors = error_lines(job.output)
+    assert len(errors) == 1, job.output[-3000:]
+    assert errors[0].startswith(f"elastic-runner: error: cannot reach etcd at {endpoint} "
+                                "(connection refused; tried for 2 s): is etcd running there "
+                                "and started with --enable-v2?")
+    assert "--rdzv-conf protocol=https,cacert=" in errors[0]
+    assert "Traceback" not in job.output and "task digits" not in job.output
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("etcd_server", [{"enable_v2": False}], indirect=True)
+def test_etcd_without_v2_api_is_named(launch, etcd_server, tmp_path):
+    job = launch(cli("run", DIGITS, *SHORT, f"checkpoint.dir={tmp_path / 'ck'}",
+                     "--rdzv-backend", "etcd-v2", "--rdzv-endpoint", etcd_server.endpoint,
+                     "--rdzv-id", "x"), name="no-v2")
+    assert job.wait(timeout=60) == 2, job.output[-3000:]
+    errors = error_lines(job.output)
+    assert len(errors) == 1, job.output[-3000:]
+    assert re.fullmatch(
+        rf"elastic-runner: error: etcd 3\.4\.\d+ at {etcd_server.endpoint} does not serve the "
+        r"v2 API \(HTTP 404 on /v2/keys\), which torch's etcd rendezvous needs: start etcd with "
+        r"--enable-v2 \(etcd 3\.4/3\.5; 3\.6 removed it\), or use --rdzv-backend c10d",
+        errors[0]), errors[0]
+    assert "Traceback" not in job.output

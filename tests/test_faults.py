@@ -1,0 +1,153 @@
+"""Surviving faults on one node: worker exceptions, SIGTERM preemption (worker and agent),
+NaN/Inf steps, hangs. Real torchrun process groups, real signals, real stuck processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pytest
+
+from elastic_runner import audit
+from elastic_runner import checkpoint as ckpt
+
+from .procs import CONFIGS, cli, wait_until
+from .test_train_torchrun import assert_same_tensors, final_state, rank_summaries
+
+pytestmark = pytest.mark.slow
+
+DIGITS = str(CONFIGS / "digits.yaml")
+BASE = [DIGITS, "logging.tensorboard_dir=null", "early_stopping.enabled=false",
+        "training.max_steps=12", "checkpoint.every_steps=4"]
+
+
+def start(launch, name, *args, restarts=1):
+    return launch(cli("run", *BASE, *args, "--max-restarts", str(restarts),
+                      "--monitor-interval", "0.2"), name=name)
+
+
+def faults(spec: str) -> str:
+    return f"faults.inject=[{spec}]"
+
+
+def test_worker_exception_restarts_and_resumes(launch, tmp_path):
+    ck = tmp_path / "ck"
+    job = start(launch, "raise", f"checkpoint.dir={ck}",
+                faults("{kind: raise, rank: 1, step: 6}"))
+    assert job.wait(timeout=240) == 0, job.output[-3000:]
+    assert f"resumed from {ck / 'step-00000004'}: step 4" in job.output
+    assert final_state(ck)["train_state"]["step"] == 12
+
+
+def test_exhausted_restarts_end_with_one_line_root_cause(launch, tmp_path):
+    job = start(launch, "raise-always", f"checkpoint.dir={tmp_path / 'ck'}",
+                faults("{kind: raise, rank: 1, after_steps: 2, attempts: 9}"), restarts=1)
+    assert job.wait(timeout=240) == 1
+    lines = [ln for ln in job.output.splitlines() if ln.startswith("elastic-runner: job failed")]
+    assert lines == ["elastic-runner: job failed: rank 1 (local_rank 1) exited with code 1: "
+                     "InjectedFault: fault injection: rank 1 raises after step 2"], lines
+
+
+def test_sigterm_to_a_worker_checkpoints_that_step_and_loses_nothing(launch, tmp_path):
+    ref = start(launch, "reference", f"checkpoint.dir={tmp_path / 'ref'}")
+    assert ref.wait(timeout=240) == 0, ref.output[-3000:]
+    ck, trace = tmp_path / "ck", tmp_path / "trace"
+    job = start(launch, "sigterm", f"checkpoint.dir={ck}", "checkpoint.every_steps=100",
+                faults("{kind: sigterm, rank: 1, step: 7}"), "--trace-samples", str(trace))
+    assert job.wait(timeout=240) == 0, job.output[-3000:]
+    out = job.output
+    # the signal lands after step 7; the ranks agree at the end of step 8 and save exactly that
+    assert "preemption: checkpointing step 8" in out and "exitcode: 143" in out
+    assert f"resumed from {ck / 'step-00000008'}: step 8" in out
+    assert "sample trace: dropped" not in out  # zero lost steps
+    (report,) = audit.audit(trace)
+    assert report.seen_once == 12 * 64 and not report.duplicated
+    assert_same_tensors(final_state(tmp_path / "ref")["model"], final_state(ck)["model"])
+
+
+def test_sigterm_to_the_agent_stops_within_grace_with_a_checkpoint(launch, tmp_path):
+    ck, trace = tmp_path / "ck", tmp_path / "trace"
+    args = [f"checkpoint.dir={ck}", "training.max_steps=100000", "training.max_epochs=1000",
+            "checkpoint.every_steps=5", "data.num_workers=2", "--trace-samples", str(trace)]
+    job = start(launch, "evicted", *args)
+    wait_until(lambda: (ck / "step-00000005").is_dir(), 200, "the step-5 checkpoint")
+    job.proc.send_signal(signal.SIGTERM)  # what Kubernetes sends to the pod's main process
+    assert job.wait(timeout=30) == 143, job.output[-3000:]
+    assert "preemption: checkpointing step" in job.output
+    last = max(e["step"] for e in audit.read_entries(trace))
+    assert ckpt.latest_valid(ck).step == last  # the very last trained step is committed
+
+    again = start(launch, "resumed", *args[:-2], "training.max_steps=" + str(last + 2),
+                  "--trace-samples", str(trace))
+    assert again.wait(timeout=240) == 0, again.output[-3000:]
+    assert f": step {last}," in again.output and "sample trace: dropped" not in again.output
+
+
+def test_sigterm_to_a_workers_process_group_with_dataloader_workers(launch, tmp_path):
+    """The loader workers get the signal too (as with a group-wide kill); the save still works."""
+    ck = tmp_path / "ck"
+    job = start(launch, "pg", f"checkpoint.dir={ck}", "data.num_workers=2",
+                "training.max_steps=100000", "training.max_epochs=1000",
+                "checkpoint.every_steps=5")
+    wait_until(lambda: (ck / "step-00000005").is_dir(), 200, "the step-5 checkpoint")
+    os.killpg(os.getpgid(job.workers()[1].pid), signal.SIGTERM)
+    wait_until(lambda: "resumed from" in job.output, 120, "the restarted group to resume")
+    out = job.output
+    assert "preemption: checkpointing step" in out and "DataLoader worker" not in out
+    resumed = int(out.split("resumed from", 1)[1].split(": step ", 1)[1].split(",")[0])
+    assert resumed > 5
+
+
+def test_nan_step_is_skipped_on_all_ranks(launch, tmp_path):
+    ck, trace = tmp_path / "ck", tmp_path / "trace"
+    job = start(launch, "nan", f"checkpoint.dir={ck}", faults("{kind: nan, rank: 1, step: 6}"),
+                "--trace-samples", str(trace))
+    assert job.wait(timeout=240) == 0, job.output[-3000:]
+    assert "step 6: non-finite loss or gradient on at least one rank: update skipped" in job.output
+    state = final_state(ck)["train_state"]
+    assert (state["step"], state["bad_steps"], state["rollbacks"]) == (12, 1, 0)
+    skipped = {e["step"] for e in audit.read_entries(trace) if e.get("skipped")}
+    assert skipped == {6}
+
+
+def test_nan_streak_rolls_back_once_then_succeeds(launch, tmp_path):
+    ck = tmp_path / "ck"
+    job = start(launch, "rollback", f"checkpoint.dir={ck}", "training.max_bad_steps=3",
+                faults("{kind: nan, rank: 0, step: 6, count: 3}"))
+    assert job.wait(timeout=240) == 0, job.output[-3000:]
+    assert "rolling back to the last valid checkpoint" in job.output
+    assert f"resumed from {ck / 'step-00000004'}: step 4" in job.output
+    state = final_state(ck)["train_state"]
+    # the skipped steps were discarded with the rollback; the rollback itself is remembered
+    assert (state["step"], state["rollbacks"], state["bad_steps"]) == (12, 1, 0)
+
+
+def test_recurring_nan_after_rollback_stops_with_clear_error(launch, tmp_path):
+    ck = tmp_path / "ck"
+    args = [f"checkpoint.dir={ck}", "training.max_bad_steps=2",
+            faults("{kind: nan, rank: 1, step: 6, count: 2, repeat: true}")]
+    job = start(launch, "recurring", *args, restarts=0)
+    assert job.wait(timeout=240) == 1
+    (line,) = [ln for ln in job.output.splitlines() if ln.startswith("elastic-runner: job failed")]
+    assert "TrainingFailed: failed: 2 non-finite steps in a row at step 7, again after rolling " \
+           "back" in line
+    again = start(launch, "again", *args, restarts=0)  # a restart does not train on
+    assert again.wait(timeout=240) == 1 and "TrainingFailed" in again.output
+    assert final_state(ck)["train_state"]["step"] == 7
+
+
+def test_hung_rank_is_detected_dumped_and_restarted(launch, tmp_path):
+    ck = tmp_path / "ck"
+    job = start(launch, "hang", f"checkpoint.dir={ck}", "watchdog.hang_timeout_seconds=3",
+                "watchdog.long_op_timeout_seconds=120", "watchdog.dump_grace_seconds=1",
+                faults("{kind: hang, rank: 1, step: 6}"))
+    assert job.wait(timeout=240) == 0, job.output[-3000:]
+    out = job.output
+    for rank in (0, 1):
+        assert f"rank {rank}: step 6 exceeded its 3 s budget (hang)" in out
+    assert "_hang_forever" in out and "Thread 0x" in out  # rank 1's stack, from faulthandler
+    assert f"resumed from {ck / 'step-00000004'}: step 4" in out
+    summaries = rank_summaries(ck)
+    assert [s["step"] for s in summaries] == [12, 12]
+    assert json.loads((ck / "results.json").read_text())["step"] == 12
