@@ -1,8 +1,9 @@
 """Sample audit: which dataset indices each committed optimizer step trained on.
 
 Each rank appends one JSON line per optimizer step to ``<trace_dir>/rank-<r>.jsonl``:
-``{"epoch", "step", "rank", "world_size", "loss", "indices"}`` (``loss`` is the step's mean loss
-over all ranks, ``indices`` this rank's samples). At each epoch end rank 0 adds
+``{"epoch", "step", "rank", "world_size", "loss", "time", "indices"}`` (``loss`` is the step's
+mean loss over all ranks, ``time`` the commit's unix time in seconds, ``indices`` this rank's
+samples). At each epoch end rank 0 adds
 ``{"epoch_end": e, "step", "num_samples", "dropped"}``, the tail indices that the drop_last rule
 left out of that epoch.
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,7 +42,7 @@ class SampleTrace:
         """``skipped``: the update of this step was skipped (non-finite loss or gradient); its
         samples were consumed but did not change the model."""
         entry = {"epoch": epoch, "step": step, "rank": self.rank, "world_size": world_size,
-                 "loss": loss, "indices": indices}
+                 "loss": loss, "time": round(time.time(), 3), "indices": indices}
         if skipped:
             entry["skipped"] = True
         self._write(entry)
