@@ -125,7 +125,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     from .launch import launch
 
     args.overrides = _overrides(args)
-    load_config(args.config, args.overrides)  # fail fast, before any worker starts
+    cfg = load_config(args.config, args.overrides)  # fail fast, before any worker starts
+    args.shutdown_timeout = cfg.preemption.grace_seconds
     return launch(args)
 
 

@@ -183,8 +183,19 @@ class FaultConfig:
     variable ``ELASTIC_RUNNER_FAULTS`` (a YAML list of fault specs) is appended to ``inject``."""
 
     inject: list[FaultSpec] = field(default_factory=list)
+    once_dir: str | None = None  # marker files here make each fault fire once per job
     planted_metric: list[float] | None = None  # replaces the early-stopping metric, one per eval
     perturb_rank: int | None = None  # this rank's weights diverge after loading a checkpoint
+
+
+@dataclass
+class PreemptionConfig:
+    """How long workers have, after SIGTERM reaches the agent, to checkpoint and exit before the
+    agent SIGKILLs them (``run`` passes it as torchrun's ``--shutdown-timeout``; under plain
+    torchrun use that flag or ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``). Keep a pod's
+    ``terminationGracePeriodSeconds`` above it."""
+
+    grace_seconds: int = 30
 
 
 @dataclass
@@ -214,6 +225,7 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     audit: AuditConfig = field(default_factory=AuditConfig)
     watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
+    preemption: PreemptionConfig = field(default_factory=PreemptionConfig)
     faults: FaultConfig = field(default_factory=FaultConfig)
 
     def to_dict(self) -> dict[str, Any]:
@@ -227,7 +239,7 @@ def fingerprint(config: dict[str, Any]) -> str:
     """sha256 (hex, 16 chars) of what determines the trained model, from a config dict: excludes
     the checkpoint, logging, audit and fault-injection sections, so moving the checkpoint dir keeps
     resume working."""
-    d = {k: v for k, v in config.items() if k not in ("checkpoint", "logging", "audit", "watchdog", "faults")}
+    d = {k: v for k, v in config.items() if k not in ("checkpoint", "logging", "audit", "watchdog", "preemption", "faults")}
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -450,6 +462,7 @@ def _check_values(cfg: Config) -> None:
         (cfg.data.num_workers >= 0, "data.num_workers", "must be >= 0"),
         (cfg.training.log_every_steps >= 1, "training.log_every_steps", "must be >= 1"),
         (cfg.training.max_bad_steps >= 1, "training.max_bad_steps", "must be >= 1"),
+        (cfg.preemption.grace_seconds >= 1, "preemption.grace_seconds", "must be >= 1"),
     ]
     for ok, key, msg in checks:
         if not ok:

@@ -19,6 +19,7 @@ import logging
 import os
 import signal
 import threading
+from pathlib import Path
 
 import torch
 
@@ -35,8 +36,11 @@ class FaultInjector:
     """Evaluates the configured faults for one rank of one restart attempt."""
 
     def __init__(self, cfg: FaultConfig, rank: int, restart_count: int) -> None:
-        self.specs = [f for f in cfg.inject if f.rank == rank and restart_count < f.attempts]
+        # (index in cfg.inject, spec): the index names the fault identically on every node
+        self.specs = [(i, f) for i, f in enumerate(cfg.inject)
+                      if f.rank == rank and restart_count < f.attempts]
         self.rank, self.restart_count = rank, restart_count
+        self.once_dir = Path(cfg.once_dir) if cfg.once_dir else None
         self._fired: set[tuple[int, int]] = set()  # (spec index, step) already fired
 
     def _due(self, spec: FaultSpec, step: int, steps_this_attempt: int, span: int = 1) -> bool:
@@ -49,16 +53,23 @@ class FaultInjector:
         if (i, step) in self._fired and not spec.repeat:
             return False
         self._fired.add((i, step))
+        if self.once_dir is not None:  # once per job, across restarts and nodes
+            self.once_dir.mkdir(parents=True, exist_ok=True)
+            try:
+                os.close(os.open(self.once_dir / f"fault-{i}-step-{step}",
+                                 os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            except FileExistsError:
+                return False
         return True
 
     def poison_loss(self, step: int, steps_this_attempt: int) -> bool:
         """True if the step about to run (global ``step``, 1-based) must produce a NaN loss."""
         return any(spec.kind == "nan" and self._due(spec, step, steps_this_attempt, spec.count)
-                   and self._take(i, spec, step) for i, spec in enumerate(self.specs))
+                   and self._take(i, spec, step) for i, spec in self.specs)
 
     def hang_now(self, step: int, steps_this_attempt: int) -> None:
         """Block forever if a ``hang`` fault is due at the step about to run."""
-        for i, spec in enumerate(self.specs):
+        for i, spec in self.specs:
             if spec.kind == "hang" and self._due(spec, step, steps_this_attempt) \
                     and self._take(i, spec, step):
                 log.warning("fault injection: rank %d hangs in step %d", self.rank, step)
@@ -66,7 +77,7 @@ class FaultInjector:
 
     def after_step(self, step: int, steps_this_attempt: int) -> None:
         """Fire ``sigkill`` / ``sigterm`` / ``raise`` faults due after ``step`` completed."""
-        for i, spec in enumerate(self.specs):
+        for i, spec in self.specs:
             if spec.kind not in ("sigkill", "sigterm", "raise"):
                 continue
             if not (self._due(spec, step, steps_this_attempt) and self._take(i, spec, step)):

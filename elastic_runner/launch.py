@@ -85,6 +85,8 @@ def torchrun_argv(args: argparse.Namespace) -> list[str]:
     opt("--rdzv-conf", conf)
     opt("--max-restarts", args.max_restarts, 3)
     opt("--monitor-interval", args.monitor_interval, 1.0)
+    # SIGTERM -> SIGKILL gap when the agent stops its workers (eviction): preemption.grace_seconds
+    opt("--shutdown-timeout", getattr(args, "shutdown_timeout", None))
     argv += ["--module", "elastic_runner", "train", str(args.config), *args.overrides]
     if args.no_resume:
         argv.append("--no-resume")

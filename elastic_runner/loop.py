@@ -176,7 +176,9 @@ class Trainer:
 
     def _checkpoint_due(self, end_of_epoch: bool) -> bool:
         c = self.cfg.checkpoint
-        if end_of_epoch:  # the epoch-end checkpoint of this step follows
+        if end_of_epoch or self.state.bad_in_row:
+            # the epoch-end checkpoint of this step follows; during a non-finite streak no
+            # checkpoint is taken, so a rollback returns to a state without skipped updates
             return False
         by_steps = bool(c.every_steps) and self.state.step % c.every_steps == 0
         by_time = (c.every_seconds is not None and self.info.is_main
@@ -384,7 +386,8 @@ class Trainer:
         self.sampler.set_epoch(epoch + 1)
         if epoch + 1 >= self.cfg.training.max_epochs:
             self._finish("max_epochs reached")
-        self.save()
+        if self.state.finished or not self.state.bad_in_row:
+            self.save()
 
     def _count_bad_step(self, bad: bool) -> None:
         """NaN/Inf guard: skipped updates in a row trigger one rollback, then a failure."""

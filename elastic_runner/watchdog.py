@@ -45,7 +45,9 @@ class HangWatchdog:
         self._lock = threading.Condition()
         self._deadline: float | None = None
         self._what, self._budget = "", 0.0
-        threading.Thread(target=self._run, name="hang-watchdog", daemon=True).start()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="hang-watchdog", daemon=True)
+        self._thread.start()
 
     def arm(self, seconds: float | None, what: str) -> None:
         """Require the operation ``what`` to finish within ``seconds`` (None: no limit)."""
@@ -57,9 +59,16 @@ class HangWatchdog:
     def disarm(self) -> None:
         self.arm(None, "")
 
+    def close(self) -> None:
+        """Stop the thread (so no daemon thread is left blocked at interpreter shutdown)."""
+        with self._lock:
+            self._closed, self._deadline = True, None
+            self._lock.notify()
+        self._thread.join(timeout=5)
+
     def _run(self) -> None:
         with self._lock:
-            while True:
+            while not self._closed:
                 if self._deadline is None:
                     self._lock.wait()
                     continue

@@ -49,6 +49,7 @@ def main(config_path: str, overrides: list[str], resume: bool = True, verbose: b
 def _train(config_path: str, overrides: list[str], resume: bool) -> int:
     cfg = load_config(config_path, overrides)
     info = init_distributed(cfg.distributed.backend, cfg.distributed.timeout_seconds)
+    trainer = None
     try:
         trainer = build_trainer(cfg, info)
         trainer.preempt.install()
@@ -56,5 +57,7 @@ def _train(config_path: str, overrides: list[str], resume: bool) -> int:
             trainer.resume()
         trainer.fit()
     finally:
+        if trainer is not None and trainer.watchdog is not None:
+            trainer.watchdog.close()
         destroy_distributed()
     return 0

@@ -33,6 +33,12 @@ def test_explicit_options_pass_through():
     assert t.training_script_args[-1] == "--no-resume"
 
 
+def test_preemption_grace_becomes_the_agents_shutdown_timeout():
+    args = build_parser().parse_args(["run", "c.yaml"])
+    args.shutdown_timeout = 75  # what cmd_run sets from preemption.grace_seconds
+    assert get_args_parser().parse_args(torchrun_argv(args)).shutdown_timeout == 75
+
+
 @pytest.mark.parametrize("var, value, attr, expected", [
     ("PET_NPROC_PER_NODE", "4", "nproc_per_node", "4"),
     ("PET_MAX_RESTARTS", "7", "max_restarts", 7),

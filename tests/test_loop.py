@@ -72,3 +72,12 @@ def test_wall_clock_checkpoint_cadence(tmp_path):
     t.wait_for_checkpoint()
     assert not t._checkpoint_due(end_of_epoch=False)
     assert (tmp_path / "step-00000007" / "manifest.json").is_file()
+
+
+def test_hang_watchdog_closes_its_thread():
+    from elastic_runner.watchdog import HangWatchdog
+
+    w = HangWatchdog(rank=0)
+    w.arm(60, "a step")
+    w.close()
+    assert not w._thread.is_alive()

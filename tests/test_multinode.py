@@ -1,6 +1,7 @@
 """Several torchrun agents ("nodes") on this machine around a real etcd: a node is lost
-(SIGKILL of its agent and workers), another joins, the group re-forms at each world size and the
-sample audit stays exact; then an eviction (SIGTERM) of every node checkpoints and stops."""
+(SIGKILL of its agent and workers), another joins, one is evicted (SIGTERM: all ranks checkpoint
+that step, the other node goes on alone from it); the group re-forms at each world size and the
+sample audit stays exact."""
 
 from __future__ import annotations
 
@@ -55,9 +56,15 @@ def test_node_loss_and_join_keep_every_sample_exactly_once(launch, etcd_server, 
     sizes = world_sizes(trace)
     assert sizes[0] == 2 and 1 in sizes and sizes[-1] == 2
 
-    for n in (a, c):  # both nodes evicted: each checkpoints at a step boundary and stops
-        n.proc.send_signal(signal.SIGTERM)
-    assert a.wait(timeout=60) == 143 and c.wait(timeout=60) == 143
+    c.proc.send_signal(signal.SIGTERM)  # node C is evicted: every rank checkpoints that step
+    assert c.wait(timeout=60) == 143, c.output[-3000:]
+    evicted_at = ckpt.latest_valid(ck).step
+    wait_until(lambda: f"step-{evicted_at:08d}: step {evicted_at}," in a.output, 120,
+               "node A to resume alone from the eviction checkpoint")
+    wait_until(lambda: world_sizes(trace)[-10:] == [1] * 10, 120, "10 more steps on node A")
+
+    a.proc.send_signal(signal.SIGTERM)  # the last node is evicted too
+    assert a.wait(timeout=60) == 143, a.output[-3000:]
     last = max(e["step"] for e in audit.read_entries(trace))
     assert ckpt.latest_valid(ck).step == last
 

@@ -147,6 +147,7 @@ def test_plain_torchrun_elastic_range_and_no_launcher(launch, tmp_path):
     job = launch([sys.executable, "-m", "torch.distributed.run", "--nnodes=1:4",
                   "--nproc-per-node=2", "--rdzv-backend=c10d",
                   f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=plain",
+                  "--rdzv-conf=last_call_timeout=1",
                   "-m", "elastic_runner", "train", DIGITS, *QUIET, f"checkpoint.dir={ck}",
                   "training.max_steps=6"], name="torchrun")
     assert job.wait(timeout=300) == 0, job.output[-3000:]
