@@ -19,7 +19,7 @@ from safetensors.torch import load_model, save_model
 
 from . import checkpoint as ckpt
 from .config import Config, from_dict, task_builder
-from .tasks.base import TaskBundle
+from .tasks.base import TaskBundle, metric_sums
 
 
 def resolve_checkpoint(path: str | Path) -> str:
@@ -79,15 +79,9 @@ def load_exported(out_dir: str | Path) -> tuple[torch.nn.Module, dict[str, Any]]
     return model.eval(), json.loads((out / "preprocessing.json").read_text())
 
 
-@torch.no_grad()
 def evaluate_split(bundle: TaskBundle, model: torch.nn.Module, split: str = "test",
                    batch_size: int = 256) -> dict[str, float]:
     """Single-process metrics of ``model`` on one split: ``{f"{split}_{name}": value}``."""
-    sums: dict[str, list[float]] = {}
     loader = torch.utils.data.DataLoader(getattr(bundle, split), batch_size=batch_size)
-    for x, y in loader:
-        for name, (s, c) in bundle.metrics_fn(model(x).float(), y).items():
-            acc = sums.setdefault(name, [0.0, 0.0])
-            acc[0] += s
-            acc[1] += c
+    sums = metric_sums(model, loader, bundle.metrics_fn, torch.device("cpu"))
     return {f"{split}_{k}": s / c for k, (s, c) in sums.items()}

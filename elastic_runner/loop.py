@@ -40,7 +40,7 @@ from .faults import FaultInjector, perturb_replica, planted_metric
 from .preempt import Preempted, PreemptionFlag
 from .sampler import ElasticSampler, shard_indices
 from .state import RNGState, TrainState, seed_everything, step_seed
-from .tasks.base import TaskBundle
+from .tasks.base import TaskBundle, metric_sums
 from .watchdog import HangWatchdog
 
 log = logging.getLogger(__name__)
@@ -269,26 +269,14 @@ class Trainer:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         return StepVote(bad=bool(flags[0]), preempt=bool(flags[1]))
 
-    @torch.no_grad()
     def evaluate(self, split: str, max_batches: int | None = None) -> dict[str, float]:
         """Sharded evaluation; sums and counts are all-reduced, so the result equals a
         single-process evaluation of the whole split (up to float64 summation order)."""
         dataset = getattr(self.bundle, split)
         shard = Subset(dataset, shard_indices(len(dataset), self.info.rank, self.info.world_size))
         loader = DataLoader(shard, batch_size=self.cfg.batch.micro_batch_size)
-        dtype = precision_dtype(self.cfg.training.precision)
-        sums: dict[str, tuple[float, float]] = {}
-        self.model.eval()
-        for i, (x, y) in enumerate(loader):
-            if max_batches is not None and i >= max_batches:
-                break
-            x, y = x.to(self.info.device), y.to(self.info.device)
-            with torch.autocast(self.info.device.type, dtype=dtype, enabled=dtype is not None):
-                out = self.model(x)
-            for name, (s, c) in self.bundle.metrics_fn(out.float(), y).items():
-                s0, c0 = sums.get(name, (0.0, 0.0))
-                sums[name] = (s0 + s, c0 + c)
-        self.model.train()
+        sums = metric_sums(self.model, loader, self.bundle.metrics_fn, self.info.device,
+                           precision_dtype(self.cfg.training.precision), max_batches)
         total = all_reduce_sums(sums, self.info.device)
         prefix = "val" if split == "val" else split
         return {f"{prefix}_{k}": s / c if c else float("nan") for k, (s, c) in total.items()}
@@ -368,15 +356,18 @@ class Trainer:
             self.state.step += 1
             self.state.samples += self.sampler.global_batch_size
             self.steps_this_attempt += 1
+            log_due = self.state.step % self.cfg.training.log_every_steps == 0
+            # the mean loss over ranks costs a collective: only when logged or traced
+            mean_loss = self._global_mean(loss) if log_due or self.trace is not None else None
             if self.trace is not None:
                 indices = [i for mb in self.sampler.step_indices(cursor) for i in mb]
                 self.trace.record_step(epoch, self.state.step, self.info.world_size,
-                                       self._global_mean(loss), indices, skipped=vote.bad)
+                                       mean_loss, indices, skipped=vote.bad)
             self._count_bad_step(vote.bad)
             self.faults.after_step(self.state.step, self.steps_this_attempt)
             if vote.preempt:
                 self._stop_for_preemption()
-            self._log_step(loss, time.perf_counter() - t0, bar)
+            self._log_step(mean_loss if log_due else None, time.perf_counter() - t0, bar)
             if self._after_step(end_of_epoch=self.sampler.steps_left_in_epoch() == 0):
                 return
         if self.trace is not None and self.info.is_main:
@@ -492,12 +483,12 @@ class Trainer:
         return tqdm(total=self.total_steps, initial=self.state.step, unit="step",
                     dynamic_ncols=True)
 
-    def _log_step(self, loss: torch.Tensor, seconds: float, bar: Any) -> None:
+    def _log_step(self, value: float | None, seconds: float, bar: Any) -> None:
+        """Progress bar every step; a log line when ``value`` (the mean loss) is given."""
         if bar is not None:
             bar.update(1)
-        if self.state.step % self.cfg.training.log_every_steps:
+        if value is None:
             return
-        value = self._global_mean(loss)
         lr = self.scheduler.get_last_lr()[0]
         if bar is not None:
             bar.set_postfix(loss=f"{value:.4f}", lr=f"{lr:.2e}")

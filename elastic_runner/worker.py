@@ -23,6 +23,12 @@ from .preempt import EXIT_PREEMPTED, Preempted
 log = logging.getLogger("elastic_runner.worker")
 
 EXIT_BAD_INPUT = 2
+_EXPECTED: dict[type[BaseException], tuple[int, int, str]] = {
+    ConfigError: (EXIT_BAD_INPUT, logging.ERROR, ""),
+    CheckpointError: (EXIT_BAD_INPUT, logging.ERROR, ""),
+    Preempted: (EXIT_PREEMPTED, logging.WARNING, ""),
+    TrainingFailed: (1, logging.ERROR, "training failed: "),
+}
 
 
 def main(config_path: str, overrides: list[str], resume: bool = True, verbose: bool = False
@@ -31,18 +37,13 @@ def main(config_path: str, overrides: list[str], resume: bool = True, verbose: b
     setup_logging(int(os.environ.get("RANK", 0)), verbose)
     try:
         return _train(config_path, overrides, resume)
-    except (ConfigError, CheckpointError) as e:
+    except tuple(_EXPECTED) as e:
+        # an expected ending: one message and an exit code, the error file names it for the
+        # agent's summary, no traceback
+        code, level, prefix = next(v for k, v in _EXPECTED.items() if isinstance(e, k))
         ErrorHandler().record_exception(e)
-        log.error("%s", e)
-        return EXIT_BAD_INPUT
-    except Preempted as e:
-        ErrorHandler().record_exception(e)
-        log.warning("%s", e)
-        return EXIT_PREEMPTED
-    except TrainingFailed as e:
-        ErrorHandler().record_exception(e)
-        log.error("training failed: %s", e)
-        return 1
+        log.log(level, "%s%s", prefix, e)
+        return code
 
 
 @record

@@ -65,3 +65,28 @@ def check_split_fractions(val_fraction: float, test_fraction: float) -> None:
             "data.val_fraction + data.test_fraction: must be < 1 to leave a training split, "
             f"got {val_fraction + test_fraction!r}"
         )
+
+
+@torch.no_grad()
+def metric_sums(model: nn.Module, loader: Any, metrics_fn: Callable[..., MetricSums],
+                device: torch.device, dtype: torch.dtype | None = None,
+                max_batches: int | None = None) -> MetricSums:
+    """``{name: (sum, count)}`` of ``metrics_fn`` over ``loader``'s ``(inputs, targets)``
+    batches (at most ``max_batches``), with the model in eval mode and autocast to ``dtype``
+    when given; the model's train/eval mode is restored afterwards."""
+    sums: dict[str, tuple[float, float]] = {}
+    was_training = model.training
+    model.eval()
+    try:
+        for i, (x, y) in enumerate(loader):
+            if max_batches is not None and i >= max_batches:
+                break
+            x, y = x.to(device), y.to(device)
+            with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+                out = model(x)
+            for name, (s, c) in metrics_fn(out.float(), y).items():
+                s0, c0 = sums.get(name, (0.0, 0.0))
+                sums[name] = (s0 + s, c0 + c)
+    finally:
+        model.train(was_training)
+    return sums
