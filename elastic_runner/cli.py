@@ -127,6 +127,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     args.overrides = _overrides(args)
     cfg = load_config(args.config, args.overrides)  # fail fast, before any worker starts
     args.shutdown_timeout = cfg.preemption.grace_seconds
+    args.metrics = cfg.metrics
     return launch(args)
 
 

@@ -166,15 +166,17 @@ class FaultSpec:
     """One injected fault: rank ``rank`` does ``kind`` when it completes global optimizer step
     ``step`` (or its ``after_steps``-th step of the current restart attempt), in restart attempts
     ``0 .. attempts-1``. ``nan`` poisons the loss of ``count`` consecutive steps starting at that
-    step; with ``repeat`` it fires again when those steps are replayed after a rollback."""
+    step; with ``repeat`` it fires again when those steps are replayed after a rollback. ``slow``
+    makes ``count`` consecutive steps take ``seconds`` longer on the rank (a straggler)."""
 
-    kind: Literal["sigkill", "sigterm", "raise", "hang", "nan"] = "sigkill"
+    kind: Literal["sigkill", "sigterm", "raise", "hang", "nan", "slow"] = "sigkill"
     rank: int = 0
     step: int | None = None
     after_steps: int | None = None
     attempts: int = 1
     count: int = 1
     repeat: bool = False
+    seconds: float = 0.0  # ``slow``: extra time each of ``count`` steps takes on this rank
 
 
 @dataclass
@@ -209,6 +211,23 @@ class WatchdogConfig:
 
 
 @dataclass
+class MetricsConfig:
+    """Prometheus metrics and health endpoints (see ``metrics.py`` and ``health.py``)."""
+
+    enabled: bool = True  # record per-rank series (off: no recording, no endpoint)
+    port: int | None = None  # the node's endpoint, served by `run`; plain torchrun workers serve
+    #                          port + local_rank themselves; None: no endpoint
+    address: str = "127.0.0.1"  # bind address; 0.0.0.0 to be scraped from other hosts (pods)
+    job: str = ""  # `job` label; empty: the rendezvous id
+    node: str = ""  # `node` label; empty: the hostname (the pod name on Kubernetes)
+    heartbeat_timeout_seconds: float | None = None  # silence of a training rank before it is
+    #   unhealthy; None: watchdog.hang_timeout_seconds, or 300 when the watchdog is off
+    straggler_threshold: float = 1.5  # log a rank whose step time exceeds this x the median;
+    #   0: no exchange of step times
+    linger_seconds: float = 0.0  # keep serving after the job ended, for a final scrape
+
+
+@dataclass
 class Config:
     task: str = "digits"
     seed: int = 1234
@@ -227,6 +246,7 @@ class Config:
     watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
     preemption: PreemptionConfig = field(default_factory=PreemptionConfig)
     faults: FaultConfig = field(default_factory=FaultConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return _plain(dataclasses.asdict(self))
@@ -235,11 +255,14 @@ class Config:
         return fingerprint(self.to_dict())
 
 
+_NOT_MODEL = ("checkpoint", "logging", "audit", "watchdog", "preemption", "faults", "metrics")
+
+
 def fingerprint(config: dict[str, Any]) -> str:
     """sha256 (hex, 16 chars) of what determines the trained model, from a config dict: excludes
-    the checkpoint, logging, audit and fault-injection sections, so moving the checkpoint dir keeps
+    the checkpoint, logging, audit, watchdog, preemption, fault-injection and metrics sections, so moving the checkpoint dir keeps
     resume working."""
-    d = {k: v for k, v in config.items() if k not in ("checkpoint", "logging", "audit", "watchdog", "preemption", "faults")}
+    d = {k: v for k, v in config.items() if k not in _NOT_MODEL}
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -463,6 +486,13 @@ def _check_values(cfg: Config) -> None:
         (cfg.training.log_every_steps >= 1, "training.log_every_steps", "must be >= 1"),
         (cfg.training.max_bad_steps >= 1, "training.max_bad_steps", "must be >= 1"),
         (cfg.preemption.grace_seconds >= 1, "preemption.grace_seconds", "must be >= 1"),
+        (cfg.metrics.port is None or 1 <= cfg.metrics.port <= 65535, "metrics.port",
+         "must be a TCP port (1-65535) or null"),
+        (cfg.metrics.heartbeat_timeout_seconds is None or cfg.metrics.heartbeat_timeout_seconds > 0,
+         "metrics.heartbeat_timeout_seconds", "must be > 0 or null"),
+        (cfg.metrics.straggler_threshold == 0 or cfg.metrics.straggler_threshold > 1,
+         "metrics.straggler_threshold", "must be > 1 (a ratio to the median) or 0 (off)"),
+        (cfg.metrics.linger_seconds >= 0, "metrics.linger_seconds", "must be >= 0"),
     ]
     for ok, key, msg in checks:
         if not ok:

@@ -10,7 +10,9 @@ Kinds (each a real event, not a simulation of the runner's reaction):
 * ``sigterm``: the rank sends itself SIGTERM (what an eviction delivers);
 * ``raise``: the rank raises ``InjectedFault`` (a Python error, recorded in the error file);
 * ``hang``: the rank blocks forever inside its next step (a stuck collective / data loader);
-* ``nan``: the rank's loss becomes NaN for ``count`` steps.
+* ``nan``: the rank's loss becomes NaN for ``count`` steps;
+* ``slow``: each of ``count`` steps takes ``seconds`` longer on the rank (a straggler: a slow
+  disk, a throttled device, a noisy neighbour).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -66,6 +69,12 @@ class FaultInjector:
         """True if the step about to run (global ``step``, 1-based) must produce a NaN loss."""
         return any(spec.kind == "nan" and self._due(spec, step, steps_this_attempt, spec.count)
                    and self._take(i, spec, step) for i, spec in self.specs)
+
+    def slow_now(self, step: int, steps_this_attempt: int) -> None:
+        """Sleep before the step about to run if a ``slow`` fault covers it."""
+        for _, spec in self.specs:
+            if spec.kind == "slow" and self._due(spec, step, steps_this_attempt, spec.count):
+                time.sleep(spec.seconds)
 
     def hang_now(self, step: int, steps_this_attempt: int) -> None:
         """Block forever if a ``hang`` fault is due at the step about to run."""

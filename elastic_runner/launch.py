@@ -19,6 +19,7 @@ import logging
 import os
 import sys
 import uuid
+from typing import Any
 
 import etcd
 import torch
@@ -33,6 +34,7 @@ from torch.distributed.launcher.api import elastic_launch
 from torch.distributed.run import config_from_args, get_args_parser
 
 from . import rdzv_fix
+from .agent_metrics import NodeEndpoint
 from .etcd_check import (
     ETCD_BACKENDS,
     EtcdCheckError,
@@ -109,6 +111,25 @@ def launch(args: argparse.Namespace) -> int:
         log.info("rendezvous: etcd %s at %s (%s), run id %r", version, targs.rdzv_endpoint,
                  targs.rdzv_backend, targs.rdzv_id)
     config, cmd, cmd_args = config_from_args(targs)
+    metrics = getattr(args, "metrics", None)
+    endpoint = None
+    if metrics is not None and metrics.enabled and metrics.port:
+        try:  # before the rendezvous: the endpoint answers while the node waits for peers
+            endpoint = NodeEndpoint(metrics, targs.rdzv_id, config.nproc_per_node)
+        except OSError as e:
+            print(f"elastic-runner: error: {e.strerror}", file=sys.stderr, flush=True)
+            return 2
+    code = 1
+    try:
+        code = _run_agent(targs, config, cmd, cmd_args)
+    finally:
+        if endpoint is not None:
+            endpoint.close({0: "succeeded", EXIT_PREEMPTED: "stopped"}.get(code, "failed"))
+    return code
+
+
+def _run_agent(targs: argparse.Namespace, config: Any, cmd: Any, cmd_args: list[str]) -> int:
+    """Run torch's elastic agent; each expected way it ends becomes one line and an exit code."""
     try:
         elastic_launch(config, cmd)(*cmd_args)
     except ChildFailedError as e:

@@ -37,9 +37,11 @@ from .dist import (
 )
 from .early_stop import EarlyStopping
 from .faults import FaultInjector, perturb_replica, planted_metric
+from .metrics import RankMetrics
 from .preempt import Preempted, PreemptionFlag
 from .sampler import ElasticSampler, shard_indices
 from .state import RNGState, TrainState, seed_everything, step_seed
+from .straggler import StragglerMonitor
 from .tasks.base import TaskBundle, metric_sums
 from .watchdog import HangWatchdog
 
@@ -108,7 +110,10 @@ class Trainer:
     watchdog: HangWatchdog | None = None
     faults: FaultInjector | None = None
     preempt: PreemptionFlag = field(default_factory=PreemptionFlag)
+    metrics: RankMetrics | None = None
+    straggler: StragglerMonitor | None = None
     resumed_from: str | None = None
+    _t_sync: float = 0.0  # perf_counter() when the step's last backward (the all-reduce) began
     _best_pending: bool = False
     _last_save_time: float = field(default_factory=time.monotonic)
     steps_this_attempt: int = 0
@@ -130,7 +135,7 @@ class Trainer:
         """Checkpoint the current step (all ranks call this; rank 0 writes). Commits
         ``step-N`` when ``step_checkpoint`` and ``best-step-N`` when the last evaluation
         improved; asynchronously when ``checkpoint.async_save``."""
-        self.watchdog.arm(self.cfg.watchdog.long_op_timeout_seconds, "checkpoint")
+        self._arm("checkpoint", "checkpointing", long=True)
         names = [f"step-{self.state.step:08d}"] if step_checkpoint else []
         if self._best_pending and self.cfg.checkpoint.keep_best:
             names.append(f"best-step-{self.state.step:08d}")
@@ -146,9 +151,10 @@ class Trainer:
         def write(state: dict[str, Any]) -> None:
             t0 = time.perf_counter()
             paths = ckpt.write_checkpoint(directory, names, state, meta)
+            seconds = time.perf_counter() - t0
+            self.metrics.checkpoint_committed(seconds, ckpt.inspect(paths[0]).size_bytes)
             ckpt.prune(directory, self.cfg.checkpoint.keep_last, protect=self.resumed_from)
-            log.info("committed checkpoint %s (written in %.2f s)",
-                     ", ".join(paths), time.perf_counter() - t0)
+            log.info("committed checkpoint %s (written in %.2f s)", ", ".join(paths), seconds)
 
         if self.checkpointer is not None:
             stall = self.checkpointer.save(self.state_dict(), write)
@@ -156,6 +162,7 @@ class Trainer:
             t0 = time.perf_counter()
             write(self.state_dict())
             stall = time.perf_counter() - t0
+        self.metrics.checkpoint_stall(stall)
         log.info("checkpoint of step %d: training stalled %.3f s (%s)", step, stall,
                  "async" if self.checkpointer is not None else "sync")
 
@@ -187,10 +194,13 @@ class Trainer:
 
     def resume(self) -> bool:
         """Load the newest valid checkpoint (chosen by rank 0, loaded by every rank)."""
+        self.metrics.phase("loading", None)
         choice = None
         if self.info.is_main:
             found = ckpt.latest_valid(self.cfg.checkpoint.dir)
             choice = found.path if found else None
+            if found:
+                self.metrics.checkpoint_loaded(found.time, found.size_bytes)
         choice = broadcast_object(choice)
         if choice is None:
             log.info("no checkpoint in %s: starting from scratch", self.cfg.checkpoint.dir)
@@ -218,6 +228,21 @@ class Trainer:
         self._reopen_if_limits_raised()
         return True
 
+    def _arm(self, what: str, phase: str, long: bool = False) -> None:
+        """A heartbeat: arm the hang watchdog for ``what`` and enter ``phase`` in the metrics.
+        Steps get the step budget; long operations (first step, checkpoint I/O, evaluation)
+        the long one; a checkpoint load never counts as unhealthy."""
+        w = self.cfg.watchdog
+        self.watchdog.arm(w.long_op_timeout_seconds if long else w.hang_timeout_seconds, what)
+        if phase == "loading":
+            health = None
+        elif long:
+            health = w.long_op_timeout_seconds
+        else:
+            health = (self.cfg.metrics.heartbeat_timeout_seconds or w.hang_timeout_seconds
+                      or 300.0)
+        self.metrics.phase(phase, health)
+
     # ------------------------------------------------------------ steps
 
     def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -242,6 +267,8 @@ class Trainer:
                 loss = self.bundle.loss_fn(self.net(x), y) / n
                 if poison:
                     loss = loss * float("nan")
+            if i == n - 1:
+                self._t_sync = time.perf_counter()
             self.scaler.scale(loss).backward()
             total += loss.detach()
         self.scaler.unscale_(self.optimizer)  # no-op without fp16
@@ -300,6 +327,7 @@ class Trainer:
                     self._rollback()
         finally:
             self.watchdog.disarm()
+            self.metrics.phase("finished", None)
             if bar is not None:
                 bar.close()
             if self.trace is not None:
@@ -342,23 +370,36 @@ class Trainer:
                 step_seed(self.cfg.seed, epoch, self.sampler.cursor, self.info.rank)))
         batches = iter(loader)
         accum = self.sampler.grad_accum_steps
-        w = self.cfg.watchdog
         while self.sampler.steps_left_in_epoch() > 0:
             t0 = time.perf_counter()
             cursor, step = self.sampler.cursor, self.state.step + 1
             first = self.steps_this_attempt == 0
-            self.watchdog.arm(w.long_op_timeout_seconds if first else w.hang_timeout_seconds,
-                              f"{'first ' if first else ''}step {step}")
+            self._arm(f"{'first ' if first else ''}step {step}", "training", long=first)
             self.faults.hang_now(step, self.steps_this_attempt + 1)
+            self.faults.slow_now(step, self.steps_this_attempt + 1)
             poison = self.faults.poison_loss(step, self.steps_this_attempt + 1)
-            loss, vote = self.train_step([next(batches) for _ in range(accum)], poison)
+            t_data = time.perf_counter()
+            micro_batches = [next(batches) for _ in range(accum)]
+            data_seconds = time.perf_counter() - t_data
+            loss, vote = self.train_step(micro_batches, poison)
+            self.straggler.add(self._t_sync - t0)
             self.sampler.advance()
             self.state.step += 1
             self.state.samples += self.sampler.global_batch_size
             self.steps_this_attempt += 1
             log_due = self.state.step % self.cfg.training.log_every_steps == 0
-            # the mean loss over ranks costs a collective: only when logged or traced
-            mean_loss = self._global_mean(loss) if log_due or self.trace is not None else None
+            seconds = time.perf_counter() - t0
+            self.metrics.step_done(self.state.step, epoch, seconds, data_seconds,
+                                   self.sampler.global_batch_size // self.info.world_size,
+                                   float(loss), self.scheduler.get_last_lr()[0])
+            # the mean loss over ranks costs a collective: only when logged or traced; at log
+            # steps it carries the straggler exchange too
+            mean_loss = None
+            if log_due:
+                mean_loss, ratio = self.straggler.exchange(float(loss))
+                self.metrics.window(ratio)
+            elif self.trace is not None:
+                mean_loss = self._global_mean(loss)
             if self.trace is not None:
                 indices = [i for mb in self.sampler.step_indices(cursor) for i in mb]
                 self.trace.record_step(epoch, self.state.step, self.info.world_size,
@@ -367,7 +408,7 @@ class Trainer:
             self.faults.after_step(self.state.step, self.steps_this_attempt)
             if vote.preempt:
                 self._stop_for_preemption()
-            self._log_step(mean_loss if log_due else None, time.perf_counter() - t0, bar)
+            self._log_step(mean_loss if log_due else None, seconds, bar)
             if self._after_step(end_of_epoch=self.sampler.steps_left_in_epoch() == 0):
                 return
         if self.trace is not None and self.info.is_main:
@@ -387,6 +428,7 @@ class Trainer:
             return
         self.state.bad_in_row += 1
         self.state.bad_steps += 1
+        self.metrics.skipped_step()
         limit = self.cfg.training.max_bad_steps
         log.warning("step %d: non-finite loss or gradient on at least one rank: update skipped "
                     "on all ranks (%d in a row, limit %d)", self.state.step,
@@ -407,7 +449,8 @@ class Trainer:
         rollbacks = self.state.rollbacks + 1
         log.warning("rolling back to the last valid checkpoint after %d non-finite steps",
                     self.cfg.training.max_bad_steps)
-        self.watchdog.arm(self.cfg.watchdog.long_op_timeout_seconds, "rollback")
+        self.metrics.rolled_back()
+        self._arm("rollback", "loading", long=True)
         if not self.resume():
             raise TrainingFailed("non-finite steps and no checkpoint to roll back to")
         self.state.rollbacks, self.state.bad_in_row = rollbacks, 0
@@ -419,7 +462,8 @@ class Trainer:
         """All ranks: commit a checkpoint of exactly this step, then leave with 143."""
         log.warning("preemption: checkpointing step %d, then stopping (SIGTERM on at least one "
                     "rank)", self.state.step)
-        self.watchdog.arm(self.cfg.watchdog.long_op_timeout_seconds, "preemption checkpoint")
+        self._arm("preemption checkpoint", "checkpointing", long=True)
+        self.metrics.finished("preempted")
         self.save()
         self.wait_for_checkpoint()
         barrier()  # rank 0 has committed before any rank exits
@@ -446,7 +490,7 @@ class Trainer:
 
     def _evaluate_and_decide(self) -> None:
         """Validate, let rank 0 decide early stopping; marks a pending best checkpoint."""
-        self.watchdog.arm(self.cfg.watchdog.long_op_timeout_seconds, "evaluation")
+        self._arm("evaluation", "evaluating", long=True)
         metrics = self.evaluate("val", self.cfg.eval.max_batches)
         self.results.update(metrics, eval_step=self.state.step)
         es = self.cfg.early_stopping
@@ -463,6 +507,8 @@ class Trainer:
                  self.early.best_step,
                  f", patience left {self.early.patience_left}" if es.enabled else "")
         self._scalars(metrics)
+        if self.info.is_main:
+            self.metrics.evaluated(metrics, es.metric, self.early.best, self.early.patience_left)
         self._best_pending = decision.improved
         if decision.stop:
             self._finish(f"early stopping: no improvement of {es.metric} in "
@@ -471,6 +517,7 @@ class Trainer:
 
     def _finish(self, reason: str) -> None:
         self.state.finished, self.state.stop_reason = True, reason
+        self.metrics.finished(reason)
         log.info("stopping after step %d: %s", self.state.step, reason)
 
     # ------------------------------------------------------------ reporting
@@ -524,8 +571,9 @@ def _fmt(d: dict[str, Any]) -> str:
     return " ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in d.items())
 
 
-def build_trainer(cfg: Config, info: DistInfo) -> Trainer:
-    """Build task, model, DDP wrapper, optimizer, schedule and sampler for this rank."""
+def build_trainer(cfg: Config, info: DistInfo, metrics: RankMetrics | None = None) -> Trainer:
+    """Build task, model, DDP wrapper, optimizer, schedule and sampler for this rank;
+    ``metrics`` (default: recording only) receives the rank's series."""
     if cfg.training.precision == "fp16" and info.device.type != "cuda":
         raise ConfigError("training.precision: 'fp16' needs CUDA (GradScaler); use 'bf16' on CPU")
     seed_everything(cfg.seed)
@@ -561,9 +609,17 @@ def build_trainer(cfg: Config, info: DistInfo) -> Trainer:
              sampler.global_batch_size, info.world_size, cfg.batch.micro_batch_size,
              accum, sampler.steps_per_epoch(), total)
     checkpointer = AsyncCheckpointer() if cfg.checkpoint.async_save and info.is_main else None
+    if metrics is None:
+        metrics = RankMetrics(cfg.metrics, info.rank, info.local_rank,
+                              cuda=info.device.type == "cuda")
+    metrics.count_tokens(bundle.tokens_per_sample)
+    metrics.world(info.world_size)
     return Trainer(cfg=cfg, info=info, bundle=bundle, model=model, net=net, optimizer=optimizer,
                    scheduler=scheduler, scaler=scaler, sampler=sampler, total_steps=total,
                    early=EarlyStopping(cfg.early_stopping), writer=writer,
                    checkpointer=checkpointer,
                    watchdog=HangWatchdog(info.rank, cfg.watchdog.dump_grace_seconds),
-                   faults=FaultInjector(cfg.faults, info.rank, info.restart_count))
+                   faults=FaultInjector(cfg.faults, info.rank, info.restart_count),
+                   metrics=metrics,
+                   straggler=StragglerMonitor(cfg.metrics.straggler_threshold, info.rank,
+                                              info.world_size, info.device))

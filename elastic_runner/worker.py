@@ -10,14 +10,18 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 
+import torch
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
 from .checkpoint import CheckpointError
-from .config import ConfigError, load_config
+from .config import Config, ConfigError, load_config
 from .dist import destroy_distributed, init_distributed
+from .health import MetricsServer
 from .logs import setup_logging
 from .loop import TrainingFailed, build_trainer
+from .metrics import AGENT_ENV, RankMetrics
 from .preempt import EXIT_PREEMPTED, Preempted
 
 log = logging.getLogger("elastic_runner.worker")
@@ -49,10 +53,13 @@ def main(config_path: str, overrides: list[str], resume: bool = True, verbose: b
 @record
 def _train(config_path: str, overrides: list[str], resume: bool) -> int:
     cfg = load_config(config_path, overrides)
-    info = init_distributed(cfg.distributed.backend, cfg.distributed.timeout_seconds)
+    metrics, server = worker_metrics(cfg)
+    metrics.phase("starting", None)  # joining the process group is not a hang
+    info = None
     trainer = None
     try:
-        trainer = build_trainer(cfg, info)
+        info = init_distributed(cfg.distributed.backend, cfg.distributed.timeout_seconds)
+        trainer = build_trainer(cfg, info, metrics)
         trainer.preempt.install()
         if resume and cfg.checkpoint.resume:
             trainer.resume()
@@ -60,5 +67,27 @@ def _train(config_path: str, overrides: list[str], resume: bool) -> int:
     finally:
         if trainer is not None and trainer.watchdog is not None:
             trainer.watchdog.close()
-        destroy_distributed()
+        if info is not None:
+            destroy_distributed()
+        if server is not None:
+            if cfg.metrics.linger_seconds:
+                threading.Event().wait(cfg.metrics.linger_seconds)
+            server.close()
     return 0
+
+
+def worker_metrics(cfg: Config) -> tuple[RankMetrics, MetricsServer | None]:
+    """This rank's series, and its own endpoint on ``metrics.port + local_rank`` when no
+    elastic-runner agent serves the node's (plain torchrun)."""
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    metrics = RankMetrics(cfg.metrics, int(os.environ.get("RANK", 0)), local_rank,
+                          cuda=torch.cuda.is_available())
+    m = cfg.metrics
+    if not (m.enabled and m.port) or os.environ.get(AGENT_ENV):
+        return metrics, None
+    try:
+        server = MetricsServer(metrics.registry, m.address, m.port + local_rank,
+                               expected_local_ranks=1)
+    except OSError as e:
+        raise ConfigError(e.strerror) from e
+    return metrics, server

@@ -2,7 +2,7 @@
 
 import pytest
 
-from bench import checkpoint_stall, recovery
+from bench import checkpoint_stall, metrics_overhead, recovery
 
 
 def test_checkpoint_stall_smoke(tmp_path, capsys):
@@ -18,3 +18,12 @@ def test_recovery_smoke(capsys):
     (run,) = results["sigterm"]
     assert run["recovery_s"] > 0 and run["steps_redone"] == 0  # preemption loses no step
     assert "recovery s" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_metrics_overhead_smoke(capsys):
+    summary = metrics_overhead.main(["--steps", "30", "--repeats", "1"])
+    (pair,) = summary["pairs"]
+    assert pair["off_steps_per_s"] > 0 and pair["on_steps_per_s"] > 0 and pair["scrapes"] > 0
+    assert summary["record_us_per_step"] > 0 and summary["scrape_ms_per_rank"] > 0
+    assert "metrics on / off steps/s" in capsys.readouterr().out

@@ -12,7 +12,8 @@ import pytest
 from elastic_runner import audit
 from elastic_runner import checkpoint as ckpt
 
-from .procs import CONFIGS, cli, wait_until
+from .procs import CONFIGS, cli, free_port, wait_until
+from .test_metrics import get, samples
 
 pytestmark = pytest.mark.slow
 
@@ -23,11 +24,11 @@ RDZV_CONF = ("last_call_timeout=4,join_timeout=120,keep_alive_interval=1,"
              "keep_alive_max_attempt=8")
 
 
-def node(launch, etcd, name, ck, trace):
+def node(launch, etcd, name, ck, trace, *extra):
     return launch(cli(
         "run", str(CONFIGS / "digits.yaml"), "logging.tensorboard_dir=null",
         "early_stopping.enabled=false", f"checkpoint.dir={ck}", "checkpoint.every_steps=10",
-        "batch.micro_batch_size=4", "batch.global_batch_size=16", "training.max_epochs=1000",
+        "batch.micro_batch_size=4", "batch.global_batch_size=16", "training.max_epochs=1000", *extra,
         "--nnodes", "1:3", "--nproc-per-node", "1", "--rdzv-backend", "etcd-v2",
         "--rdzv-endpoint", etcd.endpoint, "--rdzv-id", "multinode", "--rdzv-conf", RDZV_CONF,
         "--max-restarts", "5", "--monitor-interval", "0.2", "--trace-samples", str(trace)),
@@ -42,7 +43,8 @@ def world_sizes(trace) -> list[int]:
 
 def test_node_loss_and_join_keep_every_sample_exactly_once(launch, etcd_server, tmp_path):
     ck, trace = tmp_path / "ck", tmp_path / "trace"
-    a = node(launch, etcd_server, "node-a", ck, trace)
+    port = free_port()
+    a = node(launch, etcd_server, "node-a", ck, trace, f"metrics.port={port}")
     b = node(launch, etcd_server, "node-b", ck, trace)
     wait_until(lambda: world_sizes(trace).count(2) >= 20, 120, "20 steps at world size 2")
 
@@ -55,6 +57,12 @@ def test_node_loss_and_join_keep_every_sample_exactly_once(launch, etcd_server, 
                "20 steps at world size 2 after node C joined")
     sizes = world_sizes(trace)
     assert sizes[0] == 2 and 1 in sizes and sizes[-1] == 2
+    # node A's endpoint counted the join as a membership restart (B's loss broke A's collective)
+    _, text = get(port)
+    assert samples(text, "elastic_runner_restarts_total", job="multinode",
+                   reason="membership")[0] >= 1
+    assert samples(text, "elastic_runner_rendezvous_total")[0] >= 3
+    assert samples(text, "elastic_runner_world_size", job="multinode") == [2]
 
     c.proc.send_signal(signal.SIGTERM)  # node C is evicted: every rank checkpoints that step
     assert c.wait(timeout=60) == 143, c.output[-3000:]

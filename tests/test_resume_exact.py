@@ -87,19 +87,24 @@ def corrupt(path, how: str) -> str:
     return "state.pt missing"
 
 
-@pytest.mark.parametrize("how", ["truncate", "bitflip", "delete"])
-def test_corrupt_newest_checkpoint_falls_back_to_previous(launch, tmp_path, how):
+def test_corrupt_newest_checkpoints_fall_back_to_the_newest_valid(launch, tmp_path):
     ck = tmp_path / "ck"
-    common = [DIGITS, *QUIET, f"checkpoint.dir={ck}", "checkpoint.every_steps=2"]
+    common = [DIGITS, *QUIET, f"checkpoint.dir={ck}", "checkpoint.every_steps=1",
+              "checkpoint.keep_last=4"]
     run_to_end(launch, "first", *common, "training.max_steps=6")
-    reason = corrupt(ck / "step-00000006", how)
-    listing = run_cli("checkpoints", str(ck), "--verify")
-    assert "INVALID" in listing.stdout and reason in listing.stdout
+    # the three newest are damaged three ways; the resume must skip each, naming why
+    reasons = {step: corrupt(ck / f"step-{step:08d}", how)
+               for step, how in ((6, "truncate"), (5, "bitflip"), (4, "delete"))}
+    listing = run_cli("checkpoints", str(ck), "--verify").stdout
+    assert listing.count("INVALID") == 3 and all(r in listing for r in reasons.values())
 
     job = run_to_end(launch, "again", *common, "training.max_steps=8")
     out = job.output
-    assert f"skipping checkpoint {ck / 'step-00000006'}: " in out and reason in out
-    assert f"resumed from {ck / 'step-00000004'}: step 4" in out
+    for step, reason in reasons.items():
+        skipped = [ln for ln in out.splitlines()
+                   if f"skipping checkpoint {ck / f'step-{step:08d}'}: " in ln]
+        assert skipped and reason in skipped[0], (step, reason, skipped)
+    assert f"resumed from {ck / 'step-00000003'}: step 3" in out
     assert final_state(ck)["train_state"]["step"] == 8
 
 

@@ -43,6 +43,8 @@ class TaskBundle:
             (vocabulary, normalisation); written by ``export``.
         sample_fn: optional ``sample_fn(model, prompt: str, max_new_tokens: int, seed: int) -> str``
             for generative tasks (``elastic-runner generate``).
+        tokens_per_sample: tokens in one training sample, for language-model tasks (exported as
+            ``elastic_runner_tokens_total`` and ``_tokens_per_second``); None otherwise.
     """
 
     model: nn.Module
@@ -53,6 +55,7 @@ class TaskBundle:
     metrics_fn: Callable[[torch.Tensor, torch.Tensor], MetricSums]
     artifacts: dict[str, Any] = field(default_factory=dict)
     sample_fn: Callable[..., str] | None = None
+    tokens_per_sample: int | None = None
 
 
 def check_split_fractions(val_fraction: float, test_fraction: float) -> None:

@@ -390,6 +390,7 @@ def build(cfg: Config) -> TaskBundle:
         test=splits["test"],
         loss_fn=loss_fn,
         metrics_fn=metrics_fn,
+        tokens_per_sample=data.block_size,
         artifacts={
             "vocab": vocab,
             "block_size": data.block_size,
