@@ -140,18 +140,32 @@ class AgentMonitor(te_metrics.MetricHandler):
 
 class LiveWorkersCollector:
     """prometheus-client's MultiProcessCollector after removing the live-gauge files of worker
-    processes that have exited (a zombie not yet reaped by the agent counts as exited)."""
+    processes that have exited (a zombie not yet reaped by the agent counts as exited).
+
+    Collections are serialised: concurrent scrapes and probes would otherwise remove files
+    that another one is reading. A file that a starting worker has created but not yet sized
+    (0 bytes) is skipped; prometheus-client's reader fails on it (``struct.error``), which
+    turned a probe during a restart into an HTTP 500."""
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self._inner = MultiProcessCollector(None, path=path)
+        self._lock = threading.Lock()
 
-    def collect(self) -> Iterator[Metric]:
-        for f in glob.glob(os.path.join(self.path, "gauge_live*_*.db")):
-            pid = int(f.rsplit("_", 1)[1].removesuffix(".db"))
-            if not _alive(pid):
-                mark_process_dead(pid, self.path)
-        return self._inner.collect()
+    def collect(self) -> list[Metric]:
+        with self._lock:
+            for f in glob.glob(os.path.join(self.path, "gauge_live*_*.db")):
+                pid = int(f.rsplit("_", 1)[1].removesuffix(".db"))
+                if not _alive(pid):
+                    mark_process_dead(pid, self.path)
+            files = [f for f in glob.glob(os.path.join(self.path, "*.db")) if _sized(f)]
+            return list(MultiProcessCollector.merge(files, accumulate=True))
+
+
+def _sized(path: str) -> bool:
+    try:
+        return os.path.getsize(path) > 0
+    except FileNotFoundError:
+        return False
 
 
 def _alive(pid: int) -> bool:
@@ -189,10 +203,11 @@ class NodeEndpoint:
         te_metrics.configure(self.monitor, group="torchelastic")
 
     def close(self, final_state: str | None = None) -> None:
-        """Record the job's end, keep serving ``metrics.linger_seconds``, then stop."""
+        """Record the job's end, keep serving ``metrics.linger_seconds`` (unless stopped by a
+        signal: a pod being deleted should exit at once), then stop."""
         if final_state:
             self.monitor.set_state(final_state)
-        if self.cfg.linger_seconds:
+        if self.cfg.linger_seconds and final_state != "stopped":
             log.info("serving metrics for %.0f s more (metrics.linger_seconds)",
                      self.cfg.linger_seconds)
             threading.Event().wait(self.cfg.linger_seconds)

@@ -39,6 +39,7 @@ from .metrics import PREFIX
 log = logging.getLogger(__name__)
 
 WORKING_PHASES = ("training", "evaluating", "checkpointing")
+LIVENESS, READINESS, HEALTH = "/healthz", "/readyz", "/health"
 
 
 @dataclass
@@ -177,13 +178,13 @@ class MetricsServer:
     def _app(self, environ: dict[str, Any], start_response: Callable[..., Any]
              ) -> Iterator[bytes] | list[bytes]:
         path = environ.get("PATH_INFO", "/")
-        if path not in ("/healthz", "/readyz", "/health"):
+        if path not in (LIVENESS, READINESS, HEALTH):
             return self._metrics_app(environ, start_response)
         verdict = self.health()
-        if path == "/health":
+        if path == HEALTH:
             ok, body, kind = verdict.live, json.dumps(verdict.to_json(), indent=1), "json"
         else:
-            ok = verdict.live if path == "/healthz" else verdict.ready
+            ok = verdict.live if path == LIVENESS else verdict.ready
             body, kind = ("ok" if ok else verdict.reason) + "\n", "plain"
         status = "200 OK" if ok else "503 Service Unavailable"
         start_response(status, [("Content-Type", f"application/{kind}" if kind == "json"

@@ -68,7 +68,11 @@ def torchrun_argv(args: argparse.Namespace) -> list[str]:
         if value is not None:
             argv.extend([flag, str(value)])
 
-    opt("--nproc-per-node", args.nproc_per_node, default_nproc_per_node())
+    # some training-operator releases inject PET_N_PROC_PER_NODE, which torchrun does not read
+    nproc = args.nproc_per_node
+    if nproc is None and "PET_NPROC_PER_NODE" not in os.environ:
+        nproc = os.environ.get("PET_N_PROC_PER_NODE")
+    opt("--nproc-per-node", nproc, default_nproc_per_node())
     opt("--nnodes", args.nnodes)
     endpoint, run_id = args.rdzv_endpoint, args.rdzv_id
     if (args.rdzv_backend in (None, "c10d") and not endpoint

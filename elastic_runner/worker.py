@@ -57,6 +57,7 @@ def _train(config_path: str, overrides: list[str], resume: bool) -> int:
     metrics.phase("starting", None)  # joining the process group is not a hang
     info = None
     trainer = None
+    linger = 0.0
     try:
         info = init_distributed(cfg.distributed.backend, cfg.distributed.timeout_seconds)
         trainer = build_trainer(cfg, info, metrics)
@@ -64,14 +65,14 @@ def _train(config_path: str, overrides: list[str], resume: bool) -> int:
         if resume and cfg.checkpoint.resume:
             trainer.resume()
         trainer.fit()
+        linger = cfg.metrics.linger_seconds  # a final scrape sees the ending (not on errors)
     finally:
         if trainer is not None and trainer.watchdog is not None:
             trainer.watchdog.close()
         if info is not None:
             destroy_distributed()
         if server is not None:
-            if cfg.metrics.linger_seconds:
-                threading.Event().wait(cfg.metrics.linger_seconds)
+            threading.Event().wait(linger)
             server.close()
     return 0
 

@@ -21,9 +21,10 @@ def test_recovery_smoke(capsys):
 
 
 @pytest.mark.slow
-def test_metrics_overhead_smoke(capsys):
-    summary = metrics_overhead.main(["--steps", "30", "--repeats", "1"])
-    (pair,) = summary["pairs"]
-    assert pair["off_steps_per_s"] > 0 and pair["on_steps_per_s"] > 0 and pair["scrapes"] > 0
-    assert summary["record_us_per_step"] > 0 and summary["scrape_ms_per_rank"] > 0
-    assert "metrics on / off steps/s" in capsys.readouterr().out
+def test_metrics_overhead_smoke(tmp_path):
+    # one run of the "on" variant (the endpoint scraped) and the in-process costs; the paired
+    # loop in main() only repeats these
+    run = metrics_overhead.run_once("on", 25, 0.5, tmp_path)
+    assert run["steps_per_s"] > 0 and run["scrapes"] > 0
+    micro = metrics_overhead.micro()
+    assert micro["record_us_per_step"] > 0 and micro["scrape_ms_per_rank"] > 0

@@ -12,7 +12,8 @@ def torchrun_args(*cmd: str):
 
 
 def test_defaults_are_standalone_c10d_on_loopback(monkeypatch):
-    for var in ("PET_NPROC_PER_NODE", "PET_RDZV_ENDPOINT", "PET_MAX_RESTARTS"):
+    for var in ("PET_NPROC_PER_NODE", "PET_N_PROC_PER_NODE", "PET_RDZV_ENDPOINT",
+                "PET_MAX_RESTARTS"):
         monkeypatch.delenv(var, raising=False)
     t = torchrun_args("c.yaml", "optimizer.lr=0.1")
     assert (t.rdzv_backend, t.rdzv_endpoint) == ("c10d", "127.0.0.1:0")
@@ -41,6 +42,7 @@ def test_preemption_grace_becomes_the_agents_shutdown_timeout():
 
 @pytest.mark.parametrize("var, value, attr, expected", [
     ("PET_NPROC_PER_NODE", "4", "nproc_per_node", "4"),
+    ("PET_N_PROC_PER_NODE", "3", "nproc_per_node", "3"),  # training-operator's spelling
     ("PET_MAX_RESTARTS", "7", "max_restarts", 7),
     ("PET_RDZV_ENDPOINT", "etcd:2379", "rdzv_endpoint", "etcd:2379"),
 ])

@@ -178,7 +178,7 @@ def test_prometheus_scrapes_per_rank_series_and_they_cover_dashboard_and_alerts(
 
 
 class Poller(threading.Thread):
-    """GETs /health every 50 ms and records (status or exception, parsed body)."""
+    """GETs /health every 50 ms and records (status or exception, parsed body or text)."""
 
     def __init__(self, port: int) -> None:
         super().__init__(daemon=True)
@@ -188,7 +188,7 @@ class Poller(threading.Thread):
         while not self.stop.wait(0.05):
             try:
                 status, body = get(self.port, "/health")
-                self.seen.append((status, json.loads(body)))
+                self.seen.append((status, json.loads(body) if status in (200, 503) else body))
             except OSError as e:
                 self.seen.append((type(e).__name__, None))
 
@@ -211,14 +211,14 @@ def test_endpoint_answers_through_a_restart_and_reports_a_hung_rank(launch, tmp_
         poller.stop.set()
         poller.join()
 
-    statuses = [s for s, _ in poller.seen]
-    assert all(isinstance(s, int) for s in statuses), "the endpoint stopped answering"
+    errors = [(s, b) for s, b in poller.seen if s not in (200, 503)]
+    assert not errors, f"the endpoint failed to answer: {errors[:3]}"
     during = [b for _, b in poller.seen
               if b["agent"]["restarts"]["failure"] == 1 and b["agent"]["state"] != "running"]
     assert during, "no poll saw the group restarting"
     assert all(b["status"] == "ok" for b in during)  # restarting is not unhealthy
     assert any(len(b["ranks"]) < 2 for b in during)  # the dead worker's series went away
-    assert "exitcode: -9" in job.output or "Signals.SIGKILL" in job.output
+    assert "fault injection: rank 1 sigkill after step 12" in job.output
 
     _, text = get(port)
     assert samples(text, "elastic_runner_restarts_total", reason="failure") == [1]
@@ -275,3 +275,29 @@ def test_plain_torchrun_workers_serve_their_own_endpoints(launch, tmp_path):
         assert code == 200 and health["agent"] is None
         assert [r["rank"] for r in health["ranks"]] == [local_rank]
     assert job.proc.poll() is None
+
+
+def test_a_taken_port_is_a_clear_error_naming_address_and_port():
+    from elastic_runner.health import MetricsServer
+
+    first = MetricsServer(CollectorRegistry(), "127.0.0.1", free_port())
+    try:
+        with pytest.raises(OSError, match=rf"metrics endpoint 127\.0\.0\.1:{first.port}: .*"
+                                          r"choose another metrics\.port"):
+            MetricsServer(CollectorRegistry(), "127.0.0.1", first.port)
+        assert get(first.port, "/healthz")[0] == 200  # no ranks yet: alive
+    finally:
+        first.close()
+
+
+def test_a_worker_file_not_yet_sized_does_not_break_a_scrape(tmp_path):
+    """A starting worker creates its file before sizing it; prometheus-client's reader fails on
+    the empty file, which made a probe during a restart answer HTTP 500."""
+    from prometheus_client.multiprocess import MultiProcessCollector
+
+    from elastic_runner.agent_metrics import LiveWorkersCollector
+
+    (tmp_path / "counter_999999.db").touch()
+    with pytest.raises(Exception):  # noqa: B017 - struct.error from the library's reader
+        list(MultiProcessCollector(None, path=str(tmp_path)).collect())
+    assert LiveWorkersCollector(str(tmp_path)).collect() == []

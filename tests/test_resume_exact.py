@@ -69,7 +69,8 @@ def test_without_global_batch_the_log_names_the_change(launch, tmp_path):
     common = [DIGITS, *QUIET, f"checkpoint.dir={ck}", "batch.micro_batch_size=8",
               "batch.grad_accum_steps=1"]
     run_to_end(launch, "two", *common, "training.max_steps=4")
-    job = run_to_end(launch, "one", *common, "training.max_steps=6", "--nproc-per-node", "1")
+    job = launch(cli("train", *common, "training.max_steps=6"), name="one")  # world size 1
+    assert job.wait(timeout=300) == 0, job.output[-3000:]
     assert "global batch changed from 16 to 8 samples (world size now 1)" in job.output
 
 
