@@ -26,27 +26,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import urllib.request
-from datetime import datetime
 from pathlib import Path
 
+from .common import free_port, steps_per_second
+
 REPO = Path(__file__).resolve().parents[1]
-_STEP = re.compile(r"^(\d\d:\d\d:\d\d\.\d\d\d) \[rank0\] INFO elastic_runner\.loop: "
-                   r"epoch \d+ step (\d+)/")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _scrape_until(port: int, interval: float, stop: threading.Event, count: list[int]) -> None:
     while not stop.wait(interval):
@@ -79,12 +69,8 @@ def run_once(variant: str, steps: int, scrape_interval: float, workdir: Path) ->
         stop.set()
     if out.returncode != 0:
         raise RuntimeError(f"{variant}: run failed:\n{out.stdout[-2000:]}{out.stderr[-2000:]}")
-    day = datetime.now().strftime("%Y-%m-%d")
-    points = [(datetime.strptime(f"{day} {m[1]}", "%Y-%m-%d %H:%M:%S.%f").timestamp(),
-               int(m[2])) for ln in (out.stdout + out.stderr).splitlines()
-              if (m := _STEP.match(ln))]
-    (t0, s0), (t1, s1) = points[0], points[-1]
-    return {"variant": variant, "steps_per_s": (s1 - s0) / (t1 - t0), "scrapes": scrapes[0]}
+    return {"variant": variant, "steps_per_s": steps_per_second(out.stdout + out.stderr),
+            "scrapes": scrapes[0]}
 
 
 _MICRO = """

@@ -40,7 +40,7 @@ from .faults import FaultInjector, perturb_replica, planted_metric
 from .metrics import RankMetrics
 from .preempt import Preempted, PreemptionFlag
 from .sampler import ElasticSampler, shard_indices
-from .state import RNGState, TrainState, seed_everything, step_seed
+from .state import RNGState, TrainState, seed_everything, seed_step, step_seed
 from .straggler import StragglerMonitor
 from .tasks.base import TaskBundle, metric_sums
 from .watchdog import HangWatchdog
@@ -253,8 +253,8 @@ class Trainer:
         loss or gradient (then the update is skipped on all ranks) and whether any rank was
         asked to stop (SIGTERM). ``poison`` makes the loss NaN (fault injection).
         """
-        torch.manual_seed(step_seed(self.cfg.seed, self.sampler.epoch, self.state.step,
-                                    self.info.rank))
+        seed_step(step_seed(self.cfg.seed, self.sampler.epoch, self.state.step, self.info.rank),
+                  self.info.device)
         dtype = precision_dtype(self.cfg.training.precision)
         n = len(micro_batches)
         total = torch.zeros((), device=self.info.device)

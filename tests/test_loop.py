@@ -81,3 +81,12 @@ def test_hang_watchdog_closes_its_thread():
     w.arm(60, "a step")
     w.close()
     assert not w._thread.is_alive()
+
+
+def test_seed_step_gives_the_same_stream_as_manual_seed():
+    from elastic_runner.state import seed_step
+
+    torch.manual_seed(123)
+    want = torch.rand(5)
+    seed_step(123, torch.device("cpu"))
+    assert torch.equal(torch.rand(5), want)
