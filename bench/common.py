@@ -1,11 +1,19 @@
-"""Helpers shared by the benchmarks: a free loopback port, and a training rate read from the
-millisecond timestamps of a run's log."""
+"""Helpers shared by the benchmarks: the digits run they time, running it, a free loopback
+port, a training rate read from the millisecond timestamps of a run's log, and the median and
+spread of repeated figures."""
 
 from __future__ import annotations
 
+import os
 import re
 import socket
+import statistics
+import subprocess
+import sys
 from datetime import datetime
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
 
 # rank 0's step log line of the runner: "HH:MM:SS.mmm [rank0] INFO elastic_runner.loop: epoch E
 # step N/T ..."
@@ -29,3 +37,28 @@ def steps_per_second(log: str, pattern: re.Pattern[str] = RUNNER_STEP) -> float:
         raise RuntimeError(f"fewer than two step lines in the log:\n{log[-2000:]}")
     (t0, s0), (t1, s1) = points[0], points[-1]
     return (s1 - s0) / (t1 - t0)
+
+
+def digits_run_argv(steps: int, checkpoint_dir: Path, *overrides: str) -> list[str]:
+    """``elastic-runner run`` of the digits task (2 CPU workers) for ``steps`` optimizer steps,
+    logged every 10 steps, evaluated only after the last one, plus ``overrides``."""
+    return [sys.executable, "-m", "elastic_runner", "run", "configs/digits.yaml",
+            "logging.tensorboard_dir=null", "early_stopping.enabled=false",
+            f"checkpoint.dir={checkpoint_dir}", f"training.max_steps={steps}",
+            "training.max_epochs=100000", f"eval.every_steps={steps + 1}",
+            "training.log_every_steps=10", *overrides]
+
+
+def run_logged(argv: list[str], what: str, timeout: float = 600) -> str:
+    """Run ``argv`` from the repository root (one OpenMP thread per process); its combined
+    output. Raises RuntimeError naming ``what`` and the output's tail when it fails."""
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=REPO,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if out.returncode != 0:
+        raise RuntimeError(f"{what}: run failed:\n{out.stdout[-2000:]}{out.stderr[-2000:]}")
+    return out.stdout + out.stderr
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    """Median, min and max of repeated figures."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -34,9 +33,8 @@ import threading
 import urllib.request
 from pathlib import Path
 
-from .common import free_port, steps_per_second
+from .common import REPO, digits_run_argv, free_port, run_logged, spread, steps_per_second
 
-REPO = Path(__file__).resolve().parents[1]
 
 def _scrape_until(port: int, interval: float, stop: threading.Event, count: list[int]) -> None:
     while not stop.wait(interval):
@@ -52,25 +50,17 @@ def run_once(variant: str, steps: int, scrape_interval: float, workdir: Path) ->
     port = free_port()
     metrics = ([f"metrics.port={port}"] if variant == "on"
                else ["metrics.enabled=false", "metrics.straggler_threshold=0"])
-    argv = [sys.executable, "-m", "elastic_runner", "run", "configs/digits.yaml",
-            "logging.tensorboard_dir=null", "early_stopping.enabled=false",
-            f"checkpoint.dir={workdir / variant}", "checkpoint.every_steps=0",
-            f"training.max_steps={steps}", "training.max_epochs=100000",
-            f"eval.every_steps={steps + 1}", "training.log_every_steps=10", *metrics]
+    argv = digits_run_argv(steps, workdir / variant, "checkpoint.every_steps=0", *metrics)
     stop, scrapes = threading.Event(), [0]
     scraper = threading.Thread(target=_scrape_until, args=(port, scrape_interval, stop, scrapes),
                                daemon=True)
     if variant == "on":
         scraper.start()
     try:
-        out = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=REPO,
-                             env={**os.environ, "OMP_NUM_THREADS": "1"})
+        log = run_logged(argv, variant)
     finally:
         stop.set()
-    if out.returncode != 0:
-        raise RuntimeError(f"{variant}: run failed:\n{out.stdout[-2000:]}{out.stderr[-2000:]}")
-    return {"variant": variant, "steps_per_s": steps_per_second(out.stdout + out.stderr),
-            "scrapes": scrapes[0]}
+    return {"variant": variant, "steps_per_s": steps_per_second(log), "scrapes": scrapes[0]}
 
 
 _MICRO = """
@@ -122,17 +112,15 @@ def main(argv: list[str] | None = None) -> dict:
                           "on_steps_per_s": runs["on"]["steps_per_s"],
                           "ratio": runs["on"]["steps_per_s"] / runs["off"]["steps_per_s"],
                           "scrapes": runs["on"]["scrapes"]})
-    ratios = [r["ratio"] for r in pairs]
+    ratio = spread([r["ratio"] for r in pairs])
     print(f"{'pair':>4} {'off steps/s':>11} {'on steps/s':>10} {'on/off':>7} {'scrapes':>7}")
     for i, r in enumerate(pairs):
         print(f"{i:>4} {r['off_steps_per_s']:>11.1f} {r['on_steps_per_s']:>10.1f} "
               f"{r['ratio']:>7.3f} {r['scrapes']:>7}")
-    summary = {"median_ratio": statistics.median(ratios), "min_ratio": min(ratios),
-               "max_ratio": max(ratios), "pairs": pairs, "steps": args.steps,
+    summary = {"ratio": ratio, "pairs": pairs, "steps": args.steps,
                "scrape_interval_s": args.scrape_interval}
-    print(f"metrics on / off steps/s: median {summary['median_ratio']:.3f} "
-          f"(min {summary['min_ratio']:.3f}, max {summary['max_ratio']:.3f}) over "
-          f"{len(ratios)} pairs")
+    print(f"metrics on / off steps/s: median {ratio['median']:.3f} "
+          f"(min {ratio['min']:.3f}, max {ratio['max']:.3f}) over {len(pairs)} pairs")
     summary.update(micro())
     step_s = 1 / statistics.median(r["off_steps_per_s"] for r in pairs)
     summary["record_fraction_of_step"] = summary["record_us_per_step"] * 1e-6 / step_s

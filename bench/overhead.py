@@ -21,44 +21,33 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from .common import free_port, steps_per_second
+from .common import digits_run_argv, free_port, run_logged, spread, steps_per_second
 
-REPO = Path(__file__).resolve().parents[1]
 _BARE_STEP = re.compile(r"^(\d\d:\d\d:\d\d\.\d\d\d) step (\d+)$")
 VARIANTS = ("bare", "runner", "runner+sync", "runner+async")
 
 
 def argv_for(variant: str, steps: int, every: int, workdir: Path) -> list[str]:
-    common = ["configs/digits.yaml", "batch.grad_accum_steps=1", "logging.tensorboard_dir=null"]
     if variant == "bare":
         return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                "--nproc-per-node", "2", "-m", "bench.bare_ddp", *common, "--steps", str(steps)]
+                "--nproc-per-node", "2", "-m", "bench.bare_ddp", "configs/digits.yaml",
+                "batch.grad_accum_steps=1", "logging.tensorboard_dir=null", "--steps", str(steps)]
     ckpt = {"runner": ["checkpoint.every_steps=0"],
             "runner+sync": [f"checkpoint.every_steps={every}", "checkpoint.async_save=false"],
             "runner+async": [f"checkpoint.every_steps={every}", "checkpoint.async_save=true"]}
-    return [sys.executable, "-m", "elastic_runner", "run", *common,
-            "early_stopping.enabled=false", f"checkpoint.dir={workdir / variant}",
-            f"training.max_steps={steps}", "training.max_epochs=100000",
-            f"eval.every_steps={steps + 1}", "training.log_every_steps=10",
-            f"metrics.port={free_port()}", *ckpt[variant]]
+    return digits_run_argv(steps, workdir / variant, "batch.grad_accum_steps=1",
+                           f"metrics.port={free_port()}", *ckpt[variant])
 
 
 def run_once(variant: str, steps: int, every: int, workdir: Path) -> float:
     """Steps/s of one run of ``variant``."""
-    out = subprocess.run(argv_for(variant, steps, every, workdir), capture_output=True,
-                         text=True, timeout=600, cwd=REPO,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
-    if out.returncode != 0:
-        raise RuntimeError(f"{variant}: run failed:\n{out.stdout[-2000:]}{out.stderr[-2000:]}")
-    log = out.stdout + out.stderr
+    log = run_logged(argv_for(variant, steps, every, workdir), variant)
     return steps_per_second(log, _BARE_STEP) if variant == "bare" else steps_per_second(log)
 
 
@@ -82,13 +71,11 @@ def main(argv: list[str] | None = None) -> dict:
     summary: dict = {"steps": args.steps, "every": args.every, "repeats": repeats,
                      "variants": {}}
     for v in variants:
-        rates = [r[v] for r in repeats]
-        ratios = [r[v] / r["bare"] for r in repeats]
-        summary["variants"][v] = {"steps_per_s": statistics.median(rates),
-                                  "ratio": statistics.median(ratios),
-                                  "ratio_min": min(ratios), "ratio_max": max(ratios)}
-        print(f"{v:<13} {statistics.median(rates):>16.1f} {statistics.median(ratios):>15.3f} "
-              f"{min(ratios):>6.3f} {max(ratios):>6.3f}")
+        rate = statistics.median(r[v] for r in repeats)
+        ratio = spread([r[v] / r["bare"] for r in repeats])
+        summary["variants"][v] = {"steps_per_s": rate, "ratio": ratio}
+        print(f"{v:<13} {rate:>16.1f} {ratio['median']:>15.3f} {ratio['min']:>6.3f} "
+              f"{ratio['max']:>6.3f}")
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=1))
     return summary
