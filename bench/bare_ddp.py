@@ -1,6 +1,8 @@
 """The baseline of ``bench.overhead``: a bare DDP loop, written the way the PyTorch DDP tutorial
 writes one (``init_process_group``, ``DistributedSampler``, ``DataLoader``, ``DDP``, a plain
-loop; no checkpoints, no metrics, no guards), on the same model, data and batch as the runner.
+loop; no checkpoints, no metrics, no guards), on the same model, data, batch, optimizer and
+gradient clipping (``training.grad_clip_norm``: a training choice of the config, not runner
+overhead) as the runner.
 
     torchrun --standalone --nproc-per-node 2 -m bench.bare_ddp CONFIG --steps 300 [overrides]
 
@@ -46,6 +48,8 @@ def main() -> None:
             optimizer.zero_grad()
             loss = bundle.loss_fn(model(x), y)
             loss.backward()
+            if cfg.training.grad_clip_norm:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.training.grad_clip_norm)
             optimizer.step()
             step += 1
             if rank == 0 and step % 10 == 0:

@@ -1,15 +1,18 @@
 """Helpers shared by the benchmarks: the digits run they time, running it, a free loopback
-port, a training rate read from the millisecond timestamps of a run's log, and the median and
-spread of repeated figures."""
+port, a training rate read from the millisecond timestamps of a run's log, the median and
+spread of repeated figures, and a throw-away etcd server (``tests/etcd.py``)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import socket
 import statistics
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
 
@@ -62,3 +65,17 @@ def run_logged(argv: list[str], what: str, timeout: float = 600) -> str:
 def spread(values: list[float]) -> dict[str, float]:
     """Median, min and max of repeated figures."""
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+@contextlib.contextmanager
+def etcd_server() -> Iterator[str]:
+    """An ``etcd --enable-v2`` on free loopback ports in a temporary directory; its endpoint."""
+    from tests.etcd import EtcdServer
+
+    with tempfile.TemporaryDirectory(prefix="bench-etcd-") as tmp:
+        server = EtcdServer(Path(tmp))
+        try:
+            server.start()
+            yield server.endpoint
+        finally:
+            server.stop()

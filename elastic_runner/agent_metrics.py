@@ -70,14 +70,18 @@ class AgentMonitor(te_metrics.MetricHandler):
         with self._lock:
             if name.endswith("._rendezvous.duration.ms"):
                 self._observe_rendezvous(value / 1000.0)
+                # the restart timeline with millisecond stamps (torch's agent logs at WARNING)
+                log.info("rendezvous round %d took %.3f s", self.rendezvous, value / 1000.0)
             elif name.endswith("._rendezvous.success"):
                 self.rendezvous += 1
                 self.state = "starting"
             elif name.endswith("._start_workers.success"):
                 self.state = "running"
+                log.info("workers started")
             elif name.endswith("._stop_workers.success") and self.state == "running":
                 self.restarts["membership"] += 1  # stopped while healthy: a node joined/left
                 self.state = "restarting"
+                log.info("workers stopped for a membership change")
             elif name.endswith(".remaining_restarts"):
                 self._remaining_restarts = int(value)
             elif name.startswith("workers.") and value == 1:
@@ -88,6 +92,7 @@ class AgentMonitor(te_metrics.MetricHandler):
             if self._remaining_restarts:
                 self.restarts["failure"] += 1
                 self.state = "restarting"
+                log.info("worker group %s: restarting it", state)
             else:
                 self.state = "failed"
         elif state == "succeeded":

@@ -224,7 +224,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        format="%(asctime)s.%(msecs)03d %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
     func: Callable[[argparse.Namespace], int] = args.func
     try:

@@ -19,7 +19,6 @@ from typing import Any
 
 import fsspec
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Subset
@@ -43,6 +42,7 @@ from .sampler import ElasticSampler, shard_indices
 from .state import RNGState, TrainState, seed_everything, seed_step, step_seed
 from .straggler import StragglerMonitor
 from .tasks.base import TaskBundle, metric_sums
+from .vote import GradientVote
 from .watchdog import HangWatchdog
 
 log = logging.getLogger(__name__)
@@ -112,6 +112,7 @@ class Trainer:
     preempt: PreemptionFlag = field(default_factory=PreemptionFlag)
     metrics: RankMetrics | None = None
     straggler: StragglerMonitor | None = None
+    vote: GradientVote | None = None  # under DDP: the step's flags reduced with the gradients
     resumed_from: str | None = None
     _t_sync: float = 0.0  # perf_counter() when the step's last backward (the all-reduce) began
     _best_pending: bool = False
@@ -267,20 +268,20 @@ class Trainer:
                 loss = self.bundle.loss_fn(self.net(x), y) / n
                 if poison:
                     loss = loss * float("nan")
+            total += loss.detach()
             if i == n - 1:
                 self._t_sync = time.perf_counter()
+                if self.vote is not None:  # the flags ride on this backward's all-reduce
+                    self.vote.arm(torch.stack([(~torch.isfinite(total)).float(),
+                                               total.new_tensor(float(self.preempt.requested))]))
             self.scaler.scale(loss).backward()
-            total += loss.detach()
         self.scaler.unscale_(self.optimizer)  # no-op without fp16
         params = [p for p in self.model.parameters() if p.grad is not None]
         if self.cfg.training.grad_clip_norm:
             norm = nn.utils.clip_grad_norm_(params, self.cfg.training.grad_clip_norm)
         else:
             norm = nn.utils.get_total_norm([p.grad for p in params])
-        # with fp16 the GradScaler owns overflow handling; the guard then looks at the loss only
-        finite = bool(torch.isfinite(total)) and (self.scaler.is_enabled()
-                                                  or bool(torch.isfinite(norm)))
-        vote = self._vote(bad=not finite)
+        vote = self._vote(total, norm)
         if not vote.bad:
             self.scaler.step(self.optimizer)
         self.scaler.update()
@@ -288,13 +289,17 @@ class Trainer:
         self.scheduler.step()
         return total, vote
 
-    def _vote(self, bad: bool) -> StepVote:
-        """The one cross-rank reduction of each step boundary (MAX of two flags)."""
-        flags = torch.tensor([float(bad), float(self.preempt.requested)],
-                             device=self.info.device)
-        if self.info.distributed:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        return StepVote(bad=bool(flags[0]), preempt=bool(flags[1]))
+    def _vote(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> StepVote:
+        """The step's decision, the same on every rank: the loss flags come reduced with the
+        gradients (see ``vote.py``); the norm of the all-reduced gradients is the same on all
+        ranks. With fp16 the GradScaler owns gradient overflow; the guard then looks at the
+        loss only."""
+        if self.vote is not None:
+            loss_bad, preempt = (v > 0 for v in self.vote.result().tolist())
+        else:
+            loss_bad, preempt = not bool(torch.isfinite(loss)), self.preempt.requested
+        grads_bad = not self.scaler.is_enabled() and not bool(torch.isfinite(grad_norm))
+        return StepVote(bad=loss_bad or grads_bad, preempt=preempt)
 
     def evaluate(self, split: str, max_batches: int | None = None) -> dict[str, float]:
         """Sharded evaluation; sums and counts are all-reduced, so the result equals a
@@ -622,4 +627,5 @@ def build_trainer(cfg: Config, info: DistInfo, metrics: RankMetrics | None = Non
                    faults=FaultInjector(cfg.faults, info.rank, info.restart_count),
                    metrics=metrics,
                    straggler=StragglerMonitor(cfg.metrics.straggler_threshold, info.rank,
-                                              info.world_size, info.device))
+                                              info.world_size, info.device),
+                   vote=GradientVote(net) if isinstance(net, DDP) else None)

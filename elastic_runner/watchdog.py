@@ -51,10 +51,17 @@ class HangWatchdog:
 
     def arm(self, seconds: float | None, what: str) -> None:
         """Require the operation ``what`` to finish within ``seconds`` (None: no limit)."""
+        deadline = None if seconds is None else time.monotonic() + seconds
         with self._lock:
-            self._deadline = None if seconds is None else time.monotonic() + seconds
+            earlier = deadline is not None and (self._deadline is None
+                                                or deadline < self._deadline)
+            self._deadline = deadline
             self._what, self._budget = what, seconds or 0.0
-            self._lock.notify()
+            # wake the thread only for an earlier deadline: it re-reads the deadline when the
+            # old one passes anyway, and a wake-up per step costs the training thread the GIL
+            # and a context switch on every step
+            if earlier:
+                self._lock.notify()
 
     def disarm(self) -> None:
         self.arm(None, "")

@@ -11,7 +11,9 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 
+import psutil
 import torch
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
@@ -38,9 +40,10 @@ _EXPECTED: dict[type[BaseException], tuple[int, int, str]] = {
 def main(config_path: str, overrides: list[str], resume: bool = True, verbose: bool = False
          ) -> int:
     """Train one rank; returns the process exit code (2 for bad config or checkpoint)."""
+    entered = time.time()
     setup_logging(int(os.environ.get("RANK", 0)), verbose)
     try:
-        return _train(config_path, overrides, resume)
+        return _train(config_path, overrides, resume, entered)
     except tuple(_EXPECTED) as e:
         # an expected ending: one message and an exit code, the error file names it for the
         # agent's summary, no traceback
@@ -51,7 +54,7 @@ def main(config_path: str, overrides: list[str], resume: bool = True, verbose: b
 
 
 @record
-def _train(config_path: str, overrides: list[str], resume: bool) -> int:
+def _train(config_path: str, overrides: list[str], resume: bool, entered: float) -> int:
     cfg = load_config(config_path, overrides)
     metrics, server = worker_metrics(cfg)
     metrics.phase("starting", None)  # joining the process group is not a hang
@@ -59,22 +62,39 @@ def _train(config_path: str, overrides: list[str], resume: bool) -> int:
     trainer = None
     linger = 0.0
     try:
+        marks = [psutil.Process().create_time(), entered]
         info = init_distributed(cfg.distributed.backend, cfg.distributed.timeout_seconds)
+        marks.append(time.time())
         trainer = build_trainer(cfg, info, metrics)
         trainer.preempt.install()
+        marks.append(time.time())
         if resume and cfg.checkpoint.resume:
             trainer.resume()
+        marks.append(time.time())
+        if info.rank == 0:
+            log_startup(marks)
         trainer.fit()
         linger = cfg.metrics.linger_seconds  # a final scrape sees the ending (not on errors)
     finally:
         if trainer is not None and trainer.watchdog is not None:
             trainer.watchdog.close()
+        if trainer is not None and trainer.writer is not None:
+            trainer.writer.close()  # flushed here: the worker may leave without teardown
         if info is not None:
             destroy_distributed()
         if server is not None:
             threading.Event().wait(linger)
             server.close()
     return 0
+
+
+def log_startup(marks: list[float]) -> None:
+    """One line saying where a (re)start's time went: ``marks`` are wall-clock times (seconds)
+    of process creation, entry into ``main`` (after the interpreter started and imported the
+    package), process group formed, trainer built (data and model), checkpoint loaded."""
+    spans = [b - a for a, b in zip(marks, marks[1:], strict=False)]
+    log.info("startup: interpreter and imports %.3f s, process group %.3f s, data and model "
+             "%.3f s, checkpoint load %.3f s", *spans)
 
 
 def worker_metrics(cfg: Config) -> tuple[RankMetrics, MetricsServer | None]:
