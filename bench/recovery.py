@@ -134,12 +134,6 @@ def _run_argv(backend: str, endpoint: str, rdzv_id: str, ck: Path, trace: Path, 
                "--trace-samples", str(trace))
 
 
-def _resumed_step(log: str, after: float) -> int:
-    day = datetime.fromtimestamp(after).strftime("%Y-%m-%d")
-    return next(int(m[2]) for ln in log.splitlines()
-                if (m := _RESUMED.match(ln)) and _epoch(day, m[1]) >= after - 1e-3)
-
-
 def single_node(kind: str, backend: str, endpoint: str, workdir: Path) -> dict[str, float]:
     """``sigkill`` or ``sigterm`` of rank 1 after step 35 on one node with 2 workers."""
     ck, trace = workdir / "ck", workdir / "trace"
@@ -160,16 +154,17 @@ def single_node(kind: str, backend: str, endpoint: str, workdir: Path) -> dict[s
 
 
 def _measure(log: str, t_fault: float, trace: Path, last_done: int) -> dict[str, float]:
-    t_resumed = _resumed_step_time(log, t_fault)
+    t_resumed, resumed_step = _resumed(log, t_fault)
     t_first = min(t for t, _, _ in _trace_steps(trace) if t > t_resumed)
     out = phases(log, t_fault, t_first)
-    out["steps_redone"] = last_done - _resumed_step(log, t_fault)
+    out["steps_redone"] = last_done - resumed_step
     return out
 
 
-def _resumed_step_time(log: str, after: float) -> float:
+def _resumed(log: str, after: float) -> tuple[float, int]:
+    """Time and step of the first "resumed from" line of rank 0 at or after ``after``."""
     day = datetime.fromtimestamp(after).strftime("%Y-%m-%d")
-    return next(t for ln in log.splitlines()
+    return next((t, int(m[2])) for ln in log.splitlines()
                 if (m := _RESUMED.match(ln)) and (t := _epoch(day, m[1])) >= after - 1e-3)
 
 
@@ -207,7 +202,7 @@ def node_leave_join(backend: str, endpoint: str, workdir: Path
         log = jobs[0].output
         # the steps A finished before it stopped its worker for C
         last_done = max(s for t, s, w in _trace_steps(trace)
-                        if w == 1 and t < _resumed_step_time(log, t_join))
+                        if w == 1 and t < _resumed(log, t_join)[0])
         join = _measure(log, t_join, trace, last_done)
     finally:
         for job in jobs:
