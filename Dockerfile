@@ -40,13 +40,14 @@ COPY constraints/ constraints/
 COPY elastic_runner/ elastic_runner/
 # 1. torch alone from TORCH_INDEX_URL (--index-url: only that index, as PyTorch documents it);
 # 2. the package (a regular, non-editable install) and its other dependencies from PyPI; torch is
-#    already installed and satisfies both torch>=2.4 and the constraint, so pip keeps it.
+#    already installed and satisfies both the package's torch range and the constraint, so pip
+#    keeps it (the range, torch>=2.4,<2.14, is compat.SUPPORTED_TORCH).
 # ${CONSTRAINTS:+-c "$CONSTRAINTS"} adds "-c FILE" only when CONSTRAINTS is not empty.
 # hadolint ignore=SC2086
 RUN set -eu; \
     if [ -n "$TORCH_INDEX_URL" ]; then \
         pip install --no-cache-dir ${CONSTRAINTS:+-c "$CONSTRAINTS"} \
-            --index-url "$TORCH_INDEX_URL" torch; \
+            --index-url "$TORCH_INDEX_URL" "torch>=2.4,<2.14"; \
     fi; \
     pip install --no-cache-dir ${CONSTRAINTS:+-c "$CONSTRAINTS"} . $EXTRA_PACKAGES; \
     python -c "import torch, elastic_runner.launch, elastic_runner.worker; print('torch', torch.__version__)"; \
@@ -66,9 +67,10 @@ COPY --from=builder /opt/venv /opt/venv
 COPY --chown=10001:10001 configs/ /workspace/configs/
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
-    PYTHONDONTWRITEBYTECODE=1
+    PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONPATH=/workspace
 # relative paths (runs/..., a task package such as mypkg/ next to the config) resolve here; the
-# workers inherit this directory, and `python -m elastic_runner train` puts it on sys.path
+# workers inherit this directory, and PYTHONPATH makes task packages in it importable
 WORKDIR /workspace
 USER 10001:10001
 # the node's metrics/health endpoint (metrics.port in the job config; /metrics /healthz /readyz /health)

@@ -1,6 +1,7 @@
-"""Helpers shared by the benchmarks: the digits run they time, running it, a free loopback
-port, a training rate read from the millisecond timestamps of a run's log, the median and
-spread of repeated figures, and a throw-away etcd server (``tests/etcd.py``)."""
+"""Helpers shared by the benchmarks: the runs they time (a built-in task's config, by default
+the digits task), running them, a free loopback port, a training rate read from the millisecond
+timestamps of a run's log, the median and spread of repeated figures, and a throw-away etcd
+server (``tests/etcd.py``)."""
 
 from __future__ import annotations
 
@@ -42,14 +43,25 @@ def steps_per_second(log: str, pattern: re.Pattern[str] = RUNNER_STEP) -> float:
     return (s1 - s0) / (t1 - t0)
 
 
-def digits_run_argv(steps: int, checkpoint_dir: Path, *overrides: str) -> list[str]:
-    """``elastic-runner run`` of the digits task (2 CPU workers) for ``steps`` optimizer steps,
-    logged every 10 steps, evaluated only after the last one, plus ``overrides``."""
-    return [sys.executable, "-m", "elastic_runner", "run", "configs/digits.yaml",
+# the built-in tasks the benchmarks can time: name -> config file (relative to REPO)
+TASK_CONFIGS: dict[str, str] = {"digits": "configs/digits.yaml",
+                                "char_lm": "configs/char_lm.yaml"}
+
+
+def run_argv(config: str, steps: int, checkpoint_dir: Path, *overrides: str) -> list[str]:
+    """``elastic-runner run`` of ``config`` (a path relative to REPO; 2 CPU workers) for
+    ``steps`` optimizer steps, logged every 10 steps, evaluated only after the last one, no
+    early stopping and no tensorboard, plus ``overrides``."""
+    return [sys.executable, "-m", "elastic_runner", "run", config,
             "logging.tensorboard_dir=null", "early_stopping.enabled=false",
             f"checkpoint.dir={checkpoint_dir}", f"training.max_steps={steps}",
             "training.max_epochs=100000", f"eval.every_steps={steps + 1}",
             "training.log_every_steps=10", *overrides]
+
+
+def digits_run_argv(steps: int, checkpoint_dir: Path, *overrides: str) -> list[str]:
+    """:func:`run_argv` of the digits task."""
+    return run_argv(TASK_CONFIGS["digits"], steps, checkpoint_dir, *overrides)
 
 
 def run_logged(argv: list[str], what: str, timeout: float = 600) -> str:

@@ -74,7 +74,7 @@ _STARTUP = re.compile(rf"^{_STAMP} \[rank0\] INFO elastic_runner\.worker: startu
                       r"and imports ([\d.]+) s, process group ([\d.]+) s, data and model "
                       r"([\d.]+) s, checkpoint load ([\d.]+) s")
 _FAULT = re.compile(rf"^{_STAMP} \[rank1\] WARNING elastic_runner\.faults: fault")
-_RESUMED = re.compile(rf"^{_STAMP} \[rank0\] INFO elastic_runner\.loop: resumed from \S+: "
+_RESUMED = re.compile(rf"^{_STAMP} \[rank0\] INFO elastic_runner\.session: resumed from \S+: "
                       r"step (\d+)")
 
 

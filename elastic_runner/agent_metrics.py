@@ -10,7 +10,8 @@ rendezvous and restart. It serves
 * the agent's own series, derived from torchelastic's metrics API
   (``torch.distributed.elastic.metrics``: the agent publishes ``<Class>._rendezvous.duration.ms``,
   ``workers.<role>.remaining_restarts``, ``workers.<role>.<state>`` ... through it; we install a
-  handler for its ``torchelastic`` group):
+  handler for its ``torchelastic`` group; the names are torch internals, kept and checked in
+  :mod:`elastic_runner.compat`, fix 4):
 
   - ``elastic_runner_restarts_total{reason}``: worker-group restarts, ``failure`` (a worker
     failed, counts against ``--max-restarts``) or ``membership`` (a node joined or left);
@@ -40,6 +41,7 @@ from prometheus_client.core import (
 from prometheus_client.metrics_core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 
+from . import compat
 from .config import MetricsConfig
 from .health import MetricsServer
 from .metrics import AGENT_ENV, PREFIX, node_label
@@ -68,23 +70,23 @@ class AgentMonitor(te_metrics.MetricHandler):
     def emit(self, metric_data: te_metrics.MetricData) -> None:
         name, value = metric_data.name, metric_data.value
         with self._lock:
-            if name.endswith("._rendezvous.duration.ms"):
+            if name.endswith(compat.RENDEZVOUS_DURATION):
                 self._observe_rendezvous(value / 1000.0)
                 # the restart timeline with millisecond stamps (torch's agent logs at WARNING)
                 log.info("rendezvous round %d took %.3f s", self.rendezvous, value / 1000.0)
-            elif name.endswith("._rendezvous.success"):
+            elif name.endswith(compat.RENDEZVOUS_SUCCESS):
                 self.rendezvous += 1
                 self.state = "starting"
-            elif name.endswith("._start_workers.success"):
+            elif name.endswith(compat.WORKERS_STARTED):
                 self.state = "running"
                 log.info("workers started")
-            elif name.endswith("._stop_workers.success") and self.state == "running":
+            elif name.endswith(compat.WORKERS_STOPPED) and self.state == "running":
                 self.restarts["membership"] += 1  # stopped while healthy: a node joined/left
                 self.state = "restarting"
                 log.info("workers stopped for a membership change")
-            elif name.endswith(".remaining_restarts"):
+            elif name.endswith(compat.REMAINING_RESTARTS):
                 self._remaining_restarts = int(value)
-            elif name.startswith("workers.") and value == 1:
+            elif name.startswith(compat.WORKER_GROUP) and value == 1:
                 self._worker_group_state(name.rsplit(".", 1)[-1])
 
     def _worker_group_state(self, state: str) -> None:
@@ -205,7 +207,7 @@ class NodeEndpoint:
         except OSError:
             self._cleanup()
             raise
-        te_metrics.configure(self.monitor, group="torchelastic")
+        te_metrics.configure(self.monitor, group=compat.METRICS_GROUP)
 
     def close(self, final_state: str | None = None) -> None:
         """Record the job's end, keep serving ``metrics.linger_seconds`` (unless stopped by a
@@ -216,7 +218,7 @@ class NodeEndpoint:
             log.info("serving metrics for %.0f s more (metrics.linger_seconds)",
                      self.cfg.linger_seconds)
             threading.Event().wait(self.cfg.linger_seconds)
-        te_metrics.configure(te_metrics.NullMetricHandler(), group="torchelastic")
+        te_metrics.configure(te_metrics.NullMetricHandler(), group=compat.METRICS_GROUP)
         self.server.close()
         self._cleanup()
 

@@ -1,4 +1,8 @@
-"""Command line: ``elastic-runner {run,train,validate,checkpoints,export,evaluate,generate}``.
+"""Command line: ``elastic-runner {run,train,validate,schema,checkpoints,audit,export,evaluate,
+generate}``.
+
+Options and ``key.path=value`` overrides may come in any order after the command (and ``-v``
+before or after it).
 
 Exit codes: 0 success; 1 the job or command failed; 2 bad input (config, arguments, checkpoint).
 """
@@ -11,11 +15,38 @@ import logging
 import sys
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
 
 from .checkpoint import CheckpointError
 from .config import ConfigError
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+
+
+class _IntermixedParser(argparse.ArgumentParser):
+    """A subcommand parser that accepts options between and after its positionals
+    (``run c.yaml --nnodes 2 training.max_steps=10``), through ``parse_known_intermixed_args``,
+    and ``-v/--verbose`` after the subcommand too."""
+
+    _intermixing = False
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # SUPPRESS: when not given here, the main parser's value stands
+        self.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                          help="debug logging")
+
+    def parse_known_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
+                         namespace: argparse.Namespace | None = None
+                         ) -> tuple[argparse.Namespace, list[str]]:
+        if self._intermixing:  # the intermixed parse calls back in here (Python < 3.13)
+            return super().parse_known_args(args, namespace)
+        self._intermixing = True
+        try:
+            return self.parse_known_intermixed_args(args, namespace)
+        finally:
+            self._intermixing = False
 
 
 def _add_config(p: argparse.ArgumentParser) -> None:
@@ -42,14 +73,25 @@ def build_parser() -> argparse.ArgumentParser:
         description="Fault-tolerant elastic DDP training on torchrun: atomic checkpoints, "
                     "automatic resume, rank-0 early stopping.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                parser_class=_IntermixedParser)
 
+    _add_run(sub)
+    _add_other_commands(sub)
+    return parser
+
+
+def _add_run(sub: Any) -> None:
     p = sub.add_parser("run", help="launch the workers with torchrun's elastic agent "
                                    "(in this process)",
                        description="Launch the workers with torchrun's elastic agent in this "
                                    "process. Options left unset fall back to torchrun's PET_* "
                                    "environment variables, then to the defaults shown.")
-    _add_config(p)
+    p.add_argument("config", help="YAML config file, or your own training script (a .py file "
+                                  "using elastic_runner.fault_tolerant)")
+    p.add_argument("overrides", nargs="*", metavar="key.path=value",
+                   help="config overrides, values parsed as YAML (e.g. optimizer.lr=3e-4); for "
+                        "a script: its arguments, after '--'")
     p.add_argument("--nproc-per-node", type=int, default=None,
                    help="workers on this node (default: one per GPU, 2 on CPU)")
     p.add_argument("--nnodes", default=None, metavar="MIN:MAX",
@@ -74,9 +116,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--monitor-interval", type=float, default=None, metavar="S",
                    help="seconds between the agent's worker health checks (default 1.0)")
     p.add_argument("--no-resume", action="store_true", help="ignore existing checkpoints")
+    p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                   help="serve the node's metrics and health endpoints on PORT (same as "
+                        "metrics.port=PORT)")
     _add_trace(p)
     p.set_defaults(func=cmd_run)
 
+
+def _add_other_commands(sub: Any) -> None:
     p = sub.add_parser("train", help="worker entry point (started by torchrun, or alone as "
                                      "world size 1)")
     _add_config(p)
@@ -87,6 +134,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("validate", help="check a config and print the resolved values")
     _add_config(p)
     p.set_defaults(func=cmd_validate)
+
+    p = sub.add_parser("schema",
+                       help="print the JSON Schema of a config file",
+                       description="Print the JSON Schema (draft 2020-12) of a config file, for "
+                                   "editors and CI. The data/model sections are open unless "
+                                   "--task names the task that types them.")
+    p.add_argument("--task", default=None,
+                   help="type the data/model sections with this task's classes (built-in name, "
+                        "installed entry point or package.module:build)")
+    p.set_defaults(func=cmd_schema)
 
     p = sub.add_parser("checkpoints", help="list checkpoints (step, epoch, world size, time, "
                                            "size, validity)")
@@ -117,17 +174,38 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=300)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_generate)
-    return parser
 
 
 def cmd_run(args: argparse.Namespace) -> int:
     from .config import load_config
     from .launch import launch
 
+    if args.config.endswith(".py"):
+        return _run_script(args)
     args.overrides = _overrides(args)
+    if args.metrics_port is not None:
+        args.overrides.append(f"metrics.port={args.metrics_port}")
     cfg = load_config(args.config, args.overrides)  # fail fast, before any worker starts
     args.shutdown_timeout = cfg.preemption.grace_seconds
     args.metrics = cfg.metrics
+    return launch(args)
+
+
+def _run_script(args: argparse.Namespace) -> int:
+    """``run SCRIPT.py ... -- ARGS``: the agent starts your own training script (see
+    ``examples/own_loop.py``) instead of the built-in trainer; the preemption grace and the
+    metrics endpoint take the config's defaults and ``--metrics-port``."""
+    from .config import MetricsConfig, PreemptionConfig
+    from .launch import launch
+
+    if not Path(args.config).is_file():
+        raise ConfigError(f"training script {args.config} not found")
+    if args.trace_samples or args.no_resume:
+        raise ConfigError("--trace-samples and --no-resume apply to configs; a script takes "
+                          "its own options (after '--')")
+    args.script, args.script_args = args.config, list(args.overrides)
+    args.shutdown_timeout = PreemptionConfig().grace_seconds
+    args.metrics = MetricsConfig(port=args.metrics_port)
     return launch(args)
 
 
@@ -144,6 +222,13 @@ def cmd_validate(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     print(f"# {args.config}: valid (config hash {cfg.fingerprint()})")
     print(dump_yaml(cfg), end="")
+    return EXIT_OK
+
+
+def cmd_schema(args: argparse.Namespace) -> int:
+    from .config import config_schema
+
+    print(json.dumps(config_schema(args.task), indent=2))
     return EXIT_OK
 
 

@@ -1,8 +1,10 @@
 """Typed run configuration, loaded from YAML in exactly one place.
 
-A config file is a YAML mapping whose sections map onto the dataclasses below. The ``data`` and
-``model`` sections are typed by the task: a task module may define ``DataConfig`` (a subclass of
-:class:`DataConfig`) and ``ModelConfig`` dataclasses, and those are used to validate the sections.
+A config file is a YAML mapping whose sections map onto the pydantic models below (unknown keys
+are errors). The ``data`` and ``model`` sections are typed by the task: a task module may define
+``DataConfig`` (a subclass of :class:`DataConfig`) and ``ModelConfig`` (a subclass of
+:class:`ModelConfig`) models, and those validate the sections. ``elastic-runner schema`` prints the
+JSON Schema of the file (:func:`config_schema`).
 
 Errors are :class:`ConfigError` and always name the key path (``optimizer.lr``), what was expected
 and what was found; the CLI turns them into a one-line message and exit code 2.
@@ -14,46 +16,99 @@ import dataclasses
 import difflib
 import hashlib
 import importlib
+import importlib.metadata
 import json
 import os
-import sys
 import types
 import typing
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    SerializeAsAny,
+    StrictBool,
+    StrictInt,
+    TypeAdapter,
+    ValidationError,
+    create_model,
+    field_validator,
+    model_validator,
+)
+from pydantic.fields import FieldInfo
+from pydantic_core import ErrorDetails, PydanticCustomError
 
 BUILTIN_TASKS = {
     "digits": "elastic_runner.tasks.digits:build",
     "char_lm": "elastic_runner.tasks.char_lm:build",
 }
+TASK_ENTRY_POINTS = "elastic_runner.tasks"  # importlib.metadata group: name = "pkg.module:build"
 
 
 class ConfigError(ValueError):
     """A config file or override is invalid; the message names the key path."""
 
 
-@dataclass
-class DataConfig:
+class Hint:
+    """``Annotated`` metadata: the error text for a value outside the field's bounds."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+
+def _not_bool(value: Any) -> Any:
+    if isinstance(value, bool):
+        raise PydanticCustomError("float_type", "Input should be a valid number")
+    return value
+
+
+# A float field: ints and numeric strings (YAML 1.1 reads ``1e-3`` as a string) are accepted,
+# booleans are not. Ints and booleans of the runner's own sections are strict (no "5", no 1.0).
+Float = Annotated[float, BeforeValidator(_not_bool)]
+Port = Annotated[StrictInt | None, Field(ge=1, le=65535),
+                 Hint("must be a TCP port (1-65535) or null")]
+
+
+def _invalid(message: str, key: str = "") -> PydanticCustomError:
+    """A validation error whose text is ``message``; ``key`` (a field) is appended to the path."""
+    return PydanticCustomError("config", "{message}", {"message": message, "key": key})
+
+
+class _Section(BaseModel):
+    """A config section: unknown keys are errors; an empty (``null``) section means defaults."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_defaults(cls, value: Any) -> Any:
+        return {} if value is None else value
+
+
+class DataConfig(_Section):
     """Data loading shared by all tasks; tasks subclass it for their own fields."""
 
-    num_workers: int = 0  # DataLoader worker processes per rank
-    pin_memory: bool = False
+    num_workers: StrictInt = Field(0, ge=0)  # DataLoader worker processes per rank
+    pin_memory: StrictBool = False
 
 
-@dataclass
-class OptimizerConfig:
+class ModelConfig(_Section):
+    """Base of a task's ``model:`` section (a task without one gets the mapping as a dict)."""
+
+
+class OptimizerConfig(_Section):
     name: Literal["adamw", "sgd"] = "adamw"
-    lr: float = 1e-3  # peak learning rate (after warm-up)
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    momentum: float = 0.9  # sgd only
+    lr: Float = Field(1e-3, gt=0)  # peak learning rate (after warm-up)
+    weight_decay: Float = 0.0
+    betas: tuple[Float, Float] = (0.9, 0.999)
+    momentum: Float = 0.9  # sgd only
 
 
-@dataclass
-class ScheduleConfig:
+class ScheduleConfig(_Section):
     """Learning-rate schedule: linear warm-up, then cosine decay to ``min_lr_ratio * lr``.
 
     The cosine runs over the optimizer steps left after warm-up until ``training.max_steps`` (or
@@ -61,12 +116,11 @@ class ScheduleConfig:
     """
 
     name: Literal["cosine", "constant"] = "cosine"
-    warmup_steps: int = 0
-    min_lr_ratio: float = 0.1
+    warmup_steps: StrictInt = Field(0, ge=0)
+    min_lr_ratio: Float = Field(0.1, ge=0, le=1)
 
 
-@dataclass
-class BatchConfig:
+class BatchConfig(_Section):
     """Batch sizes in samples. Global batch = world_size * micro_batch_size * grad_accum_steps.
 
     With ``global_batch_size`` set, ``grad_accum_steps`` is derived from it and the current world
@@ -76,9 +130,15 @@ class BatchConfig:
     sample) changes with the world size; the LR is not rescaled automatically.
     """
 
-    micro_batch_size: int = 32  # per rank, per forward/backward
-    grad_accum_steps: int = 1  # micro-batches per optimizer step (ignored with global_batch_size)
-    global_batch_size: int | None = None  # samples per optimizer step, constant across resizes
+    micro_batch_size: StrictInt = Field(32, ge=1)  # per rank, per forward/backward
+    grad_accum_steps: StrictInt = Field(1, ge=1)  # per optimizer step (ignored with global)
+    global_batch_size: StrictInt | None = None  # samples per optimizer step, constant on resizes
+
+    @model_validator(mode="after")
+    def _global_is_multiple(self) -> BatchConfig:
+        if self.global_batch_size is not None and self.global_batch_size % self.micro_batch_size:
+            raise _invalid("must be a multiple of batch.micro_batch_size", "global_batch_size")
+        return self
 
     def accumulation_for(self, world_size: int) -> int:
         """Micro-batches per optimizer step at ``world_size``.
@@ -100,69 +160,60 @@ class BatchConfig:
         return self.global_batch_size // per_step
 
 
-@dataclass
-class TrainingConfig:
-    max_epochs: int = 10
-    max_steps: int | None = None  # optimizer steps; stops at whichever limit comes first
-    grad_clip_norm: float | None = 1.0
+class TrainingConfig(_Section):
+    max_epochs: StrictInt = Field(10, ge=1)
+    max_steps: StrictInt | None = Field(None, ge=1)  # optimizer steps; whichever limit is first
+    grad_clip_norm: Float | None = 1.0
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"  # fp16 uses a GradScaler (CUDA only)
-    log_every_steps: int = 10
-    max_bad_steps: int = 3  # non-finite steps in a row before rolling back to the last checkpoint
+    log_every_steps: StrictInt = Field(10, ge=1)
+    max_bad_steps: StrictInt = Field(3, ge=1)  # non-finite steps in a row before a rollback
 
 
-@dataclass
-class EvalConfig:
-    every_steps: int = 0  # 0: evaluate at the end of each epoch only
-    max_batches: int | None = None  # per rank; None = the whole validation split
+class EvalConfig(_Section):
+    every_steps: StrictInt = 0  # 0: evaluate at the end of each epoch only
+    max_batches: StrictInt | None = None  # per rank; None = the whole validation split
 
 
-@dataclass
-class CheckpointConfig:
+class CheckpointConfig(_Section):
     dir: str = "runs/checkpoints"
-    every_steps: int = 50  # 0: only at epoch ends
-    every_seconds: float | None = None  # also save when this much wall-clock time has passed
-    async_save: bool = True  # snapshot to reused host buffers, write in the background
-    keep_last: int = 3
-    keep_best: bool = True
-    resume: bool = True  # load the newest valid checkpoint on every (re)start
+    every_steps: StrictInt = Field(50, ge=0)  # 0: only at epoch ends
+    every_seconds: Float | None = Field(None, gt=0)  # also save after this much wall-clock time
+    async_save: StrictBool = True  # snapshot to reused host buffers, write in the background
+    keep_last: StrictInt = Field(3, ge=1)
+    keep_best: StrictBool = True
+    resume: StrictBool = True  # load the newest valid checkpoint on every (re)start
 
 
-@dataclass
-class EarlyStoppingConfig:
-    enabled: bool = False
+class EarlyStoppingConfig(_Section):
+    enabled: StrictBool = False
     metric: str = "val_loss"
     mode: Literal["min", "max"] = "min"
-    patience: int = 3  # evaluations without improvement before stopping
-    min_delta: float = 0.0
+    patience: StrictInt = Field(3, ge=1)  # evaluations without improvement before stopping
+    min_delta: Float = 0.0
 
 
-@dataclass
-class DDPConfig:
-    bucket_cap_mb: float = 25.0
-    static_graph: bool = False
-    find_unused_parameters: bool = False
+class DDPConfig(_Section):
+    bucket_cap_mb: Float = 25.0
+    static_graph: StrictBool = False
+    find_unused_parameters: StrictBool = False
 
 
-@dataclass
-class DistributedConfig:
+class DistributedConfig(_Section):
     backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: nccl on CUDA, gloo on CPU
-    timeout_seconds: float = 600.0  # collective and store timeout
-    ddp: DDPConfig = field(default_factory=DDPConfig)
+    timeout_seconds: Float = Field(600.0, gt=0)  # collective and store timeout
+    ddp: DDPConfig = Field(default_factory=DDPConfig)
 
 
-@dataclass
-class LoggingConfig:
-    progress_bar: bool = True  # rank 0 only
+class LoggingConfig(_Section):
+    progress_bar: StrictBool = True  # rank 0 only
     tensorboard_dir: str | None = None  # rank 0 writes scalars when set
 
 
-@dataclass
-class AuditConfig:
+class AuditConfig(_Section):
     trace_dir: str | None = None  # per-rank JSONL sample trace (see audit.py); None: off
 
 
-@dataclass
-class FaultSpec:
+class FaultSpec(_Section):
     """One injected fault: rank ``rank`` does ``kind`` when it completes global optimizer step
     ``step`` (or its ``after_steps``-th step of the current restart attempt), in restart attempts
     ``0 .. attempts-1``. ``nan`` poisons the loss of ``count`` consecutive steps starting at that
@@ -170,86 +221,93 @@ class FaultSpec:
     makes ``count`` consecutive steps take ``seconds`` longer on the rank (a straggler)."""
 
     kind: Literal["sigkill", "sigterm", "raise", "hang", "nan", "slow"] = "sigkill"
-    rank: int = 0
-    step: int | None = None
-    after_steps: int | None = None
-    attempts: int = 1
-    count: int = 1
-    repeat: bool = False
-    seconds: float = 0.0  # ``slow``: extra time each of ``count`` steps takes on this rank
+    rank: StrictInt = 0
+    step: StrictInt | None = None
+    after_steps: StrictInt | None = None
+    attempts: StrictInt = 1
+    count: StrictInt = 1
+    repeat: StrictBool = False
+    seconds: Float = 0.0  # ``slow``: extra time each of ``count`` steps takes on this rank
 
 
-@dataclass
-class FaultConfig:
+class FaultConfig(_Section):
     """Off-by-default fault injection for tests and drills (see ``faults.py``). The environment
     variable ``ELASTIC_RUNNER_FAULTS`` (a YAML list of fault specs) is appended to ``inject``."""
 
-    inject: list[FaultSpec] = field(default_factory=list)
+    inject: list[FaultSpec] = Field(default_factory=list)
     once_dir: str | None = None  # marker files here make each fault fire once per job
-    planted_metric: list[float] | None = None  # replaces the early-stopping metric, one per eval
-    perturb_rank: int | None = None  # this rank's weights diverge after loading a checkpoint
+    planted_metric: list[Float] | None = None  # replaces the early-stopping metric, one per eval
+    perturb_rank: StrictInt | None = None  # this rank's weights diverge after loading a checkpoint
 
 
-@dataclass
-class PreemptionConfig:
+class PreemptionConfig(_Section):
     """How long workers have, after SIGTERM reaches the agent, to checkpoint and exit before the
     agent SIGKILLs them (``run`` passes it as torchrun's ``--shutdown-timeout``; under plain
     torchrun use that flag or ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``). Keep a pod's
     ``terminationGracePeriodSeconds`` above it."""
 
-    grace_seconds: int = 30
+    grace_seconds: StrictInt = Field(30, ge=1)
 
 
-@dataclass
-class WatchdogConfig:
+class WatchdogConfig(_Section):
     """Hang detection: a rank whose step (or long operation) exceeds its budget dumps the stack
     traces of all its threads to the log and exits, so torchrun restarts the group."""
 
-    hang_timeout_seconds: float | None = 300.0  # one optimizer step; None: off
-    long_op_timeout_seconds: float = 1800.0  # first step of an attempt, checkpoint I/O, eval
-    dump_grace_seconds: float = 2.0  # wait before exiting, so stuck peers dump their stacks too
+    hang_timeout_seconds: Float | None = 300.0  # one optimizer step; None: off
+    long_op_timeout_seconds: Float = 1800.0  # first step of an attempt, checkpoint I/O, eval
+    dump_grace_seconds: Float = 2.0  # wait before exiting, so stuck peers dump their stacks too
 
 
-@dataclass
-class MetricsConfig:
+class MetricsConfig(_Section):
     """Prometheus metrics and health endpoints (see ``metrics.py`` and ``health.py``)."""
 
-    enabled: bool = True  # record per-rank series (off: no recording, no endpoint)
-    port: int | None = None  # the node's endpoint, served by `run`; plain torchrun workers serve
-    #                          port + local_rank themselves; None: no endpoint
+    enabled: StrictBool = True  # record per-rank series (off: no recording, no endpoint)
+    port: Port = None  # the node's endpoint, served by `run`; plain torchrun workers serve
+    #                    port + local_rank themselves; None: no endpoint
     address: str = "127.0.0.1"  # bind address; 0.0.0.0 to be scraped from other hosts (pods)
     job: str = ""  # `job` label; empty: the rendezvous id
     node: str = ""  # `node` label; empty: the hostname (the pod name on Kubernetes)
-    heartbeat_timeout_seconds: float | None = None  # silence of a training rank before it is
-    #   unhealthy; None: watchdog.hang_timeout_seconds, or 300 when the watchdog is off
-    straggler_threshold: float = 1.5  # log a rank whose step time exceeds this x the median;
+    heartbeat_timeout_seconds: Float | None = Field(None, gt=0)  # silence of a training rank
+    #   before it is unhealthy; None: watchdog.hang_timeout_seconds, or 300 when it is off
+    straggler_threshold: Float = 1.5  # log a rank whose step time exceeds this x the median;
     #   0: no exchange of step times
-    linger_seconds: float = 0.0  # keep serving after the job ended, for a final scrape
+    linger_seconds: Float = Field(0.0, ge=0)  # keep serving after the job ended, for a scrape
+
+    @field_validator("straggler_threshold")
+    @classmethod
+    def _ratio_or_off(cls, value: float) -> float:
+        if value != 0 and value <= 1:
+            raise _invalid("must be > 1 (a ratio to the median) or 0 (off)")
+        return value
 
 
-@dataclass
-class Config:
-    task: str = "digits"
-    seed: int = 1234
-    data: Any = field(default_factory=DataConfig)
-    model: Any = field(default_factory=dict)
-    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
-    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
-    batch: BatchConfig = field(default_factory=BatchConfig)
-    training: TrainingConfig = field(default_factory=TrainingConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
-    distributed: DistributedConfig = field(default_factory=DistributedConfig)
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
-    audit: AuditConfig = field(default_factory=AuditConfig)
-    watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
-    preemption: PreemptionConfig = field(default_factory=PreemptionConfig)
-    faults: FaultConfig = field(default_factory=FaultConfig)
-    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+class Config(_Section):
+    """A whole config file. Build it with :func:`load_config` or :func:`from_dict`, which type
+    ``data`` and ``model`` with the task's classes."""
+
+    task: str  # built-in name, installed entry point, or import path 'package.module:build'
+    seed: StrictInt = 1234
+    data: SerializeAsAny[DataConfig] = Field(default_factory=DataConfig)
+    model: dict[str, Any] | SerializeAsAny[ModelConfig] = Field(
+        default_factory=dict, union_mode="left_to_right")
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
+    batch: BatchConfig = Field(default_factory=BatchConfig)
+    training: TrainingConfig = Field(default_factory=TrainingConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    early_stopping: EarlyStoppingConfig = Field(default_factory=EarlyStoppingConfig)
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    audit: AuditConfig = Field(default_factory=AuditConfig)
+    watchdog: WatchdogConfig = Field(default_factory=WatchdogConfig)
+    preemption: PreemptionConfig = Field(default_factory=PreemptionConfig)
+    faults: FaultConfig = Field(default_factory=FaultConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
 
     def to_dict(self) -> dict[str, Any]:
-        return _plain(dataclasses.asdict(self))
+        """Plain YAML/JSON-able values (tuples as lists), sections in declaration order."""
+        return _plain(self.model_dump())
 
     def fingerprint(self) -> str:
         return fingerprint(self.to_dict())
@@ -260,8 +318,8 @@ _NOT_MODEL = ("checkpoint", "logging", "audit", "watchdog", "preemption", "fault
 
 def fingerprint(config: dict[str, Any]) -> str:
     """sha256 (hex, 16 chars) of what determines the trained model, from a config dict: excludes
-    the checkpoint, logging, audit, watchdog, preemption, fault-injection and metrics sections, so moving the checkpoint dir keeps
-    resume working."""
+    the checkpoint, logging, audit, watchdog, preemption, fault-injection and metrics sections, so
+    moving the checkpoint dir keeps resume working."""
     d = {k: v for k, v in config.items() if k not in _NOT_MODEL}
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -277,33 +335,87 @@ def _plain(obj: Any) -> Any:
 # ---------------------------------------------------------------- task resolution
 
 
+def _entry_point_tasks() -> dict[str, str]:
+    """Tasks registered by installed packages: ``[project.entry-points."elastic_runner.tasks"]
+    mytask = "mypkg.mytask:build"``."""
+    return {ep.name: ep.value for ep in importlib.metadata.entry_points(group=TASK_ENTRY_POINTS)}
+
+
+def available_tasks() -> list[str]:
+    """Built-in task names and those of the ``elastic_runner.tasks`` entry points."""
+    return sorted({*BUILTIN_TASKS, *_entry_point_tasks()})
+
+
 def task_target(task: str) -> str:
-    """``module:function`` of a task name (built-in name or import path)."""
-    return BUILTIN_TASKS.get(task, task)
+    """``module:function`` of a task name: built-in, entry point, or the import path itself."""
+    if task in BUILTIN_TASKS:
+        return BUILTIN_TASKS[task]
+    if ":" not in task:
+        return _entry_point_tasks().get(task, task)
+    return task
 
 
 def load_task_module(task: str, path: str = "task") -> types.ModuleType:
+    """Import the module of ``task`` as is (nothing is added to ``sys.path``).
+
+    Raises:
+        ConfigError: unknown task name, module not importable (says what to check), or the module
+            has no callable of that name.
+    """
     target = task_target(task)
     if ":" not in target:
         raise ConfigError(
-            f"{path}: unknown task {task!r}; expected one of {sorted(BUILTIN_TASKS)} "
+            f"{path}: unknown task {task!r}; expected one of {available_tasks()} "
             "or an import path 'package.module:build'"
         )
     module_name, _, attr = target.partition(":")
-    if task not in BUILTIN_TASKS and os.getcwd() not in sys.path:
-        # as `python -m` does for the workers: user tasks next to the config are importable
-        sys.path.append(os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        raise ConfigError(f"{path}: cannot import task module {module_name!r}: {e}") from e
+        raise ConfigError(_import_failure(path, module_name, e)) from e
     if not callable(getattr(module, attr, None)):
         raise ConfigError(f"{path}: module {module_name!r} has no callable {attr!r}")
     return module
 
 
+def _import_failure(path: str, module_name: str, e: ImportError) -> str:
+    missing = e.name or ""
+    if isinstance(e, ModuleNotFoundError) and missing and (
+            module_name == missing or module_name.startswith(missing + ".")):
+        return (f"{path}: cannot import task module {module_name!r} (no module named "
+                f"{missing!r}); check that the directory holding it is on PYTHONPATH (e.g. "
+                "PYTHONPATH=. when it sits in the current directory) or that its package is "
+                "installed (pip install)")
+    return (f"{path}: importing task module {module_name!r} failed: {e}; check that its "
+            "dependencies are installed (pip install)")
+
+
 def task_builder(task: str) -> typing.Callable[..., Any]:
+    """The ``build`` function of ``task``.
+
+    Raises:
+        ConfigError: as :func:`load_task_module`.
+    """
     return getattr(load_task_module(task), task_target(task).partition(":")[2])
+
+
+def section_types(module: types.ModuleType) -> tuple[type[DataConfig], type[ModelConfig] | None]:
+    """The ``data`` and ``model`` section classes a task module declares (``DataConfig`` and
+    ``ModelConfig``); ``None`` for ``model``: the section stays a plain mapping.
+
+    Raises:
+        ConfigError: a declared class does not subclass this module's base class.
+    """
+    data_cls = getattr(module, "DataConfig", DataConfig)
+    model_cls = getattr(module, "ModelConfig", None)
+    for name, cls, base in (("DataConfig", data_cls, DataConfig),
+                            ("ModelConfig", model_cls, ModelConfig)):
+        if cls is not None and not (isinstance(cls, type) and issubclass(cls, base)):
+            kind = "a dataclass" if dataclasses.is_dataclass(cls) else repr(cls)
+            raise ConfigError(
+                f"task: {module.__name__}.{name} must subclass elastic_runner.config.{name} "
+                f"(a pydantic model), got {kind}")
+    return data_cls, None if model_cls is ModelConfig else model_cls
 
 
 # ---------------------------------------------------------------- loading
@@ -313,23 +425,29 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     """Load ``path`` (YAML), apply ``key.path=value`` overrides, validate.
 
     Raises:
-        ConfigError: unreadable file, bad YAML, unknown key, wrong type or invalid value.
+        ConfigError: unreadable file, bad YAML, empty file, unknown key, wrong type or invalid
+            value, missing ``task``.
     """
-    raw: dict[str, Any] = {}
-    if path is not None:
-        try:
-            text = Path(path).read_text()
-        except OSError as e:
-            raise ConfigError(f"cannot read config file {path}: {e.strerror}") from e
-        try:
-            raw = yaml.safe_load(text) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: invalid YAML: {e}") from e
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{path}: top level must be a mapping, got {type(raw).__name__}")
+    raw = _read_yaml(path) if path is not None else {}
     for item in [*(overrides or []), *_env_faults()]:
         apply_override(raw, item)
     return from_dict(raw)
+
+
+def _read_yaml(path: str | Path) -> dict[str, Any]:
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e.strerror}") from e
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: invalid YAML: {e}") from e
+    if raw is None:
+        raise ConfigError(f"{path}: the config file is empty; 'task' is required")
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: top level must be a mapping, got {type(raw).__name__}")
+    return raw
 
 
 def _env_faults() -> list[str]:
@@ -339,7 +457,11 @@ def _env_faults() -> list[str]:
 
 
 def apply_override(raw: dict[str, Any], item: str) -> None:
-    """Apply one ``a.b.c=value`` override; the value is parsed as YAML (``1e-3``, ``[1, 2]``)."""
+    """Apply one ``a.b.c=value`` override; the value is parsed as YAML (``1e-3``, ``[1, 2]``).
+
+    Raises:
+        ConfigError: no ``=``, a parent key that is not a section, bad YAML, ``+=`` without a list.
+    """
     key, sep, value = item.partition("=")
     if not sep or not key:
         raise ConfigError(f"override {item!r}: expected key.path=value")
@@ -363,93 +485,111 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
     node[parts[-1]] = parsed
 
 
+_PLAIN_MAPPING = TypeAdapter(dict[str, Any])
+
+
 def from_dict(raw: dict[str, Any]) -> Config:
-    raw = dict(raw)
-    task = raw.get("task", Config.task)
-    if not isinstance(task, str):
-        raise ConfigError(f"task: expected str, got {type(task).__name__} {task!r}")
-    module = load_task_module(task)
-    data_cls = getattr(module, "DataConfig", DataConfig)
-    model_cls = getattr(module, "ModelConfig", None)
-    cfg: Config = _build(Config, raw, "", {"data": data_cls, "model": model_cls})
-    _check_values(cfg)
+    """Validate a config mapping (as read from YAML); ``data``/``model`` use the task's classes.
+
+    Raises:
+        ConfigError: the first problem, in file order, as one line that names the key path.
+    """
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config: expected a mapping, got {type(raw).__name__}")
+    sections = dict(zip(("data", "model"), section_types(load_task_module(_task_name(raw))),
+                        strict=True))
+    values = {k: v for k, v in raw.items() if k not in sections}
+    errors: list[ErrorDetails] = []
+    for name, cls in sections.items():
+        try:
+            values[name] = _task_section(cls, raw.get(name))
+        except ValidationError as e:
+            errors += [{**err, "loc": (name, *err["loc"])} for err in e.errors()]
+    try:
+        cfg = Config.model_validate(values)
+    except ValidationError as e:
+        errors += e.errors()
+    if errors:
+        raise ConfigError(_message(_first(errors, raw), sections))
     return cfg
 
 
-def _build(cls: type, raw: Any, path: str, section_types: dict[str, Any] | None = None) -> Any:
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path or 'config'}: expected a mapping, got {type(raw).__name__}")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    hints = typing.get_type_hints(cls)
-    for key in raw:
-        if key not in fields:
-            raise ConfigError(_unknown_key(path, key, list(fields)))
-    kwargs = {}
-    for name, value in raw.items():
-        sub = _join(path, name)
-        override = (section_types or {}).get(name, ...)
-        if override is None:  # task declares no typed section: pass the mapping through
-            if not isinstance(value, dict):
-                raise ConfigError(f"{sub}: expected a mapping, got {type(value).__name__}")
-            kwargs[name] = value
-        elif override is not ...:
-            kwargs[name] = _build(override, value or {}, sub)
-        else:
-            kwargs[name] = _coerce(hints[name], value, sub)
-    for name, override in (section_types or {}).items():
-        if name not in kwargs and override is not None:
-            kwargs[name] = override()
-    return cls(**kwargs)
+def _task_section(cls: type[_Section] | None, value: Any) -> Any:
+    """A ``data``/``model`` section validated with the task's class (``None``: a plain mapping).
+
+    Raises:
+        ValidationError: the section does not fit the class.
+    """
+    if cls is None:
+        return _PLAIN_MAPPING.validate_python({} if value is None else value)
+    return cls.model_validate(value)
 
 
-def _coerce(tp: Any, value: Any, path: str) -> Any:
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-    if dataclasses.is_dataclass(tp):
-        return _build(tp, value if value is not None else {}, path)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for arg in (a for a in args if a is not type(None)):
-            try:
-                return _coerce(arg, value, path)
-            except ConfigError as e:
-                errors.append(e)
-        raise errors[0]
-    if origin is Literal:
-        if value not in args:
-            allowed = ", ".join(repr(a) for a in args)
-            hint = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)
-            extra = f" (did you mean {hint[0]!r}?)" if hint else ""
-            raise ConfigError(f"{path}: expected one of {allowed}, got {value!r}{extra}")
-        return value
-    if origin in (list, tuple):
-        if not isinstance(value, list | tuple):
-            raise ConfigError(f"{path}: expected a list, got {type(value).__name__} {value!r}")
-        if origin is tuple and len(args) != len(value) and Ellipsis not in args:
-            raise ConfigError(f"{path}: expected {len(args)} values, got {len(value)}")
-        item_types = args if origin is tuple and Ellipsis not in args else (args[0],) * len(value)
-        items = [_coerce(t, v, f"{path}[{i}]") for i, (t, v) in enumerate(zip(item_types, value, strict=True))]
-        return tuple(items) if origin is tuple else items
-    if origin is dict or tp is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{path}: expected a mapping, got {type(value).__name__}")
-        return value
-    if tp is Any:
-        return value
-    if tp is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if tp is float and isinstance(value, str):
-        try:  # YAML 1.1 reads "1e-3" as a string
-            return float(value)
-        except ValueError:
-            pass
-    if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
+def _task_name(raw: dict[str, Any]) -> str:
+    task = raw.get("task")
+    if task is None:
         raise ConfigError(
-            f"{path}: expected {tp.__name__}, got {type(value).__name__} {value!r}"
-        )
-    return value
+            f"task: required; name the task: one of {available_tasks()} or an import path "
+            "'package.module:build'")
+    if not isinstance(task, str):
+        raise ConfigError(f"task: expected str, got {type(task).__name__} {task!r}")
+    return task
+
+
+# ---------------------------------------------------------------- error messages
+
+
+_EXPECTED = {"int_type": "int", "int_parsing": "int", "int_from_float": "int",
+             "float_type": "float", "float_parsing": "float", "bool_type": "bool",
+             "bool_parsing": "bool", "string_type": "str", "list_type": "a list",
+             "tuple_type": "a list"}
+_MAPPING = ("model_type", "model_attributes_type", "dict_type")
+_BOUNDS = ("greater_than_equal", "greater_than", "less_than_equal", "less_than")
+_OPS = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
+
+
+def _first(errors: list[ErrorDetails], raw: dict[str, Any]) -> ErrorDetails:
+    """Unknown top-level keys first, then the error of the earliest section in the file."""
+    order = {k: i for i, k in enumerate(raw)}
+
+    def rank(err: ErrorDetails) -> tuple[bool, int]:
+        loc = err["loc"]
+        unknown_section = len(loc) == 1 and err["type"] == "extra_forbidden"
+        return not unknown_section, order.get(loc[0], len(order)) if loc else -1
+
+    return min(errors, key=rank)
+
+
+def _message(err: ErrorDetails, sections: dict[str, Any]) -> str:
+    """One line for a pydantic error: key path, what was expected, what was found."""
+    loc, kind, value = err["loc"], err["type"], err.get("input")
+    path = _loc_path(loc) or "config"
+    ctx = err.get("ctx") or {}
+    tp, info = _field_at(loc, sections)
+    if kind == "extra_forbidden":
+        parent = _model_of(_field_at(loc[:-1], sections)[0])
+        valid = list(parent.model_fields) if parent else []
+        return _unknown_key(_loc_path(loc[:-1]), str(loc[-1]), valid)
+    if kind == "config":
+        return f"{_join(path, ctx['key']) if ctx['key'] else path}: {ctx['message']}"
+    if kind == "literal_error":
+        return _literal_message(path, _literal_args(tp), value, ctx)
+    if kind == "missing" and loc and isinstance(loc[-1], int):  # a fixed-size tuple too short
+        size = len(typing.get_args(_strip_none(_field_at(loc[:-1], sections)[0])))
+        return f"{_loc_path(loc[:-1])}: expected {size} values, got {len(value)}"
+    if kind == "missing":
+        return f"{path}: required key missing"
+    if kind in ("too_long", "too_short") and ctx.get("field_type") == "Tuple":
+        size = ctx.get("max_length", ctx.get("min_length"))
+        return f"{path}: expected {size} values, got {ctx['actual_length']}"
+    if kind in _BOUNDS:
+        return f"{path}: {_bounds_message(info, ctx)}"
+    if kind in _EXPECTED:
+        return f"{path}: expected {_EXPECTED[kind]}, got {type(value).__name__} {value!r}"
+    if kind in _MAPPING:
+        return f"{path}: expected a mapping, got {type(value).__name__}"
+    text = err["msg"].removeprefix("Value error, ")
+    return f"{path}: {text} (got {type(value).__name__} {value!r})"
 
 
 def _unknown_key(path: str, key: str, valid: list[str]) -> str:
@@ -459,45 +599,120 @@ def _unknown_key(path: str, key: str, valid: list[str]) -> str:
     return f"{full}: unknown key{hint} (valid keys: {', '.join(valid)})"
 
 
+def _literal_message(path: str, allowed: tuple[Any, ...], value: Any, ctx: dict[str, Any]
+                     ) -> str:
+    if not allowed:
+        return f"{path}: expected {ctx.get('expected')}, got {value!r}"
+    shown = ", ".join(repr(a) for a in allowed)
+    close = difflib.get_close_matches(str(value), [str(a) for a in allowed], n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return f"{path}: expected one of {shown}, got {value!r}{hint}"
+
+
+def _bounds_message(info: FieldInfo | None, ctx: dict[str, Any]) -> str:
+    """``must be >= 1``, ``must be in [0, 1]``, ``... or null`` (from the field's metadata)."""
+    metadata = info.metadata if info else []
+    hint = next((m.text for m in metadata if isinstance(m, Hint)), None)
+    if hint:
+        return hint
+    limits = ({k: getattr(m, k) for m in metadata for k in _OPS if hasattr(m, k)}
+              or {k: v for k, v in ctx.items() if k in _OPS})
+    if "ge" in limits and "le" in limits:
+        text = f"must be in [{limits['ge']}, {limits['le']}]"
+    else:
+        text = "must be " + " and ".join(f"{_OPS[k]} {v}" for k, v in limits.items())
+    nullable = info is not None and type(None) in typing.get_args(info.annotation)
+    return text + (" or null" if nullable else "")
+
+
+def _loc_path(loc: tuple[int | str, ...]) -> str:
+    path = ""
+    for part in loc:
+        path = f"{path}[{part}]" if isinstance(part, int) else _join(path, part)
+    return path
+
+
 def _join(path: str, key: str) -> str:
     return f"{path}.{key}" if path else str(key)
 
 
-def _check_values(cfg: Config) -> None:
-    checks = [
-        (cfg.batch.micro_batch_size >= 1, "batch.micro_batch_size", "must be >= 1"),
-        (cfg.batch.grad_accum_steps >= 1, "batch.grad_accum_steps", "must be >= 1"),
-        (cfg.batch.global_batch_size is None
-         or cfg.batch.global_batch_size % cfg.batch.micro_batch_size == 0,
-         "batch.global_batch_size", "must be a multiple of batch.micro_batch_size"),
-        (cfg.training.max_epochs >= 1, "training.max_epochs", "must be >= 1"),
-        (cfg.training.max_steps is None or cfg.training.max_steps >= 1,
-         "training.max_steps", "must be >= 1 or null"),
-        (cfg.optimizer.lr > 0, "optimizer.lr", "must be > 0"),
-        (cfg.schedule.warmup_steps >= 0, "schedule.warmup_steps", "must be >= 0"),
-        (0 <= cfg.schedule.min_lr_ratio <= 1, "schedule.min_lr_ratio", "must be in [0, 1]"),
-        (cfg.checkpoint.every_steps >= 0, "checkpoint.every_steps", "must be >= 0"),
-        (cfg.checkpoint.every_seconds is None or cfg.checkpoint.every_seconds > 0,
-         "checkpoint.every_seconds", "must be > 0 or null"),
-        (cfg.checkpoint.keep_last >= 1, "checkpoint.keep_last", "must be >= 1"),
-        (cfg.early_stopping.patience >= 1, "early_stopping.patience", "must be >= 1"),
-        (cfg.distributed.timeout_seconds > 0, "distributed.timeout_seconds", "must be > 0"),
-        (cfg.data.num_workers >= 0, "data.num_workers", "must be >= 0"),
-        (cfg.training.log_every_steps >= 1, "training.log_every_steps", "must be >= 1"),
-        (cfg.training.max_bad_steps >= 1, "training.max_bad_steps", "must be >= 1"),
-        (cfg.preemption.grace_seconds >= 1, "preemption.grace_seconds", "must be >= 1"),
-        (cfg.metrics.port is None or 1 <= cfg.metrics.port <= 65535, "metrics.port",
-         "must be a TCP port (1-65535) or null"),
-        (cfg.metrics.heartbeat_timeout_seconds is None or cfg.metrics.heartbeat_timeout_seconds > 0,
-         "metrics.heartbeat_timeout_seconds", "must be > 0 or null"),
-        (cfg.metrics.straggler_threshold == 0 or cfg.metrics.straggler_threshold > 1,
-         "metrics.straggler_threshold", "must be > 1 (a ratio to the median) or 0 (off)"),
-        (cfg.metrics.linger_seconds >= 0, "metrics.linger_seconds", "must be >= 0"),
-    ]
-    for ok, key, msg in checks:
-        if not ok:
-            raise ConfigError(f"{key}: {msg}")
+def _field_at(loc: tuple[int | str, ...], sections: dict[str, Any]) -> tuple[Any, FieldInfo | None]:
+    """The annotation and field at ``loc`` (``(None, None)`` where the path leaves the models)."""
+    tp: Any = Config
+    info: FieldInfo | None = None
+    for i, part in enumerate(loc):
+        if isinstance(part, int):
+            tp, info = _item_type(tp, part), None
+            continue
+        model = _model_of(tp)
+        if model is None or part not in model.model_fields:
+            return None, None
+        info = model.model_fields[part]
+        tp = sections.get(part) if i == 0 and sections.get(part) else info.annotation
+    return tp, info
+
+
+def _strip_none(tp: Any) -> Any:
+    if typing.get_origin(tp) is Annotated:
+        return _strip_none(typing.get_args(tp)[0])
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    if typing.get_origin(tp) in (typing.Union, types.UnionType) and len(args) == 1:
+        return _strip_none(args[0])
+    return tp
+
+
+def _item_type(tp: Any, index: int) -> Any:
+    tp = _strip_none(tp)
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) is tuple and args and Ellipsis not in args:
+        return args[index] if index < len(args) else None
+    return args[0] if args else None
+
+
+def _model_of(tp: Any) -> type[BaseModel] | None:
+    """The pydantic model in an annotation (through ``Optional``, ``Annotated``, unions)."""
+    if isinstance(tp, type) and issubclass(tp, BaseModel):
+        return tp
+    return next((m for m in map(_model_of, typing.get_args(tp)) if m is not None), None)
+
+
+def _literal_args(tp: Any) -> tuple[Any, ...]:
+    tp = _strip_none(tp)
+    return typing.get_args(tp) if typing.get_origin(tp) is Literal else ()
+
+
+# ---------------------------------------------------------------- output
 
 
 def dump_yaml(cfg: Config) -> str:
+    """The resolved config as YAML, sections in declaration order."""
     return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+
+
+def config_schema(task: str | None = None) -> dict[str, Any]:
+    """JSON Schema (draft 2020-12) of a config file. Without ``task`` the ``data`` and ``model``
+    sections are the base classes, open to further keys (tasks type them); with it, that task's.
+
+    Raises:
+        ConfigError: ``task`` cannot be loaded (see :func:`load_task_module`).
+    """
+    if task is None:
+        data_cls: Any = _open_section(DataConfig)
+        model_cls: Any = _open_section(ModelConfig)
+    else:
+        data_cls, model_cls = section_types(load_task_module(task))
+        model_cls = model_cls or dict[str, Any]
+    model_default = dict if model_cls == dict[str, Any] else model_cls
+    model = create_model(
+        "Config", __base__=Config, __doc__=Config.__doc__,
+        data=(data_cls, Field(default_factory=data_cls)),
+        model=(model_cls, Field(default_factory=model_default)))
+    return {"$schema": "https://json-schema.org/draft/2020-12/schema",
+            **model.model_json_schema()}
+
+
+def _open_section(cls: type[_Section]) -> type[_Section]:
+    """``cls`` accepting unknown keys, for the task-independent schema."""
+    return types.new_class(cls.__name__, (cls,), {},
+                           lambda ns: ns.update(model_config=ConfigDict(extra="allow"),
+                                                __doc__=cls.__doc__, __module__=__name__))

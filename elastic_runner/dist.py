@@ -13,6 +13,12 @@ restarts do not increment it, so different nodes can disagree on it.
 The fix: every rank of a new attempt agrees on a fresh namespace through the shared store before
 creating the process group (:func:`attempt_namespace`), and the process group's store is a
 ``PrefixStore`` of that namespace. Keys of earlier attempts are never read.
+
+Which of torch's internals this relies on (the ``TORCHELASTIC_USE_AGENT_STORE`` variable and the
+store it announces) lives in :mod:`elastic_runner.compat` (fix 3 there). ``elastic-runner run``
+turns the shared store off with torch's ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (compat fix 1),
+so there the workers' rank 0 hosts a new store per attempt and the handshake is skipped; it
+still runs under plain torchrun.
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from .compat import agent_store, shares_agent_store
 
 log = logging.getLogger(__name__)
 
@@ -135,15 +143,6 @@ def _check_deadline(deadline: float, timeout_s: float, what: str) -> None:
         raise TimeoutError(f"process-group handshake: waited {timeout_s:.0f} s for {what}")
 
 
-def _agent_store(timeout: timedelta) -> dist.Store:
-    return dist.TCPStore(
-        host_name=os.environ["MASTER_ADDR"],
-        port=int(os.environ["MASTER_PORT"]),
-        is_master=False,
-        timeout=timeout,
-    )
-
-
 def init_distributed(backend: str = "auto", timeout_s: float = 600.0) -> DistInfo:
     """Initialise the default process group from torchrun's environment.
 
@@ -172,8 +171,8 @@ def init_distributed(backend: str = "auto", timeout_s: float = 600.0) -> DistInf
     kwargs: dict[str, Any] = {"backend": backend, "timeout": timeout}
     if device.type == "cuda":
         kwargs["device_id"] = device
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        store = _agent_store(timeout)
+    if shares_agent_store():
+        store = agent_store(timeout)
         namespace = attempt_namespace(store, rank, world_size, timeout_s)
         log.debug("rank %d: process-group namespace %s", rank, namespace)
         kwargs.update(store=dist.PrefixStore(f"elastic_runner/pg/{namespace}/", store))
@@ -225,3 +224,8 @@ def assert_same_across_ranks(value: str, what: str) -> None:
             groups.setdefault(v, []).append(r)
         detail = "; ".join(f"ranks {rs}: {v}" for v, rs in groups.items())
         raise RuntimeError(f"{what} differs between ranks ({detail})")
+
+
+def current_rank() -> int:
+    """This process's rank in the default process group (0 without one)."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0

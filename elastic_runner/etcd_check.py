@@ -10,7 +10,8 @@ the v3 API by default; 3.6 removed v2), torch fails with a deep traceback ending
 The two backends also spell the same rendezvous options differently (``etcd-v2``: ``ca_cert``,
 ``ssl_cert``, ``ssl_cert_key``, ``join_timeout``; legacy ``etcd``: ``cacert``, ``cert``, ``key``,
 ``timeout``) and silently ignore the other spelling; :func:`with_aliases` adds the chosen
-backend's spelling of an option given only in the other one, so that either spelling works.
+backend's spelling of an option given only in the other one, so that either spelling works
+(the spellings are torch internals, kept and tested in :mod:`elastic_runner.compat`, item 6).
 
 Units: all times are seconds (``float``).
 """
@@ -28,7 +29,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Mapping
 
-from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+from .compat import ETCD_OPTION_SPELLINGS, parse_rendezvous_endpoint
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +40,7 @@ _ATTEMPT_TIMEOUT_S = 5.0  # connect + read timeout of one HTTP request
 _RETRY_S = 0.5
 
 # (etcd-v2 spelling, legacy etcd spelling) of the same rendezvous option
-ALIASES = (("ca_cert", "cacert"), ("ssl_cert", "cert"), ("ssl_cert_key", "key"),
-           ("join_timeout", "timeout"))
+ALIASES = ETCD_OPTION_SPELLINGS
 
 _TLS_HINT = "--rdzv-conf protocol=https,cacert=CA.pem[,cert=CLIENT.pem,key=CLIENT.key]"
 

@@ -10,15 +10,23 @@ other backend's spelling (``cacert`` for ``ca_cert``, ``join_timeout`` for ``tim
 :mod:`elastic_runner.etcd_check`) is added in the chosen backend's spelling, and the server is
 checked before the agent starts, so that an unreachable or misconfigured etcd ends in one line,
 not a traceback. Rendezvous errors (closed, timed out) end in one line too.
+
+Before the agent starts, :func:`elastic_runner.compat.check_torch` verifies the torch internals
+the agent relies on (exit code 2 when a required one is gone) and the agent runs with torch's
+``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (a fresh workers' store every rendezvous round; see
+:mod:`elastic_runner.compat`) and, unless the user set it, ``OMP_NUM_THREADS`` = cores / workers
+(torchrun would otherwise set 1 and print a banner about it), both for this run only.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 import etcd
@@ -31,10 +39,10 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousTimeoutError,
 )
 from torch.distributed.launcher.api import elastic_launch
-from torch.distributed.run import config_from_args, get_args_parser
 
-from . import rdzv_fix
+from . import compat
 from .agent_metrics import NodeEndpoint
+from .compat import config_from_args, get_args_parser
 from .etcd_check import (
     ETCD_BACKENDS,
     EtcdCheckError,
@@ -51,6 +59,44 @@ log = logging.getLogger(__name__)
 def default_nproc_per_node() -> int:
     """One worker per GPU; two on a CPU-only machine."""
     return torch.cuda.device_count() if torch.cuda.is_available() else 2
+
+
+def omp_threads(nproc_per_node: int, cores: int | None = None) -> int:
+    """Threads per worker for intra-op parallelism: this process's usable cores (``cores``, by
+    default its CPU affinity) shared among the node's workers, at least 1."""
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+        cores = cores or os.cpu_count() or 1
+    return max(1, cores // max(nproc_per_node, 1))
+
+
+@contextlib.contextmanager
+def agent_environment(nproc_per_node: int, cores: int | None = None) -> Iterator[dict[str, str]]:
+    """Set, for the ``with`` block (the agent and the workers it starts inherit them), the
+    variables this run needs and the user did not set: torch's rendezvous switches
+    (:data:`~elastic_runner.compat.RDZV_SWITCHES`) and ``OMP_NUM_THREADS`` (see
+    :func:`omp_threads`; logged in one line). Yields what was set; restores the environment."""
+    env: dict[str, str] = {}
+    if "OMP_NUM_THREADS" not in os.environ:
+        env["OMP_NUM_THREADS"] = str(omp_threads(nproc_per_node, cores))
+        log.info("OMP_NUM_THREADS=%s for each of the %d workers on this node (cores / workers; "
+                 "set OMP_NUM_THREADS to choose)", env["OMP_NUM_THREADS"], nproc_per_node)
+    for key, value in compat.RDZV_SWITCHES.items():
+        if key not in os.environ:
+            env[key] = value
+        elif os.environ[key] != value:
+            log.warning("%s=%s (not %s): a node whose rank changes between rendezvous rounds "
+                        "may hang the restarted group", key, os.environ[key], value)
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    try:
+        yield env
+    finally:
+        for key, old in saved.items():
+            if old is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = old
 
 
 def torchrun_argv(args: argparse.Namespace) -> list[str]:
@@ -93,6 +139,8 @@ def torchrun_argv(args: argparse.Namespace) -> list[str]:
     opt("--monitor-interval", args.monitor_interval, 1.0)
     # SIGTERM -> SIGKILL gap when the agent stops its workers (eviction): preemption.grace_seconds
     opt("--shutdown-timeout", getattr(args, "shutdown_timeout", None))
+    if getattr(args, "script", None):  # a user's own training script and its arguments
+        return [*argv, str(args.script), *args.script_args]
     argv += ["--module", "elastic_runner", "train", str(args.config), *args.overrides]
     if args.no_resume:
         argv.append("--no-resume")
@@ -100,10 +148,16 @@ def torchrun_argv(args: argparse.Namespace) -> list[str]:
 
 
 def launch(args: argparse.Namespace) -> int:
-    """Run the agent until the job ends; returns the process exit code (an etcd that cannot
-    serve the rendezvous, checked before the agent starts: 2; a failed rendezvous: 1)."""
+    """Run the agent until the job ends; returns the process exit code (a torch without an
+    internal that a required fix relies on, or an etcd that cannot serve the rendezvous, both
+    checked before the agent starts: 2; a failed rendezvous: 1)."""
     targs = get_args_parser().parse_args(torchrun_argv(args))
-    rdzv_fix.apply()
+    try:
+        compat.check_torch("agent")
+    except compat.TorchCompatError as e:
+        print(f"elastic-runner: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    compat.apply_rendezvous_fixes()
     if targs.rdzv_backend in ETCD_BACKENDS:
         conf = parse_conf(targs.rdzv_conf)
         try:
@@ -114,6 +168,18 @@ def launch(args: argparse.Namespace) -> int:
             return 2
         log.info("rendezvous: etcd %s at %s (%s), run id %r", version, targs.rdzv_endpoint,
                  targs.rdzv_backend, targs.rdzv_id)
+    with agent_environment(_local_world_size(targs.nproc_per_node)):
+        return _launch_agent(args, targs)
+
+
+def _local_world_size(nproc_per_node: str) -> int:
+    try:
+        return compat.determine_local_world_size(nproc_per_node)
+    except ValueError:  # config_from_args says what is wrong with it
+        return 1
+
+
+def _launch_agent(args: argparse.Namespace, targs: argparse.Namespace) -> int:
     config, cmd, cmd_args = config_from_args(targs)
     metrics = getattr(args, "metrics", None)
     endpoint = None
@@ -153,7 +219,7 @@ def _run_agent(targs: argparse.Namespace, config: Any, cmd: Any, cmd_args: list[
         return 1
     except RendezvousTimeoutError:
         key = "timeout" if targs.rdzv_backend == "etcd" else "join_timeout"
-        limit = config.rdzv_configs.get(key, 600)
+        limit = config.rdzv_configs.get(key, compat.DEFAULT_JOIN_TIMEOUT_S)
         print(f"elastic-runner: error: rendezvous {targs.rdzv_id!r} at {targs.rdzv_endpoint} "
               f"({targs.rdzv_backend}) timed out: fewer than {config.min_nodes} node(s) "
               f"(--nnodes {targs.nnodes}) joined within {limit} s ({key}); start the other "

@@ -119,7 +119,7 @@ class RankMetrics:
         self.samples_total = counter("samples_total", "Training samples this rank consumed.")
         self.samples_rate = gauge("samples_per_second", "Training samples per second on this "
                                   "rank over the last logging window.")
-        self.loss = gauge("loss", "Training loss of this rank's last step (its micro-batches).")
+        self.loss = gauge("loss", "Training loss, the mean over ranks, at the last logging step.")
         self.lr = gauge("learning_rate", "Learning rate of the last step.")
         self.heartbeat = gauge("heartbeat_timestamp_seconds", "Unix time of this rank's last "
                                "heartbeat (each step and each phase change).")
@@ -203,8 +203,10 @@ class RankMetrics:
             self.world_size.set(world_size)
 
     def step_done(self, step: int, epoch: int, seconds: float, data_seconds: float,
-                  samples: int, loss: float, lr: float) -> None:
-        """One optimizer step completed: ``samples`` this rank consumed, wall ``seconds``."""
+                  samples: int, loss: float | None, lr: float) -> None:
+        """One optimizer step completed: ``samples`` this rank consumed, wall ``seconds``;
+        ``loss`` (the mean over ranks) only at logging steps, None otherwise: reading a device
+        loss every step would synchronise the host with the device."""
         if not self.enabled:
             return
         self.step.set(step)
@@ -215,7 +217,8 @@ class RankMetrics:
         self.samples_total.inc(samples)
         if self.tokens_per_sample:
             self.tokens_total.inc(samples * self.tokens_per_sample)
-        self.loss.set(loss)
+        if loss is not None:
+            self.loss.set(loss)
         self.lr.set(lr)
         self._window_samples += samples
 
@@ -257,8 +260,12 @@ class RankMetrics:
         self.es_patience.set(patience_left)
 
     def finished(self, stop_reason: str) -> None:
+        """The run ended; ``stop_reason`` is a :class:`~elastic_runner.stop.StopReason` value
+        (or a free-text reason of older callers, mapped by :func:`finish_category`)."""
         if self.enabled:
-            self._finished[finish_category(stop_reason)].set(1)
+            value = getattr(stop_reason, "value", stop_reason)
+            category = value if value in self._finished else finish_category(value)
+            self._finished[category].set(1)
 
     # ------------------------------------------------------------ checkpoints
 

@@ -81,9 +81,10 @@ class ElasticSampler:
         """Mark one optimizer step's global batch as trained."""
         self.cursor += self.global_batch_size
 
-    def step_indices(self, cursor: int) -> list[list[int]]:
-        """This rank's micro-batches of the optimizer step that starts at ``cursor``."""
-        perm = self.permutation(self.epoch)
+    def step_indices(self, cursor: int, epoch: int | None = None) -> list[list[int]]:
+        """This rank's micro-batches of the optimizer step that starts at ``cursor`` of
+        ``epoch`` (default: the current epoch)."""
+        perm = self.permutation(self.epoch if epoch is None else epoch)
         return self._split(perm, cursor)
 
     def _split(self, perm: np.ndarray, cursor: int) -> list[list[int]]:

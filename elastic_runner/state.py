@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import random
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 import numpy as np
@@ -13,7 +13,8 @@ import torch
 @dataclass
 class TrainState:
     """Counters of committed work. ``step`` counts optimizer steps since the start of training;
-    the epoch and the position inside it live in the sampler's state."""
+    the epoch and the position inside it live in the sampler's state, why training stopped in
+    :class:`~elastic_runner.stop.StopPolicy`'s."""
 
     step: int = 0
     samples: int = 0  # samples trained on (sum of global batch sizes)
@@ -21,15 +22,14 @@ class TrainState:
     bad_steps: int = 0  # steps skipped for a non-finite loss or gradient
     bad_in_row: int = 0
     rollbacks: int = 0  # rollbacks to the last checkpoint after max_bad_steps bad steps in a row
-    finished: bool = False  # training ended (max_epochs / max_steps / early stop): do not resume
-    stop_reason: str = ""
 
     def state_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        for k, v in state.items():
-            setattr(self, k, v)
+        for f in fields(self):  # keys of other releases are ignored, missing ones keep defaults
+            if f.name in state:
+                setattr(self, f.name, state[f.name])
 
 
 class RNGState:

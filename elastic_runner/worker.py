@@ -18,7 +18,8 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
 from .checkpoint import CheckpointError
-from .config import Config, ConfigError, load_config
+from .compat import check_torch
+from .config import ConfigError, MetricsConfig, load_config
 from .dist import destroy_distributed, init_distributed
 from .health import MetricsServer
 from .logs import setup_logging
@@ -55,8 +56,9 @@ def main(config_path: str, overrides: list[str], resume: bool = True, verbose: b
 
 @record
 def _train(config_path: str, overrides: list[str], resume: bool, entered: float) -> int:
+    check_torch("worker")
     cfg = load_config(config_path, overrides)
-    metrics, server = worker_metrics(cfg)
+    metrics, server = worker_metrics(cfg.metrics)
     metrics.phase("starting", None)  # joining the process group is not a hang
     info = None
     trainer = None
@@ -76,10 +78,8 @@ def _train(config_path: str, overrides: list[str], resume: bool, entered: float)
         trainer.fit()
         linger = cfg.metrics.linger_seconds  # a final scrape sees the ending (not on errors)
     finally:
-        if trainer is not None and trainer.watchdog is not None:
-            trainer.watchdog.close()
-        if trainer is not None and trainer.writer is not None:
-            trainer.writer.close()  # flushed here: the worker may leave without teardown
+        if trainer is not None:
+            trainer.close()  # flushes TensorBoard: the worker may leave without teardown
         if info is not None:
             destroy_distributed()
         if server is not None:
@@ -97,13 +97,16 @@ def log_startup(marks: list[float]) -> None:
              "%.3f s, checkpoint load %.3f s", *spans)
 
 
-def worker_metrics(cfg: Config) -> tuple[RankMetrics, MetricsServer | None]:
-    """This rank's series, and its own endpoint on ``metrics.port + local_rank`` when no
-    elastic-runner agent serves the node's (plain torchrun)."""
+def worker_metrics(m: MetricsConfig) -> tuple[RankMetrics, MetricsServer | None]:
+    """This rank's series (config section ``m``), and its own endpoint on ``m.port +
+    local_rank`` when no elastic-runner agent serves the node's (plain torchrun).
+
+    Raises:
+        ConfigError: the port cannot be bound.
+    """
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    metrics = RankMetrics(cfg.metrics, int(os.environ.get("RANK", 0)), local_rank,
+    metrics = RankMetrics(m, int(os.environ.get("RANK", 0)), local_rank,
                           cuda=torch.cuda.is_available())
-    m = cfg.metrics
     if not (m.enabled and m.port) or os.environ.get(AGENT_ENV):
         return metrics, None
     try:

@@ -48,8 +48,52 @@ def test_metrics_overhead_smoke(tmp_path):
 @pytest.mark.slow
 def test_overhead_smoke(tmp_path, capsys):
     summary = overhead.main(["--steps", "30", "--repeats", "1", "--variants", "runner",
-                             "--json", str(tmp_path / "o.json")])
-    (repeat,) = summary["repeats"]
-    assert set(repeat) == {"bare", "runner"} and min(repeat.values()) > 0
-    assert summary["variants"]["runner"]["ratio"]["median"] == repeat["runner"] / repeat["bare"]
-    assert "runner" in capsys.readouterr().out and (tmp_path / "o.json").is_file()
+                             "--tasks", "digits", "char_lm", "--json", str(tmp_path / "o.json")])
+    assert set(summary["tasks"]) == {"digits", "char_lm"}
+    for task, result in summary["tasks"].items():
+        (repeat,) = result["repeats"]
+        assert set(repeat) == {"bare", "runner"} and min(repeat.values()) > 0, task
+        runner = result["variants"]["runner"]
+        assert runner["ratio"]["median"] == repeat["runner"] / repeat["bare"]
+        assert runner["overhead_ms"]["median"] == pytest.approx(
+            1000 * (1 / repeat["runner"] - 1 / repeat["bare"]))
+    # the first task's figures stay at the top level, where bench.plot reads them
+    assert summary["variants"] == summary["tasks"]["digits"]["variants"]
+    out = capsys.readouterr().out
+    assert "digits:" in out and "char_lm:" in out and "overhead ms/step" in out
+    assert (tmp_path / "o.json").is_file()
+
+
+def test_overhead_pairs_and_rotation():
+    repeats = [{"bare": 100.0, "runner": 80.0}, {"runner": 50.0, "bare": 50.0}]
+    summary = overhead.summarize(repeats, ["bare", "runner"])
+    assert summary["bare"]["ratio"] == {"median": 1.0, "min": 1.0, "max": 1.0}
+    assert summary["runner"]["ratio"] == {"median": 0.9, "min": 0.8, "max": 1.0}
+    # 1/80 - 1/100 s = 2.5 ms per step; the second pair adds nothing
+    assert summary["runner"]["overhead_ms"]["max"] == pytest.approx(2.5)
+    assert summary["runner"]["overhead_ms"]["min"] == pytest.approx(0.0)
+
+
+def test_overhead_runs_the_same_task_in_both_loops(tmp_path):
+    for task, config in (("digits", "configs/digits.yaml"), ("char_lm", "configs/char_lm.yaml")):
+        bare = overhead.argv_for("bare", task, 30, 20, tmp_path)
+        runner = overhead.argv_for("runner", task, 30, 20, tmp_path)
+        assert config in bare and config in runner
+        assert "batch.grad_accum_steps=1" in bare and "batch.grad_accum_steps=1" in runner
+        assert "training.max_steps=30" in runner and bare[-2:] == ["--steps", "30"]
+
+
+@pytest.mark.parametrize("config", ["configs/digits.yaml", "configs/char_lm.yaml"])
+def test_bare_loop_steps_the_runners_lr_schedule(config):
+    # recipe equality: the bare loop's LambdaLR factor is the runner's (the schedule runs over
+    # --steps, which bench.overhead also passes to the runner as training.max_steps)
+    from bench import bare_ddp
+    from elastic_runner.config import load_config
+    from elastic_runner.loop import lr_factor
+
+    cfg = load_config(REPO / config, [])
+    s, total = cfg.schedule, 300
+    factor = bare_ddp.lr_lambda(cfg, total)
+    for step in (0, 1, s.warmup_steps - 1, s.warmup_steps, 150, total - 1, total, total + 5):
+        assert factor(step) == lr_factor(step, s.warmup_steps, total, s.min_lr_ratio,
+                                         cosine=s.name == "cosine")

@@ -1,12 +1,28 @@
 """Config loading: typed sections, overrides, and errors that name the key path."""
 
+import importlib
+import json
+import sys
+import uuid
 from pathlib import Path
 
+import jsonschema
 import pytest
+import yaml
 
-from elastic_runner.config import ConfigError, load_config
+from elastic_runner.cli import main
+from elastic_runner.config import (
+    ConfigError,
+    DataConfig,
+    available_tasks,
+    dump_yaml,
+    fingerprint,
+    from_dict,
+    load_config,
+    task_target,
+)
 
-from .procs import CONFIGS, run_cli
+from .procs import CONFIGS, REPO, run_cli
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -45,14 +61,70 @@ def test_overrides_are_parsed_as_yaml_and_typed():
     ("optimizer: [1, 2]\n", "optimizer: expected a mapping, got list"),
 ])
 def test_errors_name_the_key_path(tmp_path, text, expected):
+    if not text.startswith("task:"):  # `task` is required
+        text = "task: digits\n" + text
     with pytest.raises(ConfigError) as e:
         load_config(write(tmp_path, text))
     assert expected in str(e.value)
 
 
+# every message is the exact line of the dataclass-era validator (same inputs, same words)
+@pytest.mark.parametrize("raw, expected", [
+    ({"batch": {"micro_batch_size": True}}, "batch.micro_batch_size: expected int, got bool True"),
+    ({"batch": {"micro_batch_size": 2.0}}, "batch.micro_batch_size: expected int, got float 2.0"),
+    ({"batch": {"micro_batch_size": "5"}}, "batch.micro_batch_size: expected int, got str '5'"),
+    ({"early_stopping": {"mode": "xyz"}},
+     "early_stopping.mode: expected one of 'min', 'max', got 'xyz'"),
+    ({"optimizer": {"betas": [1, 2, 3]}}, "optimizer.betas: expected 2 values, got 3"),
+    ({"optimizer": {"betas": [1]}}, "optimizer.betas: expected 2 values, got 1"),
+    ({"optimizer": {"betas": 3}}, "optimizer.betas: expected a list, got int 3"),
+    ({"optimizer": {"betas": [1, "x"]}}, "optimizer.betas[1]: expected float, got str 'x'"),
+    ({"optimizer": {"lr": "abc"}}, "optimizer.lr: expected float, got str 'abc'"),
+    ({"optimizer": {"lr": True}}, "optimizer.lr: expected float, got bool True"),
+    ({"optimizer": {"lr": 0}}, "optimizer.lr: must be > 0"),
+    ({"optimizer": {"lr": None}}, "optimizer.lr: expected float, got NoneType None"),
+    ({"schedule": {"min_lr_ratio": 2}}, "schedule.min_lr_ratio: must be in [0, 1]"),
+    ({"metrics": {"port": 70000}}, "metrics.port: must be a TCP port (1-65535) or null"),
+    ({"metrics": {"straggler_threshold": 0.5}},
+     "metrics.straggler_threshold: must be > 1 (a ratio to the median) or 0 (off)"),
+    ({"faults": {"inject": [{"kind": "boom"}]}}, "faults.inject[0].kind: expected one of "
+     "'sigkill', 'sigterm', 'raise', 'hang', 'nan', 'slow', got 'boom'"),
+    ({"faults": {"inject": [{"knd": "nan"}]}}, "faults.inject[0].knd: unknown key; did you mean "
+     "'faults.inject[0].kind'? (valid keys: kind, rank, step, after_steps, attempts, count, "
+     "repeat, seconds)"),
+    ({"faults": {"inject": {"kind": "nan"}}}, "faults.inject: expected a list, got dict "
+     "{'kind': 'nan'}"),
+    ({"faults": {"planted_metric": ["a"]}},
+     "faults.planted_metric[0]: expected float, got str 'a'"),
+    ({"distributed": {"ddp": 3}}, "distributed.ddp: expected a mapping, got int"),
+    ({"data": {"num_workers": -1}}, "data.num_workers: must be >= 0"),
+    ({"data": 5}, "data: expected a mapping, got int"),
+    ({"model": 5}, "model: expected a mapping, got int"),
+    ({"checkpoint": {"dir": 5}}, "checkpoint.dir: expected str, got int 5"),
+    ({"checkpoint": {"async_save": 1}}, "checkpoint.async_save: expected bool, got int 1"),
+    ({"seed": None}, "seed: expected int, got NoneType None"),
+    ({"task": 5}, "task: expected str, got int 5"),
+    ({"zzz": 1}, "zzz: unknown key (valid keys: task, seed, data, model, optimizer, schedule, "
+     "batch, training, eval, checkpoint, early_stopping, distributed, logging, audit, watchdog, "
+     "preemption, faults, metrics)"),
+])
+def test_error_lines_match_the_previous_validator(raw, expected):
+    with pytest.raises(ConfigError) as e:
+        from_dict({"task": "digits", **raw})
+    assert str(e.value) == expected
+
+
+def test_first_error_in_file_order_unknown_sections_first():
+    raw = {"task": "digits", "training": {"max_steps": 0}, "optimizer": {"lr": 0}, "zz": 1}
+    with pytest.raises(ConfigError, match=r"^zz: unknown key"):
+        from_dict(raw)
+    with pytest.raises(ConfigError, match=r"^training\.max_steps"):
+        from_dict({k: v for k, v in raw.items() if k != "zz"})
+
+
 def test_unknown_key_lists_valid_keys(tmp_path):
     with pytest.raises(ConfigError, match=r"valid keys: name, lr, weight_decay, betas, momentum"):
-        load_config(write(tmp_path, "optimizer:\n  lrr: 0.1\n"))
+        load_config(write(tmp_path, "task: digits\noptimizer:\n  lrr: 0.1\n"))
 
 
 def test_bad_override_syntax():
@@ -84,3 +156,208 @@ def test_global_batch_derives_accumulation_or_names_valid_world_sizes():
     with pytest.raises(ConfigError, match="must be a multiple of batch.micro_batch_size"):
         load_config(CONFIGS / "digits.yaml", ["batch.micro_batch_size=4",
                                               "batch.global_batch_size=10"])
+
+
+# ---------------------------------------------------------------- hash compatibility
+
+# Computed with the dataclass-based config.py (before pydantic): checkpoints written then must
+# still resume without a config-mismatch warning, so these hashes must never change.
+_OLD_HASHES = [
+    ({"task": "digits"}, "ef3a9cbe5b451d48"),
+    ({"task": "char_lm"}, "528be3ce3d865eab"),
+    ({"task": "digits", "seed": 7, "model": {"channels": 8, "dropout": 0},
+      "data": {"val_fraction": 0.2}, "optimizer": {"lr": "1e-3", "betas": [0.8, 0.9]},
+      "batch": {"micro_batch_size": 4, "global_batch_size": 24},
+      "training": {"max_steps": 100, "grad_clip_norm": 2, "precision": "bf16"},
+      "distributed": {"timeout_seconds": 300, "ddp": {"bucket_cap_mb": 10}},
+      "checkpoint": {"dir": "elsewhere", "every_seconds": 60},
+      "faults": {"inject": [{"kind": "nan", "step": 3}]}, "metrics": {"port": 9400}},
+     "016c8492bd44e3eb"),
+]
+
+
+@pytest.mark.parametrize("raw, expected", _OLD_HASHES)
+def test_fingerprint_is_unchanged_from_the_dataclass_config(raw, expected):
+    cfg = from_dict(raw)
+    assert cfg.fingerprint() == expected == fingerprint(cfg.to_dict())
+    again = from_dict(cfg.to_dict())  # what export/evaluate do with a checkpoint's config
+    assert again.to_dict() == cfg.to_dict() and again.fingerprint() == expected
+
+
+def test_to_dict_is_plain_and_ordered():
+    d = from_dict({"task": "digits", "optimizer": {"lr": 1}}).to_dict()
+    assert list(d)[:4] == ["task", "seed", "data", "model"]
+    assert d["data"] == {"num_workers": 0, "pin_memory": False, "val_fraction": 0.15,
+                         "test_fraction": 0.15}
+    assert d["optimizer"]["betas"] == [0.9, 0.999] and d["optimizer"]["lr"] == 1.0
+    assert isinstance(d["optimizer"]["lr"], float)
+    assert dump_yaml(from_dict(d)).startswith("task: digits\nseed: 1234\ndata:\n  num_workers: 0\n")
+
+
+def test_fault_env_is_appended(monkeypatch):
+    monkeypatch.setenv("ELASTIC_RUNNER_FAULTS", "[{kind: sigterm, rank: 1, step: 200}]")
+    cfg = load_config(CONFIGS / "digits.yaml", ["faults.inject=[{kind: nan, step: 3}]"])
+    assert [(f.kind, f.rank, f.step) for f in cfg.faults.inject] == [
+        ("nan", 0, 3), ("sigterm", 1, 200)]
+
+
+# ---------------------------------------------------------------- task is required
+
+
+def test_empty_file_is_an_error_naming_the_file(tmp_path):
+    path = write(tmp_path, "# nothing yet\n")
+    with pytest.raises(ConfigError, match=rf"^{path}: the config file is empty; 'task' is "
+                                          "required"):
+        load_config(path)
+
+
+def test_task_is_required(tmp_path):
+    with pytest.raises(ConfigError, match=r"^task: required; name the task: one of \["):
+        load_config(write(tmp_path, "seed: 3\n"))
+    assert load_config(write(tmp_path, "seed: 3\n"), ["task=digits"]).task == "digits"
+
+
+# ---------------------------------------------------------------- user tasks
+
+
+USER_TASK = '''
+from pydantic import Field
+
+from elastic_runner.config import DataConfig as BaseDataConfig
+from elastic_runner.config import ModelConfig as BaseModelConfig
+
+
+class DataConfig(BaseDataConfig):
+    rows: int = Field(100, ge=1)
+
+
+class ModelConfig(BaseModelConfig):
+    hidden: int = 8
+    act: str = "relu"
+
+
+def build(cfg):
+    raise NotImplementedError
+'''
+
+
+def user_task(root: Path, source: str = USER_TASK) -> str:
+    """A package ``<unique>/task.py`` under ``root``; returns its task name."""
+    pkg = root / f"usertask_{uuid.uuid4().hex[:8]}"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "task.py").write_text(source)
+    importlib.invalidate_caches()
+    return f"{pkg.name}.task:build"
+
+
+def test_user_task_sections_are_its_pydantic_models(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(tmp_path))
+    task = user_task(tmp_path)
+    cfg = from_dict({"task": task, "data": {"rows": 5}, "model": {"hidden": 4}})
+    assert (cfg.data.rows, cfg.data.num_workers) == (5, 0)
+    assert (cfg.model.hidden, cfg.model.act) == (4, "relu")
+    assert cfg.to_dict()["data"] == {"num_workers": 0, "pin_memory": False, "rows": 5}
+    with pytest.raises(ConfigError, match=r"^model\.hiden: unknown key; did you mean "
+                                          r"'model\.hidden'\? \(valid keys: hidden, act\)$"):
+        from_dict({"task": task, "model": {"hiden": 4}})
+    with pytest.raises(ConfigError, match=r"^data\.rows: must be >= 1$"):
+        from_dict({"task": task, "data": {"rows": 0}})
+
+
+def test_task_without_model_config_gets_a_mapping(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(tmp_path))
+    task = user_task(tmp_path, "def build(cfg):\n    return None\n")
+    cfg = from_dict({"task": task, "model": {"anything": [1, 2]}})
+    assert cfg.model == {"anything": [1, 2]} and from_dict({"task": task}).model == {}
+    assert type(cfg.data) is DataConfig
+
+
+def test_dataclass_sections_are_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(tmp_path))
+    task = user_task(tmp_path, "from dataclasses import dataclass\n\n\n@dataclass\n"
+                               "class DataConfig:\n    rows: int = 1\n\n\ndef build(cfg): ...\n")
+    module = task.partition(":")[0]
+    with pytest.raises(ConfigError, match=rf"^task: {module}\.DataConfig must subclass "
+                                          r"elastic_runner\.config\.DataConfig"):
+        from_dict({"task": task})
+
+
+def test_task_module_is_imported_as_is_not_from_the_cwd(tmp_path, monkeypatch):
+    task = user_task(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    with pytest.raises(ConfigError, match=r"cannot import task module .*PYTHONPATH.*pip install"):
+        from_dict({"task": task})
+    assert str(tmp_path) not in sys.path  # the loader did not add it either
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert from_dict({"task": task}).model.hidden == 8
+
+
+def test_failing_import_inside_the_task_module_names_it(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(tmp_path))
+    task = user_task(tmp_path, "import no_such_dependency_xyz\n\n\ndef build(cfg): ...\n")
+    with pytest.raises(ConfigError, match=r"importing task module .* failed: No module named "
+                                          r"'no_such_dependency_xyz'; check that its dependencies"):
+        from_dict({"task": task})
+
+
+def test_entry_point_registers_a_task_name(tmp_path, monkeypatch):
+    task = user_task(tmp_path)
+    dist = tmp_path / "mytasks-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: mytasks\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text(f"[elastic_runner.tasks]\nmytask = {task}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert "mytask" in available_tasks() and task_target("mytask") == task
+    cfg = from_dict({"task": "mytask", "model": {"hidden": 3}})
+    assert cfg.model.hidden == 3 and cfg.task == "mytask"
+
+
+# ---------------------------------------------------------------- JSON Schema
+
+
+def deploy_configs() -> list[tuple[str, dict]]:
+    """Every runner config in deploy/ (YAML documents with a top-level ``task``)."""
+    found = []
+    for path in sorted((REPO / "deploy").rglob("*.y*ml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if isinstance(doc, dict) and "task" in doc:
+                found.append((str(path.relative_to(REPO)), doc))
+    return found
+
+
+def shipped_configs() -> list[tuple[str, dict]]:
+    configs = [(f"configs/{p.name}", yaml.safe_load(p.read_text()))
+               for p in sorted(CONFIGS.glob("*.yaml"))]
+    assert len(configs) >= 2 and deploy_configs(), "no configs found"
+    return configs + deploy_configs()
+
+
+def schema_from_cli(capsys, *args: str) -> dict:
+    assert main(["schema", *args]) == 0
+    schema = json.loads(capsys.readouterr().out)
+    jsonschema.Draft202012Validator.check_schema(schema)
+    return schema
+
+
+def test_every_shipped_config_matches_the_schema(capsys):
+    generic = jsonschema.Draft202012Validator(schema_from_cli(capsys))
+    for name, doc in shipped_configs():
+        assert not [e.message for e in generic.iter_errors(doc)], name
+        typed = jsonschema.Draft202012Validator(schema_from_cli(capsys, "--task", doc["task"]))
+        assert not [e.message for e in typed.iter_errors(doc)], name
+        load_config(REPO / name)  # and the loader agrees
+
+
+def test_schema_rejects_what_the_loader_rejects(capsys):
+    generic = jsonschema.Draft202012Validator(schema_from_cli(capsys))
+    digits = jsonschema.Draft202012Validator(schema_from_cli(capsys, "--task", "digits"))
+    ok = {"task": "digits", "model": {"channels": 8}, "data": {"val_fraction": 0.2}}
+    assert generic.is_valid(ok) and digits.is_valid(ok)
+    for bad in ({"seed": 1}, {**ok, "optimizer": {"lrr": 1}}, {**ok, "training": {"max_steps": 0}},
+                {**ok, "early_stopping": {"mode": "minimum"}},
+                {**ok, "batch": {"micro_batch_size": "x"}}):
+        assert not generic.is_valid(bad) and not digits.is_valid(bad), bad
+    typo = {**ok, "model": {"chanels": 8}}
+    assert generic.is_valid(typo) and not digits.is_valid(typo)  # only the task types `model`

@@ -1,10 +1,14 @@
 """Translation of ``run`` options into torchrun's arguments (parsed by torchrun's own parser)."""
 
+import logging
+import os
+
 import pytest
-from torch.distributed.run import get_args_parser
+from torch.distributed.run import config_from_args, get_args_parser
 
 from elastic_runner.cli import build_parser
-from elastic_runner.launch import torchrun_argv
+from elastic_runner.compat import SHARE_STORE_SWITCH
+from elastic_runner.launch import agent_environment, omp_threads, torchrun_argv
 
 
 def torchrun_args(*cmd: str):
@@ -50,3 +54,75 @@ def test_unset_options_defer_to_pet_environment(monkeypatch, var, value, attr, e
     """What the Kubeflow operator sets wins over our defaults, not over explicit options."""
     monkeypatch.setenv(var, value)
     assert getattr(torchrun_args("c.yaml"), attr) == expected
+
+
+# --- the agent's environment: OMP_NUM_THREADS (no torchrun banner) and torch's rdzv switch ---
+
+_BANNER = "Setting OMP_NUM_THREADS environment variable"
+
+
+@pytest.fixture
+def torchrun_log():
+    """Messages of torchrun's logger (torch's logging set-up keeps them from pytest's caplog)."""
+    messages: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())  # type: ignore
+    logger = logging.getLogger("torch.distributed.run")
+    logger.addHandler(handler)
+    yield messages
+    logger.removeHandler(handler)
+
+
+def _unset(monkeypatch, *names: str) -> None:
+    """Unset ``names`` for the test, restored (or removed) afterwards even if code under test
+    sets them."""
+    for name in names:
+        monkeypatch.setenv(name, "x")
+        monkeypatch.delenv(name)
+
+
+def _configure(nproc: str) -> None:
+    """What ``launch`` does next: torchrun's own configuration of the run."""
+    config_from_args(torchrun_args("c.yaml", "--nproc-per-node", nproc))
+
+
+def test_omp_threads_share_the_cores_among_the_workers():
+    assert [omp_threads(n, cores=8) for n in (1, 2, 3, 8, 16)] == [8, 4, 2, 1, 1]
+    assert omp_threads(2) >= 1  # this machine's cores
+
+
+def test_run_sets_omp_num_threads_instead_of_torchruns_banner(monkeypatch, caplog,
+                                                               torchrun_log):
+    _unset(monkeypatch, "OMP_NUM_THREADS", "PET_NPROC_PER_NODE", SHARE_STORE_SWITCH)
+    caplog.set_level(logging.INFO)
+    with agent_environment(2, cores=8) as env:
+        assert os.environ["OMP_NUM_THREADS"] == "4" and os.environ[SHARE_STORE_SWITCH] == "1"
+        _configure("2")
+        assert os.environ["OMP_NUM_THREADS"] == "4"  # torchrun left it alone
+    assert env == {"OMP_NUM_THREADS": "4", SHARE_STORE_SWITCH: "1"}
+    assert "OMP_NUM_THREADS" not in os.environ and SHARE_STORE_SWITCH not in os.environ
+    assert not any(_BANNER in m for m in torchrun_log), torchrun_log
+    messages = [r.getMessage() for r in caplog.records]
+    (line,) = [m for m in messages if m.startswith("OMP_NUM_THREADS=")]
+    assert line.startswith("OMP_NUM_THREADS=4 for each of the 2 workers")
+
+
+def test_torchrun_prints_its_banner_without_it(monkeypatch, torchrun_log):
+    """The banner the test above checks for (torch.distributed.run.config_from_args)."""
+    _unset(monkeypatch, "OMP_NUM_THREADS", "PET_NPROC_PER_NODE")
+    _configure("2")
+    assert os.environ["OMP_NUM_THREADS"] == "1"
+    assert any(_BANNER in m for m in torchrun_log)
+
+
+def test_users_omp_num_threads_and_switch_are_kept(monkeypatch, caplog):
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    monkeypatch.setenv(SHARE_STORE_SWITCH, "0")
+    caplog.set_level(logging.INFO)
+    with agent_environment(2, cores=8) as env:
+        assert env == {} and os.environ["OMP_NUM_THREADS"] == "3"
+        assert os.environ[SHARE_STORE_SWITCH] == "0"
+    assert os.environ["OMP_NUM_THREADS"] == "3" and os.environ[SHARE_STORE_SWITCH] == "0"
+    messages = [r.getMessage() for r in caplog.records]
+    assert not any(m.startswith("OMP_NUM_THREADS=") for m in messages)
+    assert any(m.startswith(f"{SHARE_STORE_SWITCH}=0 (not 1)") for m in messages)

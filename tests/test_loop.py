@@ -2,6 +2,7 @@
 precision and optimizer options, and resume of a finished run."""
 
 import math
+import time
 
 import pytest
 import torch
@@ -47,7 +48,7 @@ def test_bf16_constant_schedule_and_finished_run_is_not_resumed(tmp_path):
     assert t.state.step == 4 and math.isfinite(res["test_loss"])
     assert t.scheduler.get_last_lr()[0] == pytest.approx(t.cfg.optimizer.lr)
     again = trainer(tmp_path, "training.precision=bf16", "training.max_steps=4")
-    assert again.resume() and again.state.finished
+    assert again.resume() and again.stop.stopped
     again.fit()
     assert again.state.step == 4
 
@@ -60,18 +61,17 @@ def test_fp16_on_cpu_is_a_config_error(tmp_path):
 
 
 def test_wall_clock_checkpoint_cadence(tmp_path):
-    import time
-
     t = trainer(tmp_path, "checkpoint.every_steps=0", "checkpoint.every_seconds=60")
     t.state.step = 7
-    assert not t._checkpoint_due(end_of_epoch=False)  # just started
-    t._last_save_time = time.monotonic() - 61
-    assert t._checkpoint_due(end_of_epoch=False)
-    assert not t._checkpoint_due(end_of_epoch=True)  # the epoch-end checkpoint covers it
+    assert not t.checkpoints.due(7)  # just started
+    t.checkpoints._last_save = time.monotonic() - 61
+    assert t.checkpoints.due(7)
+    assert not t._after_step(end_of_epoch=True)  # the epoch-end checkpoint covers it
     t.save()
-    t.wait_for_checkpoint()
-    assert not t._checkpoint_due(end_of_epoch=False)
+    t.checkpoints.wait()
+    assert not t.checkpoints.due(7)
     assert (tmp_path / "step-00000007" / "manifest.json").is_file()
+    t.close()
 
 
 def test_hang_watchdog_closes_its_thread():

@@ -1,9 +1,12 @@
 """The interface between the runner and a task (built-in or user-supplied).
 
 A task is a function ``build(cfg: Config) -> TaskBundle`` named in the config as
-``task: package.module:build``. Its module may define ``DataConfig`` (subclassing
-:class:`elastic_runner.config.DataConfig`) and ``ModelConfig`` dataclasses; the config loader then
-validates the ``data`` and ``model`` sections against them and passes instances in ``cfg``.
+``task: package.module:build`` (importable from ``PYTHONPATH`` or installed; an installed package
+can also register a short name in the ``elastic_runner.tasks`` entry-point group). Its module
+may define ``DataConfig`` and ``ModelConfig`` pydantic models (subclassing
+:class:`elastic_runner.config.DataConfig` / :class:`~elastic_runner.config.ModelConfig`); the
+config loader then validates the ``data`` and ``model`` sections against them and passes
+instances in ``cfg``.
 
 ``build`` is called once per rank and process start, after the global torch seed is set to
 ``cfg.seed``, so a model built from the default RNG has the same initial weights on every rank.

@@ -21,17 +21,18 @@ import importlib.util
 import math
 import platform
 from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from pydantic import Field
 from torch import nn
 from torch.utils.data import Dataset
 
 from elastic_runner.config import Config, ConfigError
 from elastic_runner.config import DataConfig as BaseDataConfig
+from elastic_runner.config import ModelConfig as BaseModelConfig
 from elastic_runner.tasks.base import MetricSums, TaskBundle, check_split_fractions
 
 DEFAULT_CORPUS_MODULES: tuple[str, ...] = (
@@ -56,18 +57,16 @@ SAMPLE_TEMPERATURE = 0.8
 SAMPLE_TOP_K = 20
 
 
-@dataclass
 class DataConfig(BaseDataConfig):
     """``data:`` section. Fractions are of the corpus length in characters."""
 
     block_size: int = 128  # characters per training window = model context length
-    corpus_modules: list[str] = field(default_factory=lambda: list(DEFAULT_CORPUS_MODULES))
+    corpus_modules: list[str] = Field(default_factory=lambda: list(DEFAULT_CORPUS_MODULES))
     val_fraction: float = 0.05
     test_fraction: float = 0.05
 
 
-@dataclass
-class ModelConfig:
+class ModelConfig(BaseModelConfig):
     """``model:`` section of :class:`CharGPT`."""
 
     n_layer: int = 2  # transformer blocks

@@ -8,8 +8,6 @@ standardised with one scalar mean/std computed on the training split only.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -18,13 +16,13 @@ from torch.utils.data import TensorDataset
 
 from elastic_runner.config import Config, ConfigError
 from elastic_runner.config import DataConfig as BaseDataConfig
+from elastic_runner.config import ModelConfig as BaseModelConfig
 from elastic_runner.tasks.base import MetricSums, TaskBundle, check_split_fractions
 
 NUM_CLASSES = 10
 IMAGE_SHAPE = (1, 8, 8)  # (channels, height, width)
 
 
-@dataclass
 class DataConfig(BaseDataConfig):
     """``data:`` section. Fractions are of all 1797 samples; train gets the rest."""
 
@@ -32,8 +30,7 @@ class DataConfig(BaseDataConfig):
     test_fraction: float = 0.15
 
 
-@dataclass
-class ModelConfig:
+class ModelConfig(BaseModelConfig):
     """``model:`` section of :class:`DigitsCNN`."""
 
     channels: int = 32  # first conv layer's output channels; the second has 2x

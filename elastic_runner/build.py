@@ -1,0 +1,177 @@
+"""Assemble the built-in trainer from a config: task, model, DDP, optimizer, schedule, data,
+checkpoints, step consensus, stop policy and reporting callbacks, for one rank."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from . import faults as fault_injection
+from .callbacks import Callback, Callbacks
+from .checkpointing import CheckpointManager
+from .config import Config, ConfigError, fingerprint, task_builder
+from .consensus import make_consensus
+from .data import ElasticDataLoader
+from .dist import DistInfo
+from .early_stop import EarlyStopping
+from .engine import StepEngine, precision_dtype
+from .loop import Trainer, lr_factor
+from .metrics import RankMetrics
+from .preempt import PreemptionFlag
+from .reporting import (
+    Budgets,
+    FaultInjection,
+    MetricsReporter,
+    ProgressBar,
+    SampleTraceRecorder,
+    StepLog,
+    TensorBoardScalars,
+    WatchdogHeartbeat,
+)
+from .sampler import ElasticSampler
+from .session import SessionOptions, TrainingSession
+from .state import RNGState, TrainState, seed_everything
+from .stop import StopPolicy
+from .straggler import StragglerMonitor
+from .tasks.base import TaskBundle
+from .watchdog import HangWatchdog
+
+log = logging.getLogger("elastic_runner.loop")
+
+
+def build_optimizer(cfg: Config, model: nn.Module) -> torch.optim.Optimizer:
+    o = cfg.optimizer
+    if o.name == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=o.lr, momentum=o.momentum,
+                               weight_decay=o.weight_decay)
+    return torch.optim.AdamW(model.parameters(), lr=o.lr, betas=tuple(o.betas),
+                             weight_decay=o.weight_decay)
+
+
+def build_trainer(cfg: Config, info: DistInfo, metrics: RankMetrics | None = None) -> Trainer:
+    """Build everything one rank trains with; ``metrics`` (default: recording only) receives
+    the rank's series.
+
+    Raises:
+        ConfigError: fp16 without CUDA; errors of the task's build.
+    """
+    if cfg.training.precision == "fp16" and info.device.type != "cuda":
+        raise ConfigError("training.precision: 'fp16' needs CUDA (GradScaler); use 'bf16' on CPU")
+    seed_everything(cfg.seed)
+    bundle: TaskBundle = task_builder(cfg.task)(cfg)
+    model = bundle.model.to(info.device)
+    net = _wrap(cfg, info, model)
+    loader = _loader(cfg, info, bundle)
+    sampler = loader.elastic_sampler
+    total = sampler.steps_per_epoch() * cfg.training.max_epochs
+    if cfg.training.max_steps:
+        total = min(total, cfg.training.max_steps)
+    optimizer = build_optimizer(cfg, model)
+    s = cfg.schedule
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_factor(step, s.warmup_steps, total, s.min_lr_ratio,
+                                          cosine=s.name == "cosine"))
+    scaler = torch.amp.GradScaler(info.device.type, enabled=cfg.training.precision == "fp16")
+    log.info("task %s: %d train / %d val / %d test samples; world size %d; global batch %d "
+             "(%d x micro-batch %d x accumulation %d); %d steps per epoch; %d steps in total",
+             cfg.task, len(bundle.train), len(bundle.val), len(bundle.test), info.world_size,
+             sampler.global_batch_size, info.world_size, cfg.batch.micro_batch_size,
+             sampler.grad_accum_steps, sampler.steps_per_epoch(), total)
+    engine = StepEngine(net, model, optimizer, scheduler, bundle.loss_fn, info.device,
+                        precision_dtype(cfg.training.precision), cfg.training.grad_clip_norm,
+                        scaler)
+    metrics = metrics or RankMetrics(cfg.metrics, info.rank, info.local_rank,
+                                     cuda=info.device.type == "cuda")
+    metrics.count_tokens(bundle.tokens_per_sample)
+    metrics.world(info.world_size)
+    preempt = PreemptionFlag()
+    stateful = {"model": model, "optimizer": optimizer, "scheduler": scheduler,
+                "scaler": scaler, "sampler": sampler}
+    session = _session(cfg, info, net, stateful, total, metrics, preempt)
+    trainer = Trainer(cfg=cfg, info=info, bundle=bundle, model=model, optimizer=optimizer,
+                      scheduler=scheduler, loader=loader, engine=engine, session=session,
+                      total_steps=total, preempt=preempt)
+    session.save = trainer.save
+    return trainer
+
+
+def _wrap(cfg: Config, info: DistInfo, model: nn.Module) -> nn.Module:
+    """DDP(model) in a process group, else the model itself."""
+    if not info.distributed:
+        return model
+    d = cfg.distributed.ddp
+    return DDP(model, device_ids=[info.device] if info.device.type == "cuda" else None,
+               bucket_cap_mb=d.bucket_cap_mb, static_graph=d.static_graph,
+               find_unused_parameters=d.find_unused_parameters)
+
+
+def _loader(cfg: Config, info: DistInfo, bundle: TaskBundle) -> ElasticDataLoader:
+    sampler = ElasticSampler(len(bundle.train), cfg.seed, cfg.batch.micro_batch_size,
+                             cfg.batch.accumulation_for(info.world_size), info.rank,
+                             info.world_size)
+    return ElasticDataLoader(bundle.train, sampler, num_workers=cfg.data.num_workers,
+                             pin_memory=cfg.data.pin_memory)
+
+
+def _session(cfg: Config, info: DistInfo, net: nn.Module, stateful: dict[str, Any],
+             total: int, metrics: RankMetrics, preempt: PreemptionFlag) -> TrainingSession:
+    state, sampler = TrainState(), stateful["sampler"]
+    stop = StopPolicy(cfg.training.max_steps, cfg.training.max_epochs,
+                      EarlyStopping(cfg.early_stopping))
+    faults = fault_injection.FaultInjector(cfg.faults, info.rank, info.restart_count)
+    callbacks = Callbacks(_callbacks(cfg, info, total, metrics, sampler.num_samples, faults))
+    injection = next((c for c in callbacks.items if isinstance(c, FaultInjection)), None)
+    model = stateful["model"]
+
+    def after_load(raw: dict[str, Any]) -> None:
+        fault_injection.perturb_replica(cfg.faults, info.rank, model)
+        if fingerprint(raw["config"]) != cfg.fingerprint():
+            log.warning("checkpoint %s was written with a different config; resuming anyway",
+                        checkpoints.resumed_from or "")
+
+    c = cfg.checkpoint
+    checkpoints = CheckpointManager(
+        c.dir, {**stateful, "train_state": state, "stop": stop, "rng": RNGState()},
+        every_steps=c.every_steps, every_seconds=c.every_seconds, async_save=c.async_save,
+        keep_last=c.keep_last, keep_best=c.keep_best, extra={"config": cfg.to_dict()},
+        meta=lambda: {"epoch": sampler.epoch, "cursor": sampler.cursor,
+                      "world_size": info.world_size, "config_hash": cfg.fingerprint(),
+                      "finished": stop.stopped},
+        listener=callbacks, after_load=after_load, rank=info.rank)
+    return TrainingSession(
+        state=state, sampler=sampler, checkpoints=checkpoints,
+        consensus=make_consensus(net, lambda: preempt.requested), stop=stop,
+        callbacks=callbacks, device=info.device, rank=info.rank, world_size=info.world_size,
+        straggler=StragglerMonitor(cfg.metrics.straggler_threshold, info.rank,
+                                   info.world_size, info.device),
+        options=SessionOptions(cfg.seed, cfg.training.log_every_steps,
+                               cfg.training.max_bad_steps),
+        lr=lambda: stateful["scheduler"].get_last_lr()[0],
+        poisoned=injection.poisoned if injection else (lambda step: False))
+
+
+def _callbacks(cfg: Config, info: DistInfo, total: int, metrics: RankMetrics,
+               num_samples: int, faults: fault_injection.FaultInjector) -> list[Callback]:
+    """The reporting features that are on, in the order they see each event."""
+    w = cfg.watchdog
+    budgets = Budgets(w.hang_timeout_seconds, w.long_op_timeout_seconds,
+                      cfg.metrics.heartbeat_timeout_seconds)
+    out: list[Callback] = [WatchdogHeartbeat(HangWatchdog(info.rank, w.dump_grace_seconds),
+                                             budgets)]
+    if metrics.enabled:
+        out.append(MetricsReporter(metrics, budgets, info.is_main))
+    out.append(StepLog(total))
+    if info.is_main and cfg.logging.tensorboard_dir:
+        out.append(TensorBoardScalars(cfg.logging.tensorboard_dir))
+    if ProgressBar.wanted(info.is_main, cfg.logging.progress_bar):
+        out.append(ProgressBar(total))
+    if cfg.audit.trace_dir:
+        out.append(SampleTraceRecorder(cfg.audit.trace_dir, info.rank, info.world_size,
+                                       num_samples))
+    if faults.specs:
+        out.append(FaultInjection(faults))  # last: a kill after the step is reported
+    return out

@@ -1,0 +1,391 @@
+"""Everything elastic-runner relies on in torch's private behaviour, in one module.
+
+Supported torch: :data:`SUPPORTED_TORCH` (mirrored by the torch requirement in pyproject.toml).
+Verified: **torch 2.13.0 only** (the CPU wheel pinned in constraints/cpu.txt, on which the whole
+test suite runs). The lower bound is the one the project has always declared (the shared agent
+store that fixes 1 and 3 deal with appeared in torch 2.4/2.5); releases between it and 2.13 have
+not been run here. :func:`check_torch` verifies each internal below at start-up on whatever torch
+is installed, and tests/test_compat.py fails when a torch upgrade changes one of them.
+
+Internals relied on (files under ``torch/distributed/`` of torch 2.13), and what the start-up check
+does when one is gone (required: exit code 2 with one line; optional: a warning, the run goes on):
+
+1. **Rendezvous store switch** (``elastic/rendezvous/dynamic_rendezvous.py``, required, agent).
+   ``DynamicRendezvousHandler.next_rendezvous`` caches the workers' bootstrap store
+   (``_bootstrap_store_info``, ``_shared_tcp_store_server``) of the first round and rebuilds it
+   only when the node *becomes* rank 0, so a node whose rank changes from 0 to 1 (a node joined,
+   or the old rank 0 left and came back) keeps pointing its workers at a store the new rank 0's
+   workers do not use: the restarted group never forms. Torch's own switch
+   ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` makes ``next_rendezvous`` return early with a fresh
+   ``RendezvousStoreInfo.build(...)`` (``elastic/rendezvous/api.py``: rank 0 publishes a free port
+   through that round's rendezvous store) every round, and ``use_agent_store`` False, so the
+   workers' rank 0 hosts a new store per attempt. ``elastic-runner run`` sets it in the agent's
+   environment (:data:`RDZV_SWITCHES`); it replaced a patch that reset the two cached attributes.
+2. **Rendezvous outage tolerance** (``elastic/rendezvous/dynamic_rendezvous.py``, optional,
+   agent). :func:`apply_rendezvous_fixes` wraps ``DynamicRendezvousHandler.num_nodes_waiting``
+   (polled by the agent every ``--monitor-interval``; torch fails the whole job when it raises
+   ``RendezvousConnectionError``) to report 0 waiting nodes while the backend is unreachable, and
+   ``next_rendezvous`` to retry a ``RendezvousConnectionError`` every second until the join
+   timeout (``self._settings.timeout.join``). Torch has no switch for either. Without them a
+   backend (etcd) outage fails the job, as under plain torchrun.
+3. **Agent store in the workers** (``rendezvous.py``: ``_torchelastic_use_agent_store``,
+   ``_create_c10d_store``; ``elastic/agent/server/local_elastic_agent.py``: the workers'
+   ``TORCHELASTIC_USE_AGENT_STORE``; optional, worker). With the shared store (plain torchrun
+   without the switch) MASTER_ADDR/MASTER_PORT point at the agent's TCPStore, which outlives the
+   attempts, and ``_create_c10d_store`` returns it with no per-attempt prefix, so
+   :func:`elastic_runner.dist.init_distributed` agrees on a fresh namespace per attempt
+   (:func:`shares_agent_store`, :func:`agent_store`). Without it a restarted group may read the
+   dead workers' keys under plain torchrun (``elastic-runner run`` does not share the store).
+4. **torchelastic metric names** (``elastic/metrics/api.py``: ``prof`` names a metric
+   ``<qualname>.success|failure|duration.ms``; ``elastic/agent/server/api.py``:
+   ``SimpleElasticAgent._rendezvous`` and ``_invoke_run``'s ``workers.<role>.remaining_restarts``
+   and ``workers.<role>.<state>``; ``local_elastic_agent.py``: ``_start_workers``,
+   ``_stop_workers``; optional, agent). :mod:`elastic_runner.agent_metrics` turns them into the
+   node's agent series; without them those series stop changing.
+5. **DDP comm-hook details** (``torch/nn/parallel/distributed.py``; optional, worker).
+   ``register_comm_hook`` records ``(hook, state)`` in ``self._comm_hooks``
+   (:func:`registered_comm_hook`), and ``_check_comm_hook`` requires the hook's second parameter
+   to be named ``bucket`` and its annotations, if any, to be the real classes (not strings).
+   Without the record a hook the user registered goes unnoticed (DDP then refuses the step vote's
+   own hook: "can only be called once").
+6. **etcd rendezvous options** (``elastic/rendezvous/etcd_rendezvous_backend.py`` and
+   ``etcd_rendezvous.py``: ``_create_etcd_client``, ``create_rdzv_handler``;
+   ``elastic/rendezvous/utils.py``: ``parse_rendezvous_endpoint``; tests only). The two etcd
+   backends spell TLS files and the join timeout differently (:data:`ETCD_OPTION_SPELLINGS`) and
+   default the join timeout to :data:`DEFAULT_JOIN_TIMEOUT_S`.
+7. **torchrun's module functions** (``run.py``: ``get_args_parser``, ``config_from_args``,
+   ``determine_local_world_size``; tests only): ``elastic-runner run`` parses its translated
+   command line with torchrun's own parser. ``config_from_args`` sets ``OMP_NUM_THREADS=1`` with a
+   banner when the variable is unset; ``elastic-runner run`` sets it first.
+
+Check 1 is the only required one: losing it breaks elastic membership changes silently (a hang
+until the rendezvous times out). ``ELASTIC_RUNNER_IGNORE_TORCH_CHECK=1`` turns that error into a
+warning for users who must run an untested torch.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from types import CodeType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.rendezvous import RendezvousConnectionError
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+    DynamicRendezvousHandler,
+    RendezvousTimeout,
+)
+from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+from torch.distributed.run import config_from_args, determine_local_world_size, get_args_parser
+from torch.nn.parallel import DistributedDataParallel
+from torch.torch_version import TorchVersion
+
+from .config import ConfigError
+
+__all__ = [
+    "AGENT_STORE_ENV", "BELOW_TORCH", "DEFAULT_JOIN_TIMEOUT_S", "ETCD_OPTION_SPELLINGS",
+    "IGNORE_CHECK_ENV", "METRICS_GROUP", "MIN_TORCH", "RDZV_SWITCHES", "REMAINING_RESTARTS",
+    "RENDEZVOUS_DURATION", "RENDEZVOUS_SUCCESS", "SHARE_STORE_SWITCH", "SUPPORTED_TORCH",
+    "WORKERS_STARTED", "WORKERS_STOPPED", "WORKER_GROUP", "TorchCompatError", "agent_store",
+    "apply_rendezvous_fixes", "check_torch", "config_from_args", "determine_local_world_size",
+    "get_args_parser", "in_supported_range", "parse_rendezvous_endpoint", "registered_comm_hook",
+    "shares_agent_store",
+]
+
+log = logging.getLogger(__name__)
+
+MIN_TORCH = "2.4"
+BELOW_TORCH = "2.14"
+SUPPORTED_TORCH = f">={MIN_TORCH},<{BELOW_TORCH}"  # verified on 2.13.0 only, see above
+IGNORE_CHECK_ENV = "ELASTIC_RUNNER_IGNORE_TORCH_CHECK"
+
+
+class TorchCompatError(ConfigError):
+    """The installed torch lacks an internal that a required fix relies on (exit code 2)."""
+
+
+# --- 1. rendezvous store switch ---
+
+SHARE_STORE_SWITCH = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+RDZV_SWITCHES: dict[str, str] = {SHARE_STORE_SWITCH: "1"}
+"""Environment the agent runs with (``elastic-runner run`` sets each unless the user did)."""
+
+
+def _check_share_store_switch() -> str | None:
+    prop = inspect.getattr_static(DynamicRendezvousHandler, "use_agent_store", None)
+    if not isinstance(prop, property) or prop.fget is None:
+        return "DynamicRendezvousHandler.use_agent_store is gone"
+    if not _mentions(prop.fget, SHARE_STORE_SWITCH):
+        return f"DynamicRendezvousHandler.use_agent_store no longer reads {SHARE_STORE_SWITCH}"
+    if not _mentions(DynamicRendezvousHandler.next_rendezvous, SHARE_STORE_SWITCH):
+        return f"DynamicRendezvousHandler.next_rendezvous no longer reads {SHARE_STORE_SWITCH}"
+    return None
+
+
+# --- 2. rendezvous outage tolerance ---
+
+_RETRY_S = 1.0
+_MARK = "_elastic_runner_fix"
+
+
+def _check_outage_patch() -> str | None:
+    for name in ("next_rendezvous", "num_nodes_waiting"):
+        fn = getattr(DynamicRendezvousHandler, name, None)
+        if fn is None or list(inspect.signature(fn).parameters) != ["self"]:
+            return f"DynamicRendezvousHandler.{name}(self) is gone or takes other arguments"
+    if not _mentions_name(inspect.unwrap(DynamicRendezvousHandler.__init__), "_settings"):
+        return "DynamicRendezvousHandler no longer keeps its settings in self._settings"
+    if not isinstance(inspect.getattr_static(RendezvousTimeout, "join", None), property):
+        return "RendezvousTimeout.join is gone"
+    return None
+
+
+def apply_rendezvous_fixes(cls: type = DynamicRendezvousHandler) -> bool:
+    """Patch ``cls`` (torch's ``DynamicRendezvousHandler``; a subclass in tests) in this process
+    with the outage tolerance of fix 2 (idempotent). Returns False, without patching, when the
+    methods no longer look as expected (:func:`check_torch` has said so)."""
+    if getattr(cls.__dict__.get("next_rendezvous"), _MARK, False):
+        return True
+    if _check_outage_patch() is not None:
+        return False
+    cls.next_rendezvous = _retry_until_join_timeout(cls.next_rendezvous)  # type: ignore
+    cls.num_nodes_waiting = _tolerate_outage(cls.num_nodes_waiting)  # type: ignore
+    return True
+
+
+def _retry_until_join_timeout(next_rendezvous: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    @functools.wraps(next_rendezvous)
+    def wrapper(self: DynamicRendezvousHandler) -> Any:
+        deadline = time.monotonic() + self._settings.timeout.join.total_seconds()
+        while True:
+            try:
+                return next_rendezvous(self)
+            except RendezvousConnectionError as e:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise
+                log.warning("rendezvous backend unreachable (%s); retrying for up to %.0f s "
+                            "(join_timeout)", _first_line(e), left)
+                time.sleep(_RETRY_S)
+
+    setattr(wrapper, _MARK, True)
+    return wrapper
+
+
+def _tolerate_outage(num_nodes_waiting: Callable[[Any], int]) -> Callable[[Any], int]:
+    last_warning = [0.0]
+
+    @functools.wraps(num_nodes_waiting)
+    def wrapper(self: DynamicRendezvousHandler) -> int:
+        try:
+            return num_nodes_waiting(self)
+        except RendezvousConnectionError as e:
+            if time.monotonic() - last_warning[0] > 30:
+                last_warning[0] = time.monotonic()
+                log.warning("rendezvous backend unreachable (%s): training continues; nodes "
+                            "cannot join until it is back", _first_line(e))
+            return 0
+
+    return wrapper
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
+# --- 3. agent store in the workers ---
+
+AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"
+
+
+def shares_agent_store(env: Mapping[str, str] = os.environ) -> bool:
+    """Whether torchrun's agent told this worker that MASTER_ADDR/MASTER_PORT is its own,
+    long-lived store (read as torch's ``_torchelastic_use_agent_store`` reads it)."""
+    return env.get(AGENT_STORE_ENV) == str(True)
+
+
+def agent_store(timeout: timedelta) -> dist.Store:
+    """A client of the agent's store at MASTER_ADDR:MASTER_PORT (see :func:`shares_agent_store`)."""
+    return dist.TCPStore(host_name=os.environ["MASTER_ADDR"], port=int(os.environ["MASTER_PORT"]),
+                         is_master=False, timeout=timeout)
+
+
+def _check_agent_store_env() -> str | None:
+    rendezvous = importlib.import_module("torch.distributed.rendezvous")
+    reader = getattr(rendezvous, "_torchelastic_use_agent_store", None)
+    if reader is None or not _mentions(reader, AGENT_STORE_ENV):
+        return f"torch.distributed.rendezvous no longer reads {AGENT_STORE_ENV}"
+    if not _mentions(LocalElasticAgent._start_workers, AGENT_STORE_ENV):
+        return f"LocalElasticAgent no longer sets {AGENT_STORE_ENV} for its workers"
+    return None
+
+
+# --- 4. torchelastic metric names (group "torchelastic", see module docstring) ---
+
+METRICS_GROUP = "torchelastic"
+RENDEZVOUS_DURATION = "._rendezvous.duration.ms"  # suffixes: the prefix is the agent's class
+RENDEZVOUS_SUCCESS = "._rendezvous.success"
+WORKERS_STARTED = "._start_workers.success"
+WORKERS_STOPPED = "._stop_workers.success"
+WORKER_GROUP = "workers."  # workers.<role>.<state in lower case> = 1, every monitor interval
+REMAINING_RESTARTS = ".remaining_restarts"  # workers.<role>.remaining_restarts
+
+
+def _check_metric_names() -> str | None:
+    for fn, method in ((SimpleElasticAgent._rendezvous, "_rendezvous"),
+                       (LocalElasticAgent._start_workers, "_start_workers"),
+                       (LocalElasticAgent._stop_workers, "_stop_workers")):
+        inner = getattr(fn, "__wrapped__", None)
+        if (inner is None or not inner.__qualname__.endswith("." + method)
+                or not _mentions_name(fn, "put_metric")):
+            return f"the agent's {method} is no longer timed by torchelastic's metrics.prof"
+    run = SimpleElasticAgent._invoke_run
+    if not (_mentions(run, WORKER_GROUP) and _mentions(run, REMAINING_RESTARTS)):
+        return "SimpleElasticAgent._invoke_run no longer puts workers.<role>.* metrics"
+    return None
+
+
+# --- 5. DDP comm-hook details ---
+
+def registered_comm_hook(ddp: DistributedDataParallel
+                         ) -> tuple[Callable[..., Any], object] | None:
+    """``(hook, state)`` of the Python comm hook registered on ``ddp`` with
+    ``register_comm_hook`` (by the user, or by torch for ``mixed_precision``), None without one.
+
+    Built-in C++ hooks (the private ``_register_builtin_comm_hook``) are not recorded by DDP and
+    not reported; DDP refuses a second hook of any kind ("can only be called once")."""
+    hooks = getattr(ddp, "_comm_hooks", None)
+    if not hooks:
+        return None
+    hook, state = hooks[-1]
+    return hook, state
+
+
+def _check_comm_hook_record() -> str | None:
+    if not _mentions_name(DistributedDataParallel.register_comm_hook, "_comm_hooks"):
+        return "DistributedDataParallel.register_comm_hook no longer records self._comm_hooks"
+    check = getattr(DistributedDataParallel, "_check_comm_hook", None)
+    if check is None or not _mentions(check, "bucket"):
+        return "DistributedDataParallel no longer checks a comm hook's 'bucket' parameter"
+    return None
+
+
+# --- 6. etcd rendezvous options ---
+
+# (etcd-v2 spelling, legacy etcd spelling) of the same rendezvous option
+ETCD_OPTION_SPELLINGS = (("ca_cert", "cacert"), ("ssl_cert", "cert"), ("ssl_cert_key", "key"),
+                         ("join_timeout", "timeout"))
+DEFAULT_JOIN_TIMEOUT_S = 600  # both backends' default join timeout, seconds
+
+
+# --- start-up check ---
+
+@dataclass(frozen=True)
+class _Fix:
+    name: str
+    roles: tuple[str, ...]  # "agent" (elastic-runner run) and/or "worker" (each rank)
+    required: bool
+    check: Callable[[], str | None]
+    without: str  # what happens when it cannot apply
+
+
+FIXES = (
+    _Fix("the rendezvous store switch (node join/leave)", ("agent",), True,
+         _check_share_store_switch,
+         "a node whose rank changes between rounds may hang the restarted group"),
+    _Fix("the rendezvous outage tolerance", ("agent",), False, _check_outage_patch,
+         "an unreachable rendezvous backend fails the job, as under plain torchrun"),
+    _Fix("the agent metrics", ("agent",), False, _check_metric_names,
+         "the elastic_runner_agent_state, restarts and rendezvous series stop changing"),
+    _Fix("the per-attempt process-group namespace", ("worker",), False, _check_agent_store_env,
+         "under plain torchrun a restarted group may read the dead workers' store keys"),
+    _Fix("the DDP comm-hook detection", ("worker",), False, _check_comm_hook_record,
+         "a comm hook registered before the step vote's goes unnoticed"),
+)
+
+
+def in_supported_range(version: str | None = None) -> bool:
+    """Whether ``version`` (default: the installed torch) is in :data:`SUPPORTED_TORCH`."""
+    v = TorchVersion(version or torch.__version__)
+    return v >= MIN_TORCH and v < BELOW_TORCH
+
+
+def check_torch(role: str) -> list[str]:
+    """Verify, at start-up, the torch internals that ``role``'s fixes rely on (``"agent"``:
+    ``elastic-runner run``; ``"worker"``: each rank). Each message names the torch version, the
+    fix and what to do. Optional fixes are logged as warnings (in a worker by rank 0 only) and
+    returned, with a warning when torch is outside :data:`SUPPORTED_TORCH`.
+
+    Raises:
+        TorchCompatError: a required fix cannot apply (unless ``ELASTIC_RUNNER_IGNORE_TORCH_CHECK``
+            is 1, which turns it into a warning).
+    """
+    version = torch.__version__
+    warnings: list[str] = []
+    for fix in FIXES:
+        if role not in fix.roles:
+            continue
+        try:
+            problem = fix.check()
+        except Exception as e:  # an internal so changed that inspecting it fails
+            problem = f"{type(e).__name__}: {_first_line(e)}"
+        if problem is None:
+            continue
+        if fix.required and os.environ.get(IGNORE_CHECK_ENV) != "1":
+            raise TorchCompatError(
+                f"torch {version}: {fix.name} cannot apply ({problem}); install torch"
+                f"{SUPPORTED_TORCH}, the range elastic-runner supports, or set "
+                f"{IGNORE_CHECK_ENV}=1 to run anyway ({fix.without})")
+        warnings.append(f"torch {version}: {fix.name} is off ({problem}): {fix.without}; "
+                        f"elastic-runner supports torch{SUPPORTED_TORCH}")
+    if not in_supported_range(version):
+        warnings.append(f"torch {version} is outside the range elastic-runner supports "
+                        f"(torch{SUPPORTED_TORCH}); the internals it relies on look unchanged")
+    if role != "worker" or os.environ.get("RANK", "0") == "0":
+        for w in warnings:
+            log.warning("%s", w)
+    return warnings
+
+
+# --- helpers ---
+
+def _code(fn: object) -> CodeType | None:
+    fn = inspect.unwrap(fn) if callable(fn) else fn  # type: ignore[arg-type]
+    return getattr(fn, "__code__", None)
+
+
+def _constants(code: CodeType) -> Iterator[object]:
+    yield from _flatten(code.co_consts)
+
+
+def _flatten(consts: tuple[object, ...] | frozenset[object]) -> Iterator[object]:
+    for c in consts:
+        if isinstance(c, CodeType):
+            yield from _constants(c)
+        elif isinstance(c, (tuple, frozenset)):
+            yield from _flatten(c)
+        else:
+            yield c
+
+
+def _mentions(fn: object, text: str) -> bool:
+    """Whether the source of ``fn`` (unwrapped) has the string constant ``text``."""
+    code = _code(fn)
+    return code is not None and text in set(_constants(code))
+
+
+def _mentions_name(fn: object, name: str) -> bool:
+    """Whether ``fn`` itself (not unwrapped) uses the global or attribute ``name``."""
+    code = getattr(fn, "__code__", None)
+    return code is not None and name in code.co_names

@@ -1,0 +1,116 @@
+"""The step engine: one optimizer step over its micro-batches.
+
+Forward and backward of each micro-batch (gradients all-reduced only on the last one: DDP's
+``no_sync()`` on the others), autocast to bf16/fp16, a GradScaler for fp16, gradient clipping,
+then the optimizer and LR scheduler steps, as torchtitan's ``train_step``. The update is applied
+only when the session's step consensus says so. Batches may be a tensor, a tuple/list or a
+mapping of tensors (nested); a mapping is passed as ``model(**batch)``, a 2-tuple
+``(inputs, targets)`` as ``loss_fn(model(inputs), targets)``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from .session import TrainingSession
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """``batch`` with every tensor moved to ``device`` (``non_blocking``; same nesting)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, Mapping):
+        return type(batch)({k: to_device(v, device) for k, v in batch.items()})
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple
+        return type(batch)(*(to_device(v, device) for v in batch))
+    if isinstance(batch, list | tuple):
+        return type(batch)(to_device(v, device) for v in batch)
+    return batch
+
+
+def batch_loss(net: nn.Module, batch: Any, loss_fn: Callable[..., torch.Tensor] | None
+               ) -> torch.Tensor:
+    """The mean loss of one micro-batch: ``loss_fn(net(x), y)`` for ``(x, y)``,
+    ``loss_fn(net(**batch), batch)`` or the output's ``loss`` for a mapping."""
+    if isinstance(batch, Mapping):
+        out = net(**batch)
+        if loss_fn is not None:
+            return loss_fn(out, batch)
+        return out["loss"] if isinstance(out, Mapping) else out.loss
+    x, y = batch
+    return loss_fn(net(x), y)
+
+
+def precision_dtype(precision: str) -> torch.dtype | None:
+    """The autocast dtype of ``training.precision`` (None for fp32)."""
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+
+
+class StepEngine:
+    """Runs optimizer steps of ``net`` (DDP-wrapped or not) on its unwrapped ``model``.
+
+    Args:
+        grad_clip_norm: clip the total gradient norm to this (None: measure it only, for the
+            non-finite check).
+        dtype: autocast dtype (None: fp32).
+        scaler: GradScaler; enabled only for fp16 (it then owns the gradient overflow check).
+    """
+
+    def __init__(self, net: nn.Module, model: nn.Module, optimizer: torch.optim.Optimizer,
+                 scheduler: torch.optim.lr_scheduler.LRScheduler, loss_fn: Callable[..., Any],
+                 device: torch.device, dtype: torch.dtype | None, grad_clip_norm: float | None,
+                 scaler: torch.amp.GradScaler) -> None:
+        self.net, self.optimizer, self.scheduler = net, optimizer, scheduler
+        self.loss_fn, self.device, self.dtype = loss_fn, device, dtype
+        self.clip, self.scaler = grad_clip_norm, scaler
+        self.fp16 = scaler.is_enabled()
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self._ddp = isinstance(net, DDP)
+
+    def step(self, micro_batches: list[Any], session: TrainingSession) -> torch.Tensor:
+        """One optimizer step; returns the step's loss (detached, on the device, not read)."""
+        n = len(micro_batches)
+        total = torch.zeros((), device=self.device)
+        for i, batch in enumerate(micro_batches):
+            last = i == n - 1
+            with (contextlib.nullcontext() if last or not self._ddp else self.net.no_sync()), \
+                    torch.autocast(self.device.type, dtype=self.dtype,
+                                   enabled=self.dtype is not None):
+                loss = batch_loss(self.net, to_device(batch, self.device), self.loss_fn) / n
+            total += loss.detach()
+            if last:  # this backward's all-reduce carries the step's vote
+                session.backward(loss, total, self.scaler if self.fp16 else None)
+            else:
+                (self.scaler.scale(loss) if self.fp16 else loss).backward()
+        if session.should_commit(self._clip()):
+            self._apply()
+        elif self.fp16:
+            self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        return total
+
+    def _clip(self) -> torch.Tensor | None:
+        """Total norm of the reduced gradients (clipped when configured); None with fp16,
+        whose GradScaler checks the gradients itself."""
+        if self.fp16:
+            self.scaler.unscale_(self.optimizer)
+        grads = [p for p in self.params if p.grad is not None]
+        if self.clip:
+            norm = nn.utils.clip_grad_norm_(grads, self.clip)
+        else:
+            norm = nn.utils.get_total_norm([p.grad for p in grads])
+        return None if self.fp16 else norm
+
+    def _apply(self) -> None:
+        if self.fp16:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()

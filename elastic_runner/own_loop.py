@@ -1,0 +1,274 @@
+"""Fault tolerance for your own training loop, in a few changed lines.
+
+    loader = elastic_dataloader(train_set, micro_batch_size=16, seed=0)
+    ft = fault_tolerant(model, optimizer, loader, checkpoint_dir="runs/ckpt", every_steps=50)
+    step, epoch = ft.resume()                   # newest valid checkpoint, or step 0
+    while step < max_steps:
+        loader.elastic_sampler.set_epoch(epoch)
+        for x, y in loader:                     # this rank's remaining micro-batches
+            optimizer.zero_grad()
+            ft.backward(loss_fn(model(x), y))   # instead of loss.backward()
+            if ft.should_commit():              # same answer on every rank
+                optimizer.step()
+            step = ft.step_done()               # cursor, metrics, checkpoint cadence, SIGTERM
+        epoch += 1
+    ft.close()                                  # final checkpoint, committed
+
+Under ``torchrun`` or ``elastic-runner run`` every (re)start resumes from the newest valid
+checkpoint at the exact next step, at any world size (the sampler's global cursor); SIGTERM
+(preemption) commits a checkpoint of the current step on every rank and exits 143; per-rank
+metrics are recorded (served by ``elastic-runner run``'s agent, or on ``metrics.port +
+local_rank`` under plain torchrun); a hang past the watchdog budget dumps stacks and exits. A
+streak of non-finite steps fails the process, and the restart resumes from the last checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import yaml
+from torch import nn
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from .callbacks import Callback, Callbacks
+from .checkpointing import CheckpointManager
+from .config import EarlyStoppingConfig, FaultConfig, FaultSpec, MetricsConfig
+from .consensus import CommHook, make_consensus
+from .data import ElasticDataLoader
+from .dist import current_rank
+from .early_stop import EarlyStopping
+from .faults import FaultInjector
+from .logs import setup_logging
+from .metrics import RankMetrics
+from .preempt import EXIT_PREEMPTED, Preempted, PreemptionFlag
+from .reporting import (
+    Budgets,
+    FaultInjection,
+    MetricsReporter,
+    SampleTraceRecorder,
+    StepLog,
+    WatchdogHeartbeat,
+)
+from .sampler import ElasticSampler
+from .session import RollbackRequested, SessionOptions, TrainingFailed, TrainingSession
+from .state import RNGState, TrainState
+from .stop import StopPolicy
+from .straggler import StragglerMonitor
+from .watchdog import HangWatchdog
+
+
+class FaultTolerantLoop:
+    """What :func:`fault_tolerant` returns: the session's step protocol in loop-sized calls.
+
+    Attributes:
+        session: the underlying :class:`~elastic_runner.session.TrainingSession`.
+    """
+
+    def __init__(self, session: TrainingSession, params: list[nn.Parameter],
+                 check_gradients: bool, closing: list[Any]) -> None:
+        self.session, self._params = session, params
+        self._check_gradients, self._closing = check_gradients, closing
+        self._loss: torch.Tensor | None = None
+        self._saved_step = -1
+        self._epoch: int | None = None  # of the last step, and where its cursor ended
+        self._end_cursor = 0
+        self._closed = False
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps completed (the global step)."""
+        return self.session.state.step
+
+    @property
+    def epoch(self) -> int:
+        return self.session.sampler.epoch
+
+    def resume(self) -> tuple[int, int]:
+        """Load the newest valid checkpoint on every rank (collective); returns ``(step,
+        epoch)`` to continue from ((0, 0) without one)."""
+        if self.session.resume():
+            self._saved_step = self.step
+        self.session.start()
+        self.session.begin_step()
+        return self.step, self.epoch
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()`` for the step's last (or only) micro-batch, carrying the vote."""
+        if self._epoch is not None and self.epoch != self._epoch:
+            self._epoch_ended()
+        self._epoch = self.epoch
+        self._loss = loss.detach()
+        self.session.backward(loss)
+
+    def should_commit(self, grad_norm: torch.Tensor | None = None) -> bool:
+        """True when every rank may apply this step's update (no non-finite loss anywhere,
+        finite gradients); the same answer on all ranks. ``grad_norm``: the total gradient
+        norm if you have it (``clip_grad_norm_``'s result); otherwise it is computed."""
+        if grad_norm is None and self._check_gradients:
+            grads = [p.grad for p in self._params if p.grad is not None]
+            grad_norm = nn.utils.get_total_norm(grads) if grads else None
+        return self.session.should_commit(grad_norm)
+
+    def step_done(self) -> int:
+        """The step is over (after ``optimizer.step()``): move the cursor, report, checkpoint
+        on cadence, arm the next step. Returns the new global step.
+
+        Raises:
+            SystemExit(143): preemption; this step's checkpoint is committed on every rank.
+            TrainingFailed: ``max_bad_steps`` non-finite steps in a row (a restart resumes from
+                the last checkpoint).
+        """
+        try:
+            step = self.session.end_step(self._loss)
+            self._end_cursor = self.session.sampler.cursor
+        except Preempted as e:
+            self._saved_step = self.step  # committed: a close() after this has nothing to save
+            self._close_reporting()
+            print(f"elastic-runner: {e}", file=sys.stderr, flush=True)
+            raise SystemExit(EXIT_PREEMPTED) from None
+        except RollbackRequested:
+            raise TrainingFailed(f"{self.session.options.max_bad_steps} non-finite steps in a "
+                                 f"row at step {self.step}; a restart resumes from the last "
+                                 "checkpoint") from None
+        if self.session.maybe_checkpoint():
+            self._saved_step = step
+        self.session.begin_step()
+        return step
+
+    def close(self) -> None:
+        """Checkpoint the last step (unless just saved), wait for the commit, stop reporting;
+        a second call does nothing."""
+        if self._closed:
+            return
+        if self._saved_step != self.step:
+            self.session.checkpoint()
+        if self._epoch is not None and self.session.sampler.steps_left_in_epoch() == 0:
+            self._epoch_ended()
+        self._close_reporting()
+
+    def _epoch_ended(self) -> None:
+        """The user's loop moved past epoch ``_epoch`` (its tail goes to the sample trace)."""
+        epoch, cursor, sampler = self._epoch, self._end_cursor, self.session.sampler
+        self.session.callbacks.on_epoch_end(
+            epoch, self.step, lambda: sampler.permutation(epoch)[cursor:].tolist())
+        self._epoch = None
+
+    def _close_reporting(self) -> None:
+        self._closed = True
+        try:
+            self.session.close()
+        finally:
+            for obj in self._closing:
+                obj.close()
+
+
+def fault_tolerant(model: nn.Module, optimizer: torch.optim.Optimizer,
+                   loader: ElasticDataLoader, *, checkpoint_dir: str, every_steps: int = 0,
+                   every_seconds: float | None = None, async_save: bool = True,
+                   keep_last: int = 3, state: Mapping[str, Stateful] | None = None,
+                   log_every_steps: int = 10, max_bad_steps: int = 3,
+                   hang_timeout_seconds: float | None = 300.0,
+                   long_op_timeout_seconds: float = 1800.0,
+                   metrics: MetricsConfig | None = None, trace_dir: str | None = None,
+                   comm_hook: CommHook | None = None, hook_state: Any = None,
+                   check_gradients: bool = True,
+                   callbacks: list[Callback] | None = None) -> FaultTolerantLoop:
+    """Make a user's DDP loop fault-tolerant (see the module docstring).
+
+    Args:
+        model: the model as trained: a ``DistributedDataParallel`` (its step vote then rides on
+            the gradient all-reduce) or a plain module (world size 1, or a vote by all-reduce).
+        optimizer: its optimizer (checkpointed).
+        loader: an :class:`~elastic_runner.data.ElasticDataLoader` (its cursor is
+            checkpointed and only finished steps move it).
+        checkpoint_dir: local path or fsspec URL shared by all nodes.
+        every_steps, every_seconds, async_save, keep_last: checkpoint cadence and retention.
+        state: more ``Stateful`` objects to checkpoint (an LR scheduler, a GradScaler, ...).
+        log_every_steps: the loss is read from the device, averaged and logged this often.
+        max_bad_steps: non-finite steps in a row before the process fails (and resumes).
+        hang_timeout_seconds: a step that takes longer is a hang (None: no watchdog limit);
+            the first step of an attempt and checkpoint I/O get ``long_op_timeout_seconds``.
+        metrics: the ``metrics`` section (port, address, labels); default: recorded, not served.
+        trace_dir: write the sample audit trace (``elastic-runner audit DIR``) there.
+        comm_hook, hook_state: your own DDP comm hook, wrapped rather than replaced.
+        check_gradients: compute the gradient norm for the non-finite check when
+            :meth:`FaultTolerantLoop.should_commit` gets none.
+        callbacks: your own :class:`~elastic_runner.callbacks.Callback` objects.
+
+    The runner logs to stderr (rank 0: INFO, others: WARNING) unless the program configured
+    logging (a handler on the root or the ``elastic_runner`` logger) before this call.
+
+    Raises:
+        TypeError: a value of ``state`` is not ``Stateful``.
+    """
+    inner = model.module if isinstance(model, DDP) else model
+    device = next(inner.parameters()).device
+    rank, sampler = current_rank(), loader.elastic_sampler
+    if not logging.getLogger("elastic_runner").handlers and not logging.getLogger().handlers:
+        setup_logging(rank)  # the runner's lines (resumed from, checkpoints) unless you log
+    preempt = PreemptionFlag()
+    preempt.install()
+    rank_metrics, closing = _metrics(metrics or MetricsConfig(), rank)
+    injection = _faults(rank)
+    reporting = Callbacks([
+        *_reporting(rank_metrics, rank, sampler, trace_dir,
+                    Budgets(hang_timeout_seconds, long_op_timeout_seconds)),
+        *(callbacks or []), *([injection] if injection else [])])
+    train_state = TrainState()
+    checkpoints = CheckpointManager(
+        checkpoint_dir, {"model": inner, "optimizer": optimizer, "sampler": sampler,
+                         "train_state": train_state, "rng": RNGState(), **(state or {})},
+        every_steps=every_steps, every_seconds=every_seconds, async_save=async_save,
+        keep_last=keep_last, keep_best=False, listener=reporting, rank=rank,
+        meta=lambda: {"epoch": sampler.epoch, "cursor": sampler.cursor,
+                      "world_size": sampler.world_size})
+    session = TrainingSession(
+        state=train_state, sampler=sampler, checkpoints=checkpoints,
+        consensus=make_consensus(model, lambda: preempt.requested, comm_hook, hook_state),
+        stop=StopPolicy(None, sys.maxsize, EarlyStopping(EarlyStoppingConfig())),
+        callbacks=reporting,
+        straggler=StragglerMonitor(0.0, rank, sampler.world_size, device), device=device,
+        rank=rank, world_size=sampler.world_size,
+        options=SessionOptions(sampler.seed, log_every_steps, max_bad_steps),
+        lr=lambda: optimizer.param_groups[0]["lr"],
+        poisoned=injection.poisoned if injection else (lambda step: False))
+    params = [p for p in inner.parameters() if p.requires_grad]
+    return FaultTolerantLoop(session, params, check_gradients, closing)
+
+
+def _reporting(metrics: RankMetrics, rank: int, sampler: ElasticSampler,
+               trace_dir: str | None, budgets: Budgets) -> list[Callback]:
+    """The runner's own callbacks for an own loop: watchdog, metrics, step log, sample trace."""
+    items: list[Callback] = [WatchdogHeartbeat(HangWatchdog(rank), budgets)]
+    if metrics.enabled:
+        items.append(MetricsReporter(metrics, budgets, rank == 0))
+    items.append(StepLog(0))
+    if trace_dir:
+        items.append(SampleTraceRecorder(trace_dir, rank, sampler.world_size,
+                                         sampler.num_samples))
+    return items
+
+
+def _metrics(cfg: MetricsConfig, rank: int) -> tuple[RankMetrics, list[Any]]:
+    """This rank's series, served on ``port + local_rank`` when no elastic-runner agent serves
+    the node's (plain torchrun)."""
+    from .worker import worker_metrics
+
+    metrics, server = worker_metrics(cfg)
+    return metrics, [server] if server is not None else []
+
+
+def _faults(rank: int) -> FaultInjection | None:
+    """Fault drills through ``ELASTIC_RUNNER_FAULTS`` (a YAML list of fault specs)."""
+    text = os.environ.get("ELASTIC_RUNNER_FAULTS")
+    if not text:
+        return None
+    specs = [FaultSpec(**spec) for spec in yaml.safe_load(text)]
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    return FaultInjection(FaultInjector(FaultConfig(inject=specs), rank, restart))

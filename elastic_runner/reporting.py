@@ -1,0 +1,235 @@
+"""The built-in callbacks: metrics, step log, TensorBoard, progress bar, sample trace, hang
+watchdog heartbeat and fault injection. Each is added only when its feature is on."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from . import audit
+from .callbacks import Callback, StepEnd
+from .checkpoint import CheckpointInfo
+from .checkpointing import CheckpointEvent
+from .dist import barrier
+from .faults import FaultInjector
+from .metrics import RankMetrics
+from .stop import StopReason
+from .watchdog import HangWatchdog
+
+# the step line keeps the trainer's logger name: operators and bench/ read it
+step_log = logging.getLogger("elastic_runner.loop")
+
+
+class Budgets:
+    """Seconds a step or a long operation may take (watchdog) and heartbeat silence allowed
+    (metrics); ``step`` None: no step limit."""
+
+    def __init__(self, step: float | None, long: float, heartbeat: float | None = None) -> None:
+        self.step, self.long = step, long
+        self.heartbeat = heartbeat or step or 300.0
+
+    def health(self, phase: str, long: bool) -> float | None:
+        """Heartbeat silence allowed in ``phase``: none while loading a checkpoint."""
+        if phase in ("loading", "finished", "starting"):
+            return None
+        return self.long if long else self.heartbeat
+
+
+class MetricsReporter(Callback):
+    """Feeds :class:`RankMetrics` (the rank's Prometheus series)."""
+
+    def __init__(self, metrics: RankMetrics, budgets: Budgets, is_main: bool) -> None:
+        self.metrics, self.budgets, self.is_main = metrics, budgets, is_main
+        self._eval: dict[str, float] = {}
+
+    def on_phase(self, phase: str, what: str, long: bool) -> None:
+        self.metrics.phase(phase, self.budgets.health(phase, long))
+
+    def on_step_begin(self, step: int, steps_this_attempt: int) -> None:
+        self.metrics.phase("training", self.budgets.health("training", steps_this_attempt == 1))
+
+    def on_step_end(self, e: StepEnd) -> None:
+        self.metrics.step_done(e.step, e.epoch, e.seconds, e.data_seconds, e.samples,
+                               e.mean_loss, e.lr)
+        if e.log_due:
+            self.metrics.window(e.straggler_ratio)
+
+    def on_skipped_step(self, step: int, in_row: int, limit: int) -> None:
+        self.metrics.skipped_step()
+
+    def on_rollback(self, step: int) -> None:
+        self.metrics.rolled_back()
+
+    def on_eval(self, step: int, metrics: dict[str, float]) -> None:
+        self._eval = metrics
+
+    def on_early_stopping(self, metric: str, best: float | None, patience_left: int) -> None:
+        if self.is_main:
+            self.metrics.evaluated(self._eval, metric, best, patience_left)
+
+    def on_finish(self, reason: StopReason | None, message: str) -> None:
+        if reason is not None:
+            self.metrics.finished(reason)
+        self.metrics.phase("finished", None)
+
+    def checkpoint_stall(self, seconds: float) -> None:
+        self.metrics.checkpoint_stall(seconds)
+
+    def checkpoint_committed(self, event: CheckpointEvent) -> None:
+        self.metrics.checkpoint_committed(event.seconds, event.size_bytes)
+
+    def checkpoint_loaded(self, info: CheckpointInfo) -> None:
+        self.metrics.checkpoint_loaded(info.time, info.size_bytes)
+
+
+class StepLog(Callback):
+    """``epoch E step N/T loss L lr X S samples/s`` at each logging step (``step N`` when the
+    total ``T`` is unknown, 0)."""
+
+    def __init__(self, total_steps: int) -> None:
+        self.total = f"/{total_steps}" if total_steps else ""
+
+    def on_step_end(self, e: StepEnd) -> None:
+        if e.mean_loss is not None and e.log_due:
+            step_log.info("epoch %d step %d%s loss %.4f lr %.3e %.0f samples/s", e.epoch,
+                          e.step, self.total, e.mean_loss, e.lr,
+                          e.global_samples / max(e.seconds, 1e-9))
+
+
+class TensorBoardScalars(Callback):
+    """Rank 0's scalars (``train/loss``, ``train/lr`` at logging steps, every evaluation)."""
+
+    def __init__(self, log_dir: str) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir)
+        self._step = 0
+
+    def on_step_end(self, e: StepEnd) -> None:
+        self._step = e.step
+        if e.log_due and e.mean_loss is not None:
+            self.writer.add_scalar("train/loss", e.mean_loss, e.step)
+            self.writer.add_scalar("train/lr", e.lr, e.step)
+
+    def on_eval(self, step: int, metrics: dict[str, float]) -> None:
+        for k, v in metrics.items():
+            self.writer.add_scalar(k, v, step)
+
+    def close(self) -> None:
+        self.writer.close()  # flushed here: the worker may leave without interpreter teardown
+
+
+class ProgressBar(Callback):
+    """A tqdm bar on rank 0 when stderr is a terminal."""
+
+    def __init__(self, total_steps: int) -> None:
+        self.total_steps = total_steps
+        self.bar: Any = None
+
+    @staticmethod
+    def wanted(is_main: bool, enabled: bool) -> bool:
+        return is_main and enabled and sys.stderr.isatty()
+
+    def on_resumed(self, step: int) -> None:
+        from tqdm import tqdm
+
+        self.close()
+        self.bar = tqdm(total=self.total_steps, initial=step, unit="step", dynamic_ncols=True)
+
+    def on_step_end(self, e: StepEnd) -> None:
+        if self.bar is None:
+            return
+        self.bar.update(1)
+        if e.log_due and e.mean_loss is not None:
+            self.bar.set_postfix(loss=f"{e.mean_loss:.4f}", lr=f"{e.lr:.2e}")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+class SampleTraceRecorder(Callback):
+    """The sample audit trace (``audit.py``): every step's indices on every rank, rewound to
+    the resumed step on each (re)start and rollback."""
+
+    needs_mean_loss = True
+
+    def __init__(self, directory: str, rank: int, world_size: int, num_samples: int) -> None:
+        self.directory, self.rank, self.world_size = directory, rank, world_size
+        self.num_samples = num_samples
+        self.trace: audit.SampleTrace | None = None
+
+    def on_resumed(self, step: int) -> None:
+        """Rank 0 rewinds the trace to ``step`` before any rank appends."""
+        self.close()
+        if self.rank == 0:
+            dropped = audit.rewind(self.directory, step)
+            if dropped:
+                step_log.info("sample trace: dropped %d entries of steps after %d (lost work)",
+                              dropped, step)
+        barrier()
+        self.trace = audit.SampleTrace(self.directory, self.rank)
+
+    on_rollback = on_resumed
+
+    def on_step_end(self, e: StepEnd) -> None:
+        self.trace.record_step(e.epoch, e.step, self.world_size, e.mean_loss, e.indices(),
+                               skipped=not e.committed)
+
+    def on_epoch_end(self, epoch: int, step: int, dropped: Callable[[], list[int]]) -> None:
+        if self.rank == 0:
+            self.trace.record_epoch_end(epoch, step, self.num_samples, dropped())
+
+    def close(self) -> None:
+        if self.trace is not None:
+            self.trace.close()
+            self.trace = None
+
+
+class WatchdogHeartbeat(Callback):
+    """Arms the hang watchdog for every step (the step budget; the first step of an attempt
+    gets the long one) and every long operation."""
+
+    def __init__(self, watchdog: HangWatchdog, budgets: Budgets) -> None:
+        self.watchdog, self.budgets = watchdog, budgets
+
+    def on_phase(self, phase: str, what: str, long: bool) -> None:
+        if phase == "finished":
+            self.watchdog.disarm()
+        else:
+            self.watchdog.arm(self.budgets.long if long else self.budgets.step, what)
+
+    def on_step_begin(self, step: int, steps_this_attempt: int) -> None:
+        if steps_this_attempt == 1:
+            self.watchdog.arm(self.budgets.long, f"first step {step}")
+        else:
+            self.watchdog.arm(self.budgets.step, f"step {step}")
+
+    def on_finish(self, reason: StopReason | None, message: str) -> None:
+        self.watchdog.disarm()
+
+    def close(self) -> None:
+        self.watchdog.close()
+
+
+class FaultInjection(Callback):
+    """Configured faults (``faults.py``): hang and slow before a step, kill / raise after it;
+    a NaN loss through :meth:`poisoned`."""
+
+    def __init__(self, injector: FaultInjector) -> None:
+        self.injector = injector
+        self._attempt_steps = 0
+
+    def on_step_begin(self, step: int, steps_this_attempt: int) -> None:
+        self._attempt_steps = steps_this_attempt
+        self.injector.hang_now(step, steps_this_attempt)
+        self.injector.slow_now(step, steps_this_attempt)
+
+    def poisoned(self, step: int) -> bool:
+        return self.injector.poison_loss(step, self._attempt_steps)
+
+    def on_step_end(self, e: StepEnd) -> None:
+        self.injector.after_step(e.step, self._attempt_steps)

@@ -1,0 +1,294 @@
+"""One rank's fault-tolerant training session: the per-step protocol any loop can follow.
+
+Per optimizer step (the built-in trainer and ``examples/own_loop.py`` alike)::
+
+    session.begin_step()                 # heartbeat, per-step RNG seed, injected hangs
+    ...forward, and backward of all but the last micro-batch...
+    session.backward(loss)               # the last backward carries the step's vote
+    if session.should_commit(grad_norm): # same answer on every rank
+        optimizer.step()
+    session.end_step()                   # cursor and counters, reporting, non-finite guard,
+                                         # preemption: checkpoint this step, exit 143
+
+What it composes (each usable alone): the :class:`~elastic_runner.checkpointing.CheckpointManager`,
+the sampler's global cursor, the :class:`~elastic_runner.consensus.StepConsensus`, the
+:class:`~elastic_runner.stop.StopPolicy` and the reporting :class:`~elastic_runner.callbacks.Callbacks`.
+No host synchronisation in the step except the decision's one read in :meth:`should_commit`,
+and the loss's at logging steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .callbacks import Callbacks, StepEnd
+from .checkpointing import CheckpointManager
+from .consensus import StepConsensus, StepDecision
+from .dist import all_reduce_sums, barrier
+from .preempt import Preempted
+from .sampler import ElasticSampler
+from .state import TrainState, seed_step, step_seed
+from .stop import StopPolicy, StopReason
+from .straggler import StragglerMonitor
+
+log = logging.getLogger(__name__)
+
+
+class TrainingFailed(RuntimeError):
+    """Training cannot continue (e.g. non-finite steps recurred after a rollback)."""
+
+
+class RollbackRequested(Exception):  # noqa: N818 - control flow: the loop reloads and goes on
+    """``max_bad_steps`` non-finite steps in a row: roll back to the last checkpoint."""
+
+
+@dataclass
+class SessionOptions:
+    """Per-step policy. ``seed``: base of the per-step RNG streams (dropout), reseeded from
+    ``(seed, epoch, step, rank)`` before every step when ``reseed``; ``log_every_steps``:
+    logging cadence (the loss is read from the device only then); ``max_bad_steps``:
+    non-finite steps in a row before a rollback."""
+
+    seed: int = 0
+    log_every_steps: int = 10
+    max_bad_steps: int = 3
+    reseed: bool = True
+
+
+@dataclass
+class TrainingSession:
+    """See the module docstring. Built by the trainer (``loop.py``) or by
+    :func:`elastic_runner.fault_tolerant` for a user's own loop."""
+
+    state: TrainState
+    sampler: ElasticSampler
+    checkpoints: CheckpointManager
+    consensus: StepConsensus
+    stop: StopPolicy
+    callbacks: Callbacks
+    straggler: StragglerMonitor
+    device: torch.device
+    rank: int = 0
+    world_size: int = 1
+    options: SessionOptions = field(default_factory=SessionOptions)
+    lr: Callable[[], float] = lambda: 0.0
+    poisoned: Callable[[int], bool] = lambda step: False
+    save: Callable[[], None] | None = None  # the checkpoint of this step (default: step-N)
+    steps_this_attempt: int = 0
+    _t0: float = 0.0
+    _t_data: float = 0.0
+    _t_sync: float = 0.0
+    _cursor: int = 0
+    _epoch: int = 0
+    _decision: StepDecision | None = None
+    _poison: bool = False
+
+    # ------------------------------------------------------------ start
+
+    def resume(self) -> bool:
+        """Load the newest valid checkpoint on all ranks (collective); True if one was found."""
+        self.callbacks.on_phase("loading", "checkpoint load", True)
+        raw = self.checkpoints.load_latest(self.device)
+        if raw is None:
+            return False
+        old_batch = raw.get("sampler", {}).get("global_batch_size",
+                                               self.sampler.global_batch_size)
+        if old_batch != self.sampler.global_batch_size:
+            log.warning("global batch changed from %d to %d samples (world size now %d); the "
+                        "learning rate is not rescaled. Set batch.global_batch_size to keep "
+                        "the global batch constant.", old_batch,
+                        self.sampler.global_batch_size, self.world_size)
+        log.info("resumed from %s: step %d, epoch %d, %d samples into the epoch",
+                 self.checkpoints.resumed_from, self.state.step, self.sampler.epoch,
+                 self.sampler.cursor)
+        self.stop.reopen(self.state.step, self.sampler.epoch)
+        return True
+
+    def start(self) -> None:
+        """Training (re)starts at the current step: reporting opens (trace rewound)."""
+        self.callbacks.on_resumed(self.state.step)
+
+    # ------------------------------------------------------------ one step
+
+    def begin_step(self) -> None:
+        """Before the step's data: heartbeat, injected faults, the step's RNG streams."""
+        self._t0 = self._t_data = time.perf_counter()
+        step = self.state.step + 1
+        self.callbacks.on_step_begin(step, self.steps_this_attempt + 1)
+        self._poison = self.poisoned(step)
+        if self.options.reseed:
+            seed_step(step_seed(self.options.seed, self.sampler.epoch, self.state.step,
+                                self.rank), self.device)
+
+    def data_ready(self) -> None:
+        """The step's micro-batches are fetched (splits data time from compute time)."""
+        self._t_data = time.perf_counter()
+
+    def backward(self, loss: torch.Tensor, step_loss: torch.Tensor | None = None,
+                 scaler: torch.amp.GradScaler | None = None) -> None:
+        """The step's synchronising backward (its last micro-batch's), carrying the vote.
+
+        Args:
+            loss: the micro-batch loss to differentiate (scalar tensor).
+            step_loss: the step's loss over all its micro-batches, for the non-finite check
+                (default: ``loss``).
+            scaler: a GradScaler (fp16) that scales ``loss``.
+        """
+        if self._poison:  # fault injection: a NaN loss (and so NaN gradients)
+            loss = loss * float("nan")
+            step_loss = None if step_loss is None else step_loss * float("nan")
+        # the step's place in the data, taken here: an own loop may call set_epoch() after
+        # begin_step()
+        self._cursor, self._epoch = self.sampler.cursor, self.sampler.epoch
+        self.consensus.propose(loss if step_loss is None else step_loss)
+        self._t_sync = time.perf_counter()
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+
+    def should_commit(self, grad_norm: torch.Tensor | None = None) -> bool:
+        """Whether to apply this step's update: the same answer on every rank. ``grad_norm``:
+        the reduced gradients' total norm (None: not checked)."""
+        self._decision = self.consensus.decide(grad_norm)
+        return self._decision.commit
+
+    def end_step(self, loss: torch.Tensor) -> int:
+        """The step is over: move the cursor, count, report; returns the new global step.
+
+        Raises:
+            RollbackRequested: the non-finite streak reached ``max_bad_steps``.
+            TrainingFailed: it did again after a rollback.
+            Preempted: some rank was asked to stop; this step's checkpoint is committed.
+        """
+        decision, self._decision = self._decision, None
+        if decision is None:
+            raise RuntimeError("end_step() without should_commit() for this step")
+        self.straggler.add(self._t_sync - self._t0)
+        cursor, epoch = self._cursor, self._epoch
+        self.sampler.advance()
+        step = self.state.step = self.state.step + 1
+        self.state.samples += self.sampler.global_batch_size
+        self.steps_this_attempt += 1
+        self.callbacks.on_step_end(self._step_event(loss, step, epoch, cursor, decision.commit))
+        self._count_bad(decision.commit)
+        if decision.stop:
+            self._stop_for_preemption()
+        return step
+
+    def _step_event(self, loss: torch.Tensor, step: int, epoch: int, cursor: int,
+                    committed: bool) -> StepEnd:
+        log_due = step % self.options.log_every_steps == 0
+        mean_loss, ratio = None, None
+        if log_due:  # one collective carries the loss and the straggler times
+            mean_loss, ratio = self.straggler.exchange(float(loss))
+        elif self.callbacks.needs_mean_loss:
+            mean_loss = self.global_mean(loss)
+        now = time.perf_counter()
+        gbs = self.sampler.global_batch_size
+        return StepEnd(
+            step=step, epoch=epoch, seconds=now - self._t0, data_seconds=self._t_data - self._t0,
+            samples=gbs // self.world_size, global_samples=gbs, loss=loss, mean_loss=mean_loss,
+            straggler_ratio=ratio, lr=self.lr(), committed=committed, log_due=log_due,
+            indices=lambda: [i for mb in self.sampler.step_indices(cursor, epoch) for i in mb])
+
+    def global_mean(self, loss: torch.Tensor) -> float:
+        """``loss`` averaged over ranks (a collective; reads the device)."""
+        total, count = all_reduce_sums({"loss": (loss.item(), 1.0)}, self.device)["loss"]
+        return total / count
+
+    # ------------------------------------------------------------ guards
+
+    def _count_bad(self, committed: bool) -> None:
+        """NaN/Inf guard: skipped updates in a row trigger one rollback, then a failure."""
+        s = self.state
+        if committed:
+            s.bad_in_row = 0
+            return
+        s.bad_in_row += 1
+        s.bad_steps += 1
+        limit = self.options.max_bad_steps
+        self.callbacks.on_skipped_step(s.step, s.bad_in_row, limit)
+        log.warning("step %d: non-finite loss or gradient on at least one rank: update skipped "
+                    "on all ranks (%d in a row, limit %d)", s.step, s.bad_in_row, limit)
+        if s.bad_in_row < limit:
+            return
+        if s.rollbacks >= 1:
+            self.finish(StopReason.FAILED, f"failed: {limit} non-finite steps in a row at step "
+                        f"{s.step}, again after rolling back to the last checkpoint")
+            self.checkpoint()
+            self.checkpoints.wait()
+            raise TrainingFailed(self.stop.message)
+        raise RollbackRequested
+
+    def rollback(self) -> None:
+        """Reload the newest valid checkpoint on all ranks (once per run).
+
+        Raises:
+            TrainingFailed: there is no checkpoint to roll back to.
+        """
+        self.checkpoints.wait()  # the newest checkpoint may still be in flight
+        rollbacks = self.state.rollbacks + 1
+        log.warning("rolling back to the last valid checkpoint after %d non-finite steps",
+                    self.options.max_bad_steps)
+        if not self.resume():
+            raise TrainingFailed("non-finite steps and no checkpoint to roll back to")
+        self.state.rollbacks, self.state.bad_in_row = rollbacks, 0
+        self.callbacks.on_rollback(self.state.step)
+
+    def _stop_for_preemption(self) -> None:
+        """All ranks: commit a checkpoint of exactly this step, then leave with 143."""
+        step = self.state.step
+        log.warning("preemption: checkpointing step %d, then stopping (SIGTERM on at least one "
+                    "rank)", step)
+        self.callbacks.on_phase("checkpointing", "preemption checkpoint", True)
+        self.callbacks.on_finish(StopReason.PREEMPTED, "preempted")
+        self.checkpoint()
+        self.checkpoints.wait()
+        barrier()  # rank 0 has committed before any rank exits
+        raise Preempted(f"preempted by signal after step {step}; checkpoint "
+                        f"step-{step:08d} committed")
+
+    # ------------------------------------------------------------ checkpoints and the end
+
+    def checkpoint(self) -> None:
+        """Checkpoint the current step (all ranks call it; rank 0 writes)."""
+        self.callbacks.on_phase("checkpointing", "checkpointing", True)
+        if self.save is not None:
+            self.save()
+        else:
+            self.checkpoints.save(self.state.step)
+
+    def maybe_checkpoint(self) -> bool:
+        """Checkpoint if the cadence asks for one; never during a non-finite streak (a rollback
+        must return to a state without skipped updates)."""
+        if self.state.bad_in_row or not self.checkpoints.due(self.state.step):
+            return False
+        self.checkpoint()
+        return True
+
+    def finish(self, reason: StopReason, message: str) -> None:
+        """Stop after the current step (every rank calls it at the same step)."""
+        self.stop.stop(reason, message, self.state.step)
+        self.callbacks.on_finish(reason, message)
+
+    def check_limits(self) -> bool:
+        """Finish if max_steps / max_epochs is reached; True once the run is stopped."""
+        reached = None if self.stop.stopped else self.stop.limit_reached(self.state.step,
+                                                                          self.sampler.epoch)
+        if reached is not None:
+            self.finish(*reached)
+        return self.stop.stopped
+
+    def close(self, extra: Iterable[Any] = ()) -> None:
+        """Commit the in-flight checkpoint, then close the reporting (trace, bar, watchdog)."""
+        try:
+            self.checkpoints.close()
+        finally:
+            self.callbacks.on_phase("finished", "", False)
+            self.callbacks.close()
+            for obj in extra:
+                obj.close()

@@ -1,0 +1,341 @@
+"""The torch internals elastic-runner relies on (``elastic_runner/compat.py``), checked against the
+installed torch without starting processes: each test fails when a torch upgrade changes the
+internal it names, and the start-up check names the torch version when a fix cannot apply."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import re
+import time
+from datetime import timedelta
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.elastic.metrics as te_metrics
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.distributed.elastic.agent.server.api import RunResult, SimpleElasticAgent, WorkerState
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.rendezvous import (
+    RendezvousConnectionError,
+    RendezvousParameters,
+    etcd_rendezvous,
+    etcd_rendezvous_backend,
+)
+from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+    DynamicRendezvousHandler,
+    RendezvousBackend,
+    RendezvousTimeout,
+    create_handler,
+)
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from elastic_runner import compat
+from elastic_runner.agent_metrics import AgentMonitor
+from elastic_runner.config import ConfigError
+
+REPO = Path(__file__).resolve().parents[1]
+torch_rendezvous = importlib.import_module("torch.distributed.rendezvous")
+
+
+@pytest.fixture(autouse=True)
+def _propagate(monkeypatch):
+    """caplog listens on the root logger; a worker's logging set-up may have cut that off."""
+    monkeypatch.setattr(logging.getLogger("elastic_runner"), "propagate", True)
+
+
+# --- declared range and the start-up check ---
+
+def test_supported_range_is_pyprojects_and_holds_the_installed_torch():
+    pyproject = (REPO / "pyproject.toml").read_text()
+    assert re.findall(r'"torch([^"]*)"', pyproject) == [compat.SUPPORTED_TORCH]
+    # an upgrade past the range fails here: verify the internals below, then widen the range
+    assert compat.in_supported_range(), torch.__version__
+    assert not compat.in_supported_range("2.3.1") and not compat.in_supported_range("2.14.0")
+
+
+@pytest.mark.parametrize("role", ["agent", "worker"])
+def test_installed_torch_passes_the_startup_check(role, caplog):
+    with caplog.at_level(logging.WARNING, logger="elastic_runner"):
+        assert compat.check_torch(role) == []
+    assert not caplog.records
+
+
+def test_required_fix_missing_stops_with_one_line_naming_torch(monkeypatch):
+    monkeypatch.setattr(DynamicRendezvousHandler, "use_agent_store", property(lambda self: True))
+    with pytest.raises(compat.TorchCompatError) as e:
+        compat.check_torch("agent")
+    message = str(e.value)
+    assert isinstance(e.value, ConfigError)  # the CLI and the worker exit with code 2 on it
+    assert "\n" not in message and f"torch {torch.__version__}:" in message
+    assert "rendezvous store switch" in message and compat.SUPPORTED_TORCH in message
+    assert compat.IGNORE_CHECK_ENV in message
+    monkeypatch.setenv(compat.IGNORE_CHECK_ENV, "1")
+    (warning,) = compat.check_torch("agent")
+    assert "rendezvous store switch" in warning and " is off (" in warning
+
+
+def test_optional_fix_missing_warns_naming_torch(monkeypatch, caplog):
+    monkeypatch.setattr(DDP, "register_comm_hook", lambda self, state, hook: None)
+    monkeypatch.delenv("RANK", raising=False)
+    with caplog.at_level(logging.WARNING, logger="elastic_runner"):
+        (warning,) = compat.check_torch("worker")
+    assert f"torch {torch.__version__}:" in warning and "comm-hook detection is off" in warning
+    assert [r.getMessage() for r in caplog.records] == [warning]
+    monkeypatch.setenv("RANK", "3")  # other ranks stay quiet: the same torch on every rank
+    caplog.clear()
+    assert compat.check_torch("worker") == [warning] and not caplog.records
+
+
+def test_a_check_that_cannot_inspect_torch_reports_instead_of_crashing(monkeypatch):
+    monkeypatch.delattr(SimpleElasticAgent, "_invoke_run")
+    (warning,) = compat.check_torch("agent")
+    assert "agent metrics is off (AttributeError" in warning
+
+
+# --- 1. the rendezvous store switch (replaces the stale-bootstrap-store patch) ---
+
+def _single_node_handler(run_id: str) -> DynamicRendezvousHandler:
+    store = dist.HashStore()
+    params = RendezvousParameters("c10d", "127.0.0.1:0", run_id, 1, 1, join_timeout="10")
+    return create_handler(store, C10dRendezvousBackend(store, run_id), params)  # as torchrun
+
+
+@pytest.mark.parametrize("switch", ["1", "0"])
+def test_store_switch_makes_every_round_publish_a_fresh_store(monkeypatch, switch):
+    """With the switch each round builds its bootstrap store info anew (rank 0 publishes a free
+    port through the round's rendezvous store) instead of returning the cached one, which is
+    what kept a node whose rank changed pointing at a store nobody else used."""
+    monkeypatch.setenv(compat.SHARE_STORE_SWITCH, switch)
+    handler = _single_node_handler(f"switch-{switch}")
+    try:
+        cached = object()  # what an earlier round left behind
+        handler._bootstrap_store_info = cached
+        handler._shared_tcp_store_server = object()
+        info = handler.next_rendezvous()
+    finally:
+        handler.shutdown()
+    assert (info.rank, info.world_size) == (0, 1)
+    if switch == "1":
+        assert info.bootstrap_store_info is not cached and info.bootstrap_store_info.master_port
+        assert handler.use_agent_store is False  # workers: TORCHELASTIC_USE_AGENT_STORE=False
+    else:  # torch's default: the cached store info comes back (the behaviour we switch off)
+        assert info.bootstrap_store_info is cached and handler.use_agent_store is True
+
+
+# --- 2. rendezvous outage tolerance ---
+
+class _Down(RendezvousBackend):
+    """A rendezvous backend whose server is unreachable."""
+
+    calls = 0
+
+    @property
+    def name(self) -> str:
+        return "down"
+
+    def get_state(self):  # noqa: ANN201
+        _Down.calls += 1
+        raise RendezvousConnectionError("etcd down")
+
+    def set_state(self, state, token=None):  # noqa: ANN001, ANN201
+        raise RendezvousConnectionError("etcd down")
+
+
+def _down_handler(cls: type[DynamicRendezvousHandler]) -> DynamicRendezvousHandler:
+    return cls.from_backend("run", dist.HashStore(), _Down(), 1, 1,
+                            timeout=RendezvousTimeout(join=timedelta(seconds=1)))
+
+
+def test_unreachable_backend_fails_torchs_methods():
+    """What the patch guards against: torch raises from both methods at once."""
+    handler = _down_handler(DynamicRendezvousHandler)
+    with pytest.raises(RendezvousConnectionError):
+        handler.num_nodes_waiting()
+    with pytest.raises(RendezvousConnectionError):
+        handler.next_rendezvous()
+    assert handler._settings.timeout.join == timedelta(seconds=1)
+
+
+def test_outage_patch_reports_no_waiting_nodes_and_retries_until_join_timeout(monkeypatch):
+    class Patched(DynamicRendezvousHandler):
+        pass
+
+    assert compat.apply_rendezvous_fixes(Patched) and compat.apply_rendezvous_fixes(Patched)
+    monkeypatch.setattr(compat, "_RETRY_S", 0.05)
+    handler = _down_handler(Patched)
+    assert handler.num_nodes_waiting() == 0
+    before, started = _Down.calls, time.monotonic()
+    with pytest.raises(RendezvousConnectionError):
+        handler.next_rendezvous()
+    assert time.monotonic() - started >= 1.0 and _Down.calls - before > 2
+
+
+# --- 3. the agent store in the workers (attempt namespace) ---
+
+def test_workers_learn_of_the_agent_store_from_the_variable_torch_reads(monkeypatch):
+    assert compat._mentions(LocalElasticAgent._start_workers, compat.AGENT_STORE_ENV)
+    for value in ("True", "False", "1", None):
+        if value is None:
+            monkeypatch.delenv(compat.AGENT_STORE_ENV, raising=False)
+        else:
+            monkeypatch.setenv(compat.AGENT_STORE_ENV, value)
+        assert compat.shares_agent_store() == torch_rendezvous._torchelastic_use_agent_store()
+
+
+def test_shared_agent_store_reaches_workers_without_a_per_attempt_prefix(monkeypatch):
+    """torch 2.13 hands the workers the agent's store as is (earlier releases prefixed
+    ``/worker/attempt_<n>``): keys of earlier attempts stay visible, hence the namespace."""
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                           timeout=timedelta(seconds=10))
+    monkeypatch.setenv(compat.AGENT_STORE_ENV, "True")
+    client = torch_rendezvous._create_c10d_store("127.0.0.1", server.port, 1, 2,
+                                                 timedelta(seconds=10))
+    assert not isinstance(client, dist.PrefixStore)
+    client.set("left-by-attempt-1", "x")
+    assert server.get("left-by-attempt-1") == b"x"
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(server.port))
+    assert compat.agent_store(timedelta(seconds=10)).get("left-by-attempt-1") == b"x"
+
+
+def test_prefix_store_isolates_attempts():
+    base = dist.HashStore()
+    old, new = dist.PrefixStore("elastic_runner/pg/1-a/", base), dist.PrefixStore(
+        "elastic_runner/pg/2-b/", base)
+    old.set("rank_0", "dead-worker")
+    assert not new.check(["rank_0"]) and not base.check(["rank_0"])
+    new.set("rank_0", "live-worker")
+    assert (old.get("rank_0"), new.get("rank_0")) == (b"dead-worker", b"live-worker")
+
+
+# --- 4. torchelastic metric names ---
+
+@pytest.fixture
+def emitted():
+    names: list[tuple[str, int]] = []
+
+    class Capture(te_metrics.MetricHandler):
+        def emit(self, metric_data: te_metrics.MetricData) -> None:
+            names.append((metric_data.name, metric_data.value))
+
+    te_metrics.configure(Capture(), group=compat.METRICS_GROUP)
+    yield names
+    te_metrics.configure(te_metrics.NullMetricHandler(), group=compat.METRICS_GROUP)
+
+
+def test_agent_emits_the_metric_names_agent_metrics_reads(emitted):
+    # the timed steps: called on a stand-in, they fail, but their names are published
+    for method in (SimpleElasticAgent._rendezvous, LocalElasticAgent._start_workers,
+                   LocalElasticAgent._stop_workers):
+        with pytest.raises(AttributeError):
+            method(SimpleNamespace(), None)
+    # one monitor round of the agent's loop with a worker group that succeeded
+    spec = SimpleNamespace(role="trainer", monitor_interval=0, rdzv_handler=None,
+                           get_entrypoint_name=lambda: "elastic_runner")
+    agent = SimpleNamespace(
+        _worker_group=SimpleNamespace(spec=spec, state=WorkerState.HEALTHY),
+        _initialize_workers=lambda group: None, _exit_barrier=lambda: None,
+        _monitor_workers=lambda group: RunResult(state=WorkerState.SUCCEEDED),
+        _remaining_restarts=3, _exit_barrier_timeout=0)
+    SimpleElasticAgent._invoke_run(agent, "trainer")
+    names = [n for n, _ in emitted]
+    assert "SimpleElasticAgent._rendezvous.duration.ms" in names
+    assert "SimpleElasticAgent._rendezvous.failure" in names  # .success on a real round
+    assert "LocalElasticAgent._start_workers.failure" in names
+    assert "LocalElasticAgent._stop_workers.failure" in names
+    assert ("workers.trainer.remaining_restarts", 3) in emitted
+    assert ("workers.trainer.succeeded", 1) in emitted
+    assert any(n.endswith(compat.RENDEZVOUS_DURATION) for n in names)
+    for success in (compat.RENDEZVOUS_SUCCESS, compat.WORKERS_STARTED, compat.WORKERS_STOPPED):
+        failure = success.removesuffix(".success") + ".failure"  # same stem (next test)
+        assert any(n.endswith(failure) for n in names), success
+    assert any(n.startswith(compat.WORKER_GROUP) and n.endswith(compat.REMAINING_RESTARTS)
+               for n in names)
+    # and the monitor understands them
+    monitor = AgentMonitor("job", "node", 2)
+    for name, value in emitted:
+        monitor.emit(te_metrics.MetricData(0.0, compat.METRICS_GROUP, name, value))
+    assert monitor.snapshot()["state"] == "succeeded"
+
+
+def test_prof_names_a_method_by_its_qualified_name(emitted):
+    class Agent:
+        @te_metrics.prof
+        def _rendezvous(self) -> None:
+            pass
+
+    Agent()._rendezvous()
+    (success, _), (duration, _) = emitted
+    assert success == Agent._rendezvous.__qualname__ + ".success"
+    assert success.endswith(compat.RENDEZVOUS_SUCCESS)
+    assert duration.endswith(compat.RENDEZVOUS_DURATION)
+
+
+# --- 5. DDP comm-hook details ---
+
+@pytest.fixture
+def group():
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_registered_comm_hook_reports_the_users_hook(group):
+    ddp = DDP(torch.nn.Linear(2, 2))
+    assert compat.registered_comm_hook(ddp) is None
+    state = object()
+    ddp.register_comm_hook(state, allreduce_hook)
+    assert compat.registered_comm_hook(ddp) == (allreduce_hook, state)
+    with pytest.raises(RuntimeError, match="only be called once"):
+        ddp.register_comm_hook(None, allreduce_hook)
+
+
+def test_ddp_checks_a_hooks_bucket_parameter_by_name_and_annotation(group):
+    """Why the step vote's hooks take an unannotated parameter named ``bucket``."""
+    ddp = DDP(torch.nn.Linear(2, 2))
+
+    def other_name(state, b):  # noqa: ANN001, ANN202
+        return allreduce_hook(state, b)
+
+    def string_annotation(state, bucket: dist.GradBucket):  # noqa: ANN001, ANN202
+        return allreduce_hook(state, bucket)  # annotations are strings in this module
+
+    with pytest.raises(KeyError, match="bucket"):
+        ddp.register_comm_hook(None, other_name)
+    with pytest.raises(ValueError, match="bucket annotation"):
+        ddp.register_comm_hook(None, string_annotation)
+    assert compat.registered_comm_hook(ddp) is None
+
+
+# --- 6. etcd rendezvous options ---
+
+def test_etcd_backends_read_the_option_spellings_compat_lists():
+    v2 = etcd_rendezvous_backend._create_etcd_client
+    legacy = etcd_rendezvous._create_etcd_client
+    for v2_name, legacy_name in compat.ETCD_OPTION_SPELLINGS[:3]:
+        # (only positive: both pass cert=/ca_cert= keywords to etcd.Client)
+        assert compat._mentions(v2, v2_name) and compat._mentions(legacy, legacy_name)
+    assert compat._mentions(etcd_rendezvous.create_rdzv_handler, "timeout")
+    assert etcd_rendezvous._DEFAULT_TIMEOUT == compat.DEFAULT_JOIN_TIMEOUT_S
+    assert RendezvousTimeout().join == timedelta(seconds=compat.DEFAULT_JOIN_TIMEOUT_S)
+    assert compat.parse_rendezvous_endpoint("etcd", default_port=2379) == ("etcd", 2379)
+
+
+# --- 7. torchrun's module functions ---
+
+def test_torchrun_functions_parse_and_configure_a_run(monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # config_from_args sets it otherwise
+    targs = compat.get_args_parser().parse_args(
+        ["--nproc-per-node", "3", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0",
+         "--module", "elastic_runner", "train", "c.yaml"])
+    config, cmd, cmd_args = compat.config_from_args(targs)
+    assert (config.nproc_per_node, config.min_nodes, config.max_nodes) == (3, 1, 1)
+    assert cmd_args[-4:] == ["-m", "elastic_runner", "train", "c.yaml"], (cmd, cmd_args)
+    assert compat.determine_local_world_size("3") == 3

@@ -1,0 +1,151 @@
+"""The own-loop example (``examples/own_loop.py``, the DDP tutorial's loop plus elastic-runner in
+a few lines) under real torchrun process groups: kill -9 and SIGTERM of a worker, a 2 -> 1 -> 2
+world-size change with the sample audit, and the diff from the tutorial loop."""
+
+from __future__ import annotations
+
+import difflib
+import re
+import signal
+import sys
+import urllib.request
+
+import pytest
+import torch
+
+from elastic_runner import audit
+from elastic_runner import checkpoint as ckpt
+
+from .procs import REPO, cli, free_port, run_cli, wait_until
+
+EXAMPLES = REPO / "examples"
+pytestmark = pytest.mark.slow
+
+
+def code_diff() -> list[str]:
+    """Changed lines from the tutorial loop to the fault-tolerant one, module docstrings
+    aside."""
+    def code(name: str) -> list[str]:
+        text = (EXAMPLES / name).read_text()
+        return text.split('"""', 2)[2].splitlines()
+
+    return [ln for ln in difflib.unified_diff(code("ddp_tutorial.py"), code("own_loop.py"),
+                                              lineterm="", n=0)
+            if ln[:1] in "+-" and not ln.startswith(("+++", "---"))]
+
+
+@pytest.mark.timeout(30)
+def test_at_most_20_changed_lines_and_the_readme_shows_them():
+    diff = code_diff()
+    added = [ln for ln in diff if ln.startswith("+")]
+    assert 0 < len(added) <= 20, "\n".join(diff)
+    removed = [ln for ln in diff if ln.startswith("-")]
+    readme = (REPO / "README.md").read_text()
+    assert f"({len(added)} added, {len(removed)}\nremoved" in readme
+    missing = [ln for ln in diff if ln.strip("+- ") and ln not in readme]
+    assert not missing, missing
+
+
+def torchrun(*args: str, nproc: int = 2, restarts: int = 2) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+            str(nproc), "--max-restarts", str(restarts), "--monitor-interval", "0.2",
+            str(EXAMPLES / "own_loop.py"), *args]
+
+
+def model_state(ck) -> dict[str, torch.Tensor]:
+    state = ckpt.load_state(ckpt.latest_valid(ck).path)
+    return {**state["model"], "adam_step": state["optimizer"]["state"][0]["step"]}
+
+
+def assert_bitwise(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """An uninterrupted 80-step run, shared by the tests that compare weights with it."""
+    ck = tmp_path_factory.mktemp("own-loop-ref")
+    from .procs import Job
+
+    job = Job(torchrun("--steps", "80", "--checkpoint-dir", str(ck)), ck / "job.log")
+    try:
+        assert job.wait(timeout=240) == 0, job.output[-3000:]
+    finally:
+        job.kill_all()
+    return model_state(ck)
+
+
+def test_kill_9_under_torchrun_resumes_bitwise(launch, tmp_path, reference):
+    ck = tmp_path / "ck"
+    job = launch(torchrun("--steps", "80", "--checkpoint-dir", str(ck)), name="kill",
+                 env={"ELASTIC_RUNNER_FAULTS": "[{kind: sigkill, rank: 1, step: 30}]"})
+    assert job.wait(timeout=240) == 0, job.output[-3000:]
+    assert f"resumed from {ck / 'step-00000020'}: step 20" in job.output
+    assert_bitwise(reference, model_state(ck))
+
+
+def test_sigterm_checkpoints_that_step_exits_143_and_loses_nothing(launch, tmp_path,
+                                                                   reference):
+    ck, trace = tmp_path / "ck", tmp_path / "trace"
+    job = launch(torchrun("--steps", "80", "--checkpoint-dir", str(ck), "--trace-dir",
+                          str(trace)), name="sigterm",
+                 env={"ELASTIC_RUNNER_FAULTS": "[{kind: sigterm, rank: 1, step: 27}]"})
+    assert job.wait(timeout=240) == 0, job.output[-3000:]
+    out = job.output
+    # the signal lands after step 27; the ranks agree at the end of step 28 and save exactly it
+    assert "preemption: checkpointing step 28" in out and "exitcode: 143" in out, out[-3000:]
+    assert f"resumed from {ck / 'step-00000028'}: step 28" in out
+    assert "sample trace: dropped" not in out  # zero lost steps
+    epoch0 = audit.audit(trace)[0]
+    assert epoch0.complete and epoch0.ok and epoch0.seen_once == 56 * 32
+    assert_bitwise(reference, model_state(ck))
+
+
+def test_world_size_2_1_2_sample_audit_is_exact(launch, tmp_path):
+    ck, trace = tmp_path / "ck", tmp_path / "trace"
+    for i, (nproc, steps) in enumerate([(2, 30), (1, 100), (2, 140)]):
+        job = launch(torchrun("--steps", str(steps), "--checkpoint-dir", str(ck),
+                              "--trace-dir", str(trace), nproc=nproc), name=f"phase{i}")
+        assert job.wait(timeout=240) == 0, job.output[-3000:]
+        if i:
+            assert "resumed from" in job.output
+    worlds = {e["step"]: e["world_size"] for e in audit.read_entries(trace) if "world_size" in e}
+    assert (worlds[30], worlds[31], worlds[100], worlds[101]) == (2, 1, 1, 2)
+    # epoch 0: 30 steps of 32 samples, then 52 of 16 (world size 1), 5 left as the tail
+    first, second = audit.audit(trace)
+    assert first.complete and first.ok and first.seen_once == 1797 - 5 and first.dropped == 5
+    assert not second.duplicated and second.seen_once == 18 * 16 + 40 * 32
+    assert run_cli("audit", str(trace)).stdout.count(" ok ") == 1
+
+
+def scrape(port: int) -> str:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+            return r.read().decode()
+    except OSError:
+        return ""
+
+
+def test_kill_9_from_outside_under_elastic_runner_run_with_metrics(launch, tmp_path, reference):
+    """``elastic-runner run examples/own_loop.py``: the node endpoint serves both ranks' series;
+    SIGKILL of a worker from outside; the restarted group resumes, bitwise equal at the end."""
+    ck, port = tmp_path / "ck", free_port()
+    # rank 0 slows steps 21-60 by 50 ms (numerics unchanged): room to scrape and to kill
+    slow = "[{kind: slow, rank: 0, step: 21, count: 40, seconds: 0.05}]"
+    job = launch(cli("run", str(EXAMPLES / "own_loop.py"), "--nproc-per-node", "2",
+                     "--metrics-port", str(port), "--monitor-interval", "0.2", "--",
+                     "--steps", "80", "--checkpoint-dir", str(ck)),
+                 name="run", env={"ELASTIC_RUNNER_FAULTS": slow})
+    wait_until(lambda: (ck / "step-00000020").is_dir(), 120, "the checkpoint of step 20")
+    series = re.compile(r'^elastic_runner_step\{[^}]*rank="(\d)"[^}]*\} (\d+)', re.M)
+    wait_until(lambda: {m[1] for m in series.finditer(scrape(port))} == {"0", "1"}, 30,
+               "both ranks' step series on the node endpoint")
+    victim = next(p for p in job.descendants()
+                  if "own_loop.py" in " ".join(p.cmdline()) and p.environ().get("RANK") == "1")
+    victim.send_signal(signal.SIGKILL)
+    assert job.wait(timeout=240) == 0, job.output[-3000:]
+    resumed = re.search(r"resumed from \S+/step-(\d+): step (\d+)", job.output)
+    assert resumed and int(resumed[2]) >= 20, job.output[-3000:]
+    assert_bitwise(reference, model_state(ck))

@@ -1,0 +1,335 @@
+"""TrainingSession at world size 1 (no process group, no launcher): the step protocol moves the
+cursor and the counters, a non-finite step skips its update, a streak rolls back once and then
+fails, preemption commits exactly that step, and a resumed session continues bitwise like an
+uninterrupted run (dropout: the per-step RNG streams)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from collections.abc import Iterator
+
+import pytest
+import torch
+from torch import nn
+
+from elastic_runner import checkpoint as ckpt
+from elastic_runner.consensus import LocalConsensus
+from elastic_runner.data import elastic_dataloader
+from elastic_runner.own_loop import fault_tolerant
+from elastic_runner.preempt import EXIT_PREEMPTED, Preempted
+from elastic_runner.reporting import WatchdogHeartbeat
+from elastic_runner.session import RollbackRequested, TrainingFailed
+from elastic_runner.state import RNGState, step_seed
+from elastic_runner.stop import StopReason
+
+from .ft_helpers import (
+    StepRecorder,
+    assert_bitwise,
+    build_session,
+    regression_data,
+    run_step,
+    weights,
+)
+
+MB = 4  # micro-batch; world size 1, no accumulation: the global batch
+
+
+@pytest.fixture
+def parts(tmp_path):
+    """A linear model, SGD and a loader over 32 samples (8 steps per epoch)."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = elastic_dataloader(regression_data(32), MB, seed=1)
+    return model, opt, loader
+
+
+@pytest.fixture(autouse=True)
+def _no_fault_drills(monkeypatch):
+    monkeypatch.delenv("ELASTIC_RUNNER_FAULTS", raising=False)
+
+
+@pytest.fixture
+def restore_signals() -> Iterator[None]:
+    """``fault_tolerant()`` installs SIGTERM/SIGINT handlers in the test process: put the
+    previous ones back."""
+    old = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    yield
+    for s, handler in old.items():
+        signal.signal(s, handler)
+
+
+def test_steps_move_the_cursor_and_the_counters(tmp_path, parts):
+    model, opt, loader = parts
+    rec = StepRecorder()
+    session = build_session(tmp_path, model, opt, loader, callbacks=[rec])
+    session.start()
+    perm0 = loader.elastic_sampler.permutation(0).tolist()
+    perm1 = loader.elastic_sampler.permutation(1).tolist()
+    for expected in range(1, 10):
+        assert run_step(session, model, opt, loader) == expected
+    assert (session.state.step, session.state.samples) == (9, 9 * MB)
+    assert (session.sampler.epoch, session.sampler.cursor) == (1, MB)
+    assert [e.step for e in rec.steps] == list(range(1, 10))
+    assert [e.epoch for e in rec.steps] == [0] * 8 + [1]
+    assert rec.indices == [perm0[i:i + MB] for i in range(0, 32, MB)] + [perm1[:MB]]
+    assert all(e.committed and e.global_samples == MB and e.lr == 0.1 for e in rec.steps)
+    assert rec.steps[-1].mean_loss == pytest.approx(float(rec.steps[-1].loss))
+    assert session.steps_this_attempt == 9
+    session.close()
+
+
+def test_step_indices_read_later_are_those_of_the_step(tmp_path, parts):
+    model, opt, loader = parts
+    rec = StepRecorder()
+    session = build_session(tmp_path, model, opt, loader, callbacks=[rec])
+    for _ in range(9):
+        run_step(session, model, opt, loader)
+    assert rec.steps[0].epoch == 0
+    assert rec.steps[0].indices() == loader.elastic_sampler.permutation(0)[:MB].tolist()
+
+
+def test_begin_step_seeds_the_step_stream(tmp_path, parts):
+    model, opt, loader = parts
+    session = build_session(tmp_path, model, opt, loader, seed=7)
+    run_step(session, model, opt, loader)
+    session.begin_step()  # step 2: seeded from (seed, epoch, steps done, rank)
+    expected = torch.rand(5, generator=torch.Generator().manual_seed(step_seed(7, 0, 1, 0)))
+    assert torch.equal(torch.rand(5), expected)
+
+
+def test_end_step_without_a_decision_is_an_error(tmp_path, parts):
+    model, opt, loader = parts
+    session = build_session(tmp_path, model, opt, loader)
+    session.begin_step()
+    with pytest.raises(RuntimeError, match=r"end_step\(\) without should_commit\(\)"):
+        session.end_step(torch.tensor(1.0))
+
+
+def test_non_finite_loss_skips_the_update(tmp_path, parts):
+    model, opt, loader = parts
+    rec = StepRecorder()
+    session = build_session(tmp_path, model, opt, loader, callbacks=[rec], every_steps=1)
+    run_step(session, model, opt, loader)
+    before = weights(model)
+    assert run_step(session, model, opt, loader, nan=True) == 2
+    assert_bitwise(weights(model), before)
+    assert (session.state.bad_steps, session.state.bad_in_row) == (1, 1)
+    assert session.sampler.cursor == 2 * MB  # the step is done, its samples are not retried
+    assert rec.skipped == [(2, 1, 3)] and [e.committed for e in rec.steps] == [True, False]
+    assert not session.maybe_checkpoint()  # never during a streak, even when due
+    assert not any(os.scandir(tmp_path))
+    run_step(session, model, opt, loader)
+    assert not torch.equal(weights(model)["weight"], before["weight"])
+    assert (session.state.bad_steps, session.state.bad_in_row) == (1, 0)
+    assert session.maybe_checkpoint()
+    assert ckpt.latest_valid(tmp_path).step == 3
+
+
+def test_streak_rolls_back_once_then_fails(tmp_path, parts):
+    model, opt, loader = parts
+    rec = StepRecorder()
+    session = build_session(tmp_path, model, opt, loader, callbacks=[rec], max_bad_steps=3)
+    run_step(session, model, opt, loader)
+    session.checkpoint()
+    at_checkpoint = weights(model)
+    run_step(session, model, opt, loader)  # a good step after the checkpoint: lost work
+    run_step(session, model, opt, loader, nan=True)
+    run_step(session, model, opt, loader, nan=True)
+    with pytest.raises(RollbackRequested):
+        run_step(session, model, opt, loader, nan=True)
+    assert (session.state.step, session.state.bad_in_row) == (5, 3)
+
+    session.rollback()
+    assert (session.state.step, session.sampler.cursor) == (1, MB)
+    assert (session.state.rollbacks, session.state.bad_in_row, session.state.bad_steps) == (
+        1, 0, 0)
+    assert_bitwise(weights(model), at_checkpoint)
+    assert rec.rollbacks == [1]
+
+    run_step(session, model, opt, loader, nan=True)
+    run_step(session, model, opt, loader, nan=True)
+    with pytest.raises(TrainingFailed, match="failed: 3 non-finite steps in a row at step 4, "
+                       "again after rolling back"):
+        run_step(session, model, opt, loader, nan=True)
+    assert session.stop.reason is StopReason.FAILED
+    assert rec.finished[-1][0] is StopReason.FAILED
+    raw = ckpt.load_state(tmp_path / "step-00000004")  # committed before the raise
+    assert raw["stop"]["reason"] == "failed" and raw["train_state"]["rollbacks"] == 1
+    session.close()
+
+    # a restart stays failed
+    torch.manual_seed(3)
+    model2 = nn.Linear(4, 1)
+    opt2 = torch.optim.SGD(model2.parameters(), lr=0.1)
+    again = build_session(tmp_path, model2, opt2, elastic_dataloader(regression_data(32), MB,
+                                                                      seed=1))
+    assert again.resume()
+    assert again.stop.reason is StopReason.FAILED and again.state.step == 4
+    assert_bitwise(weights(model2), at_checkpoint)  # skipped updates: the weights of step 1
+
+
+def test_rollback_without_a_checkpoint_fails(tmp_path, parts):
+    model, opt, loader = parts
+    session = build_session(tmp_path, model, opt, loader, max_bad_steps=2)
+    run_step(session, model, opt, loader, nan=True)
+    with pytest.raises(RollbackRequested):
+        run_step(session, model, opt, loader, nan=True)
+    with pytest.raises(TrainingFailed, match="no checkpoint to roll back to"):
+        session.rollback()
+
+
+def test_rollback_waits_for_the_in_flight_async_checkpoint(tmp_path, parts, monkeypatch):
+    model, opt, loader = parts
+    session = build_session(tmp_path, model, opt, loader, async_save=True, max_bad_steps=2)
+    run_step(session, model, opt, loader)
+    at_checkpoint = weights(model)
+    # hold the background write until someone waits for the writer (deterministic: no sleep)
+    gate, write = threading.Event(), ckpt.write_checkpoint
+    monkeypatch.setattr(ckpt, "write_checkpoint",
+                        lambda *a, **k: (gate.wait(timeout=60), write(*a, **k))[1])
+    session.checkpoint()  # step 1, in flight
+    writer = session.checkpoints._writer
+    wait = writer.wait
+    monkeypatch.setattr(writer, "wait", lambda: (gate.set(), wait())[1])
+    try:
+        run_step(session, model, opt, loader, nan=True)
+        with pytest.raises(RollbackRequested):
+            run_step(session, model, opt, loader, nan=True)
+        session.rollback()
+        assert session.state.step == 1
+        assert_bitwise(weights(model), at_checkpoint)
+    finally:
+        gate.set()
+        session.close()
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_preemption_commits_exactly_that_step(tmp_path, parts, async_save):
+    model, opt, loader = parts
+    stop = [False]
+    rec = StepRecorder()
+    session = build_session(tmp_path, model, opt, loader, stop_requested=lambda: stop[0],
+                            async_save=async_save, callbacks=[rec])
+    run_step(session, model, opt, loader)
+    run_step(session, model, opt, loader)
+    stop[0] = True
+    with pytest.raises(Preempted, match="after step 3; checkpoint step-00000003 committed"):
+        run_step(session, model, opt, loader)
+    # committed when end_step raises, without waiting here
+    assert sorted(os.listdir(tmp_path)) == ["step-00000003"]
+    assert ckpt.latest_valid(tmp_path).step == 3
+    raw = ckpt.load_state(tmp_path / "step-00000003")
+    assert raw["train_state"]["step"] == 3 and raw["sampler"]["cursor"] == 3 * MB
+    assert_bitwise(raw["model"], weights(model))  # the update of step 3 is in it
+    assert [e.step for e in rec.steps] == [1, 2, 3] and rec.steps[-1].committed
+    assert rec.finished == [(StopReason.PREEMPTED, "preempted")]
+    assert not session.stop.stopped  # a preempted run resumes
+    session.close()
+
+
+def test_max_steps_limit(tmp_path, parts):
+    model, opt, loader = parts
+    session = build_session(tmp_path, model, opt, loader, max_steps=2)
+    run_step(session, model, opt, loader)
+    assert not session.check_limits()
+    run_step(session, model, opt, loader)
+    assert session.check_limits()
+    assert (session.stop.reason, session.stop.message) == (StopReason.MAX_STEPS,
+                                                           "max_steps reached")
+
+
+# ---------------------------------------------------------------- fault_tolerant()
+
+
+@pytest.mark.usefixtures("restore_signals")
+def test_step_done_turns_preemption_into_exit_143(tmp_path, parts):
+    model, opt, loader = parts
+    ft = fault_tolerant(model, opt, loader, checkpoint_dir=str(tmp_path), async_save=True)
+    assert ft.resume() == (0, 0)
+    ft.session.consensus = LocalConsensus(lambda: True)  # as after SIGTERM
+    x, y = next(iter(loader))
+    opt.zero_grad()
+    ft.backward(nn.functional.mse_loss(model(x), y))
+    assert ft.should_commit()
+    opt.step()
+    with pytest.raises(SystemExit) as exit_info:
+        ft.step_done()
+    assert exit_info.value.code == EXIT_PREEMPTED == 143
+    info = ckpt.latest_valid(tmp_path)
+    assert info.step == 1 and info.valid
+    assert_bitwise(ckpt.load_state(info.path)["model"], weights(model))
+    # the loop closed its reporting on the way out: the watchdog thread is gone
+    (heartbeat,) = [c for c in ft.session.callbacks.items if isinstance(c, WatchdogHeartbeat)]
+    assert not heartbeat.watchdog._thread.is_alive()
+
+
+def test_close_after_the_preemption_exit_is_harmless(tmp_path, parts):
+    model, opt, loader = parts
+    ft = fault_tolerant(model, opt, loader, checkpoint_dir=str(tmp_path), async_save=True)
+    ft.resume()
+    ft.session.consensus = LocalConsensus(lambda: True)
+    x, y = next(iter(loader))
+    ft.backward(nn.functional.mse_loss(model(x), y))
+    ft.should_commit()
+    with pytest.raises(SystemExit):
+        try:
+            ft.step_done()
+        finally:
+            ft.close()
+
+
+class DropoutNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Dropout(0.5), nn.Linear(16, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def train(directory, until: int, init_seed: int) -> tuple[int, int, dict, dict]:
+    """The own-loop pattern (examples/own_loop.py) up to step ``until``; returns the step it
+    resumed at, the step it stopped at, the weights and the loader state."""
+    torch.manual_seed(init_seed)
+    model = DropoutNet()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    loader = elastic_dataloader(regression_data(20), MB, seed=5)  # 5 steps per epoch
+    ft = fault_tolerant(model, opt, loader, checkpoint_dir=str(directory), every_steps=4,
+                        async_save=True)
+    try:
+        step, epoch = ft.resume()
+        first = step
+        while step < until:
+            loader.elastic_sampler.set_epoch(epoch)
+            for x, y in loader:
+                opt.zero_grad()
+                ft.backward(nn.functional.mse_loss(model(x), y))
+                if ft.should_commit():
+                    opt.step()
+                step = ft.step_done()
+                if step >= until:
+                    break
+            epoch += 1
+    finally:
+        ft.close()
+    return first, step, weights(model), loader.state_dict()
+
+
+@pytest.mark.usefixtures("restore_signals")
+@pytest.mark.parametrize("restore_rng", [True, False])
+def test_resumed_session_continues_bitwise_like_an_uninterrupted_run(tmp_path, monkeypatch,
+                                                                     restore_rng):
+    first, last, reference, ref_loader = train(tmp_path / "a", until=8, init_seed=0)
+    assert (first, last) == (0, 8)
+    assert train(tmp_path / "b", until=6, init_seed=0)[:2] == (0, 6)
+    if not restore_rng:
+        # as on a rank that loads another rank's RNG state (a world-size change): the
+        # per-step reseeding alone must give the same dropout masks
+        monkeypatch.setattr(RNGState, "load_state_dict", lambda self, state: None)
+    first, last, resumed, res_loader = train(tmp_path / "b", until=8, init_seed=1)
+    assert (first, last) == (6, 8)
+    assert res_loader == ref_loader and (res_loader["epoch"], res_loader["cursor"]) == (1, 12)
+    assert_bitwise(resumed, reference)
