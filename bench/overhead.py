@@ -9,9 +9,9 @@ ratio is taken against the bare loop of the same task in the same repeat (a pair
 
 * ``bare``: ``bench/bare_ddp.py`` under plain torchrun, the PyTorch DDP tutorial's loop;
 * ``runner``: ``elastic-runner run`` with metrics on (the node endpoint served) and no
-  checkpoints during the measured steps (evaluation only after the last step; the runner still
-  commits one asynchronous checkpoint at each epoch end: every 39 steps for digits, every 243
-  for char_lm);
+  checkpoints during the measured steps (``checkpoint.every_steps=0``,
+  ``checkpoint.at_epoch_end=false``; evaluation only after the last step): the runner's fixed
+  per-step work (bookkeeping, step vote, metrics, watchdog, seeding);
 * ``runner+sync``: the same with a synchronous checkpoint every ``--every`` steps;
 * ``runner+async``: the same with the runner's asynchronous checkpoint every ``--every`` steps.
 
@@ -54,7 +54,7 @@ def argv_for(variant: str, task: str, steps: int, every: int, workdir: Path) -> 
         return [sys.executable, "-m", "torch.distributed.run", "--standalone",
                 "--nproc-per-node", "2", "-m", "bench.bare_ddp", config,
                 "batch.grad_accum_steps=1", "logging.tensorboard_dir=null", "--steps", str(steps)]
-    ckpt = {"runner": ["checkpoint.every_steps=0"],
+    ckpt = {"runner": ["checkpoint.every_steps=0", "checkpoint.at_epoch_end=false"],
             "runner+sync": [f"checkpoint.every_steps={every}", "checkpoint.async_save=false"],
             "runner+async": [f"checkpoint.every_steps={every}", "checkpoint.async_save=true"]}
     return run_argv(config, steps, workdir / variant, "batch.grad_accum_steps=1",

@@ -7,7 +7,8 @@ the step log line (:class:`StepLog`), TensorBoard, a tqdm progress bar, the samp
 the hang watchdog's heartbeat and fault injection (``reporting.py``).
 
 Event order per optimizer step: ``on_step_begin`` (before its data is fetched), then
-``on_step_end`` with a :class:`StepEnd`; a skipped update also gets ``on_skipped_step``.
+``on_step_end`` with a :class:`StepEnd`; a skipped update also gets ``on_skipped_step``; a
+logging step's :class:`LogEvent` (mean loss over ranks) comes with the next step's end.
 Long operations announce themselves with ``on_phase`` (checkpointing, evaluating, loading).
 """
 
@@ -39,10 +40,9 @@ class StepEnd:
         samples: samples of this rank in the step (micro-batch x accumulation).
         global_samples: samples of the step over all ranks (the global batch).
         loss: this rank's loss of the step (scalar tensor on the device; reading it syncs).
-        mean_loss: the loss averaged over ranks, at logging steps (and every step when a
-            callback asked for it with ``needs_mean_loss``); None otherwise.
-        straggler_ratio: this rank's step time over the median, at logging steps (or None).
-        lr: the learning rate the step used.
+        mean_loss: the loss averaged over ranks when a callback asked for it every step
+            (``needs_mean_loss``); None otherwise (logging steps get :class:`LogEvent`).
+        lr: the learning rate after the step.
         committed: the update was applied (False: skipped for a non-finite loss/gradient).
         log_due: a logging step (``log_every_steps``).
         indices: this rank's dataset indices of the step (computed when called).
@@ -56,11 +56,32 @@ class StepEnd:
     global_samples: int
     loss: torch.Tensor
     mean_loss: float | None
-    straggler_ratio: float | None
     lr: float
     committed: bool
     log_due: bool
     indices: Callable[[], list[int]]
+
+
+@dataclass(frozen=True)
+class LogEvent:
+    """A logging step (``log_every_steps``), reported at the end of the step after it: its
+    mean loss over ranks travels in an asynchronous collective the loop does not wait for.
+
+    Attributes:
+        step, epoch: the logging step and its epoch.
+        mean_loss: that step's loss averaged over ranks.
+        straggler_ratio: this rank's local step time over the median of the ranks, over the
+            steps since the previous logging step (None: straggler detection off).
+        lr: the learning rate after that step.
+        samples_per_second: the global batch over that step's wall time.
+    """
+
+    step: int
+    epoch: int
+    mean_loss: float
+    straggler_ratio: float | None
+    lr: float
+    samples_per_second: float
 
 
 class Callback:
@@ -77,6 +98,9 @@ class Callback:
         """Step ``step`` (1-based, global) is about to run; the attempt's ``steps_this_attempt``-th."""
 
     def on_step_end(self, event: StepEnd) -> None:
+        pass
+
+    def on_log(self, event: LogEvent) -> None:
         pass
 
     def on_skipped_step(self, step: int, in_row: int, limit: int) -> None:
@@ -142,6 +166,9 @@ class Callbacks(Callback):
 
     def on_phase(self, phase: str, what: str, long: bool) -> None:
         self._each("on_phase", phase, what, long)
+
+    def on_log(self, event: LogEvent) -> None:
+        self._each("on_log", event)
 
     def on_skipped_step(self, step: int, in_row: int, limit: int) -> None:
         self._each("on_skipped_step", step, in_row, limit)

@@ -177,6 +177,7 @@ class EvalConfig(_Section):
 class CheckpointConfig(_Section):
     dir: str = "runs/checkpoints"
     every_steps: StrictInt = Field(50, ge=0)  # 0: only at epoch ends
+    at_epoch_end: StrictBool = True  # also save after the last step of every epoch
     every_seconds: Float | None = Field(None, gt=0)  # also save after this much wall-clock time
     async_save: StrictBool = True  # snapshot to reused host buffers, write in the background
     keep_last: StrictInt = Field(3, ge=1)

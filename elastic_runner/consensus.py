@@ -1,31 +1,38 @@
-"""The step consensus: commit this step's update on every rank, or on none.
+"""The step consensus: apply this step's update on every rank, or on none.
 
 Like torchft's ``Manager.should_commit``, every rank asks the same question after its backward:
-did any rank see a non-finite loss, are the reduced gradients finite, did any rank receive a
-stop signal (SIGTERM, preemption)? All ranks get the same answer for the same step, so they skip
-the same updates and stop after the same step.
+did any rank see a non-finite loss, are the reduced gradients finite, was any rank asked to stop
+(SIGTERM, preemption)? All ranks get the same answer for the same step, so they skip the same
+updates and stop after the same step. A stop discards the step in flight on every rank (its
+update is not applied, its samples stay unconsumed): the checkpoint that follows is of the last
+applied step, and a restart redoes the discarded one.
 
-Three implementations, one interface (:class:`StepConsensus`):
+One interface (:class:`StepConsensus`: :meth:`~StepConsensus.propose` before the step's last
+backward, :meth:`~StepConsensus.decide` after it), four implementations:
 
-* :class:`CommHookConsensus` (DDP): the flags ride on DDP's gradient all-reduce through a
-  communication hook (``DistributedDataParallel.register_comm_hook``). Without a user hook they
-  are appended to the first gradient bucket (no extra collective; the other buckets use torch's
-  ``allreduce_hook``, so gradients are reduced exactly as without the hook). With a user hook
-  (compression, PowerSGD, ...) the user's hook reduces every bucket unchanged and the flags go
-  in one asynchronous all-reduce launched beside bucket 0's, overlapping it.
-* :class:`AllReduceConsensus`: one all-reduce of the flags in :meth:`decide` (any process
-  group, FSDP, a model without DDP).
-* :class:`LocalConsensus`: world size 1, no collective.
+* :class:`GradientConsensus` (DDP, the default): **no collective of its own**. A rank whose loss
+  is non-finite, or that was asked to stop, backpropagates ``loss x NaN``; DDP's gradient
+  all-reduce carries the NaN to every rank, so every rank sees a non-finite gradient norm at the
+  same step, and only then (rarely) one all-reduce of two flags tells why. On the 2-core CI
+  machine any extra per-step collective costs ~0.8 ms (gloo, measured with two processes on the
+  digits model), as much as the whole step's bookkeeping budget many times over; appending the
+  flags to the first gradient bucket copied that bucket twice per step (0.1-0.3 ms).
+* :class:`CommHookConsensus` (DDP with your own comm hook, e.g. quantisation that may not keep
+  NaN): the flags go in one asynchronous all-reduce launched from a communication hook beside
+  the first bucket's; every bucket is still reduced by your hook (or torch's
+  ``allreduce_hook``), unchanged.
+* :class:`AllReduceConsensus`: one all-reduce of the flags in :meth:`~StepConsensus.decide`
+  (any process group; models whose gradients DDP does not reduce).
+* :class:`LocalConsensus`: world size 1.
 
-Non-finite *gradients* need no vote: after the all-reduce every rank holds the same averaged
-gradients, a NaN/Inf on any rank propagates into them, and their norm is non-finite on every rank
-alike. The flags and the norm are combined on the device into one small tensor, read once per
-step in :meth:`decide` (the step's only host read).
+Each reads one small tensor from the device per step (the gradient norm or the flags): on CUDA
+that is the step's one host synchronisation.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -49,8 +56,10 @@ class StepDecision:
     """The same on every rank for the same step.
 
     Attributes:
-        commit: apply the update (no rank saw a non-finite loss, the gradients are finite).
-        stop: some rank was asked to stop (SIGTERM/SIGINT): checkpoint this step and leave.
+        commit: apply the update (no rank saw a non-finite loss, the gradients are finite, no
+            rank was asked to stop).
+        stop: some rank was asked to stop (SIGTERM/SIGINT): the step is discarded on every
+            rank; checkpoint the last applied step and leave.
     """
 
     commit: bool
@@ -58,8 +67,8 @@ class StepDecision:
 
 
 class StepConsensus(ABC):
-    """Per step: :meth:`propose` this rank's flags before the synchronising backward (the last
-    micro-batch's), :meth:`decide` after it.
+    """Per step: :meth:`propose` before the synchronising backward (the last micro-batch's),
+    backpropagate what it returns, then :meth:`decide`.
 
     Args:
         stop_requested: returns True once this rank was asked to stop (e.g.
@@ -68,47 +77,72 @@ class StepConsensus(ABC):
 
     def __init__(self, stop_requested: Callable[[], bool] = lambda: False) -> None:
         self._stop_requested = stop_requested
-        self._loss_flags: torch.Tensor | None = None
+        self._step_loss: torch.Tensor | None = None
+        self._stop = False
 
-    def propose(self, loss: torch.Tensor) -> None:
-        """This rank's flags for the step: ``loss`` (a scalar tensor, any device and float
-        dtype) is non-finite, a stop was requested. Call before the last backward."""
-        loss = loss.detach()
-        flags = torch.empty(N_FLAGS, dtype=torch.float32, device=loss.device)
-        flags[0] = ~torch.isfinite(loss)
-        flags[1] = float(self._stop_requested())
-        self._loss_flags = flags
+    def propose(self, loss: torch.Tensor, step_loss: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """Register this rank's step: ``step_loss`` (the step's loss over its micro-batches,
+        a scalar tensor; default ``loss``) and whether a stop was requested.
 
-    def decide(self, grad_norm: torch.Tensor | None = None) -> StepDecision:
-        """The step's decision (all ranks call it after the backward; same result on all).
+        Returns:
+            The tensor to call ``backward()`` on: ``loss`` itself, or ``loss x NaN`` where the
+            implementation signals through the gradients.
+        """
+        self._step_loss = (loss if step_loss is None else step_loss).detach()
+        self._stop = self._stop_requested()
+        return loss
+
+    def decide(self, grad_norm: torch.Tensor | None = None, overflow_ok: bool = False
+               ) -> StepDecision:
+        """The step's decision (all ranks, after the backward; the same on all).
 
         Args:
             grad_norm: total norm of the reduced gradients (``clip_grad_norm_``'s result);
-                None: the gradients are not checked (e.g. fp16, where the GradScaler skips).
+                None: not checked (only :class:`GradientConsensus` requires it).
+            overflow_ok: non-finite gradients alone do not veto the update (fp16: the
+                GradScaler skips such a step itself and lowers its scale); a non-finite loss
+                or a stop still does.
 
         Raises:
             RuntimeError: :meth:`propose` was not called for this step.
         """
-        if self._loss_flags is None:
+        if self._step_loss is None:
             raise RuntimeError("step consensus: decide() without propose() for this step")
-        reduced = self._reduced()
-        self._loss_flags = None
-        bad = reduced[0] > 0
+        try:
+            return self._decide(None if overflow_ok and not self._needs_norm else grad_norm,
+                                overflow_ok)
+        finally:
+            self._step_loss = None
+
+    def _flags(self) -> torch.Tensor:
+        """This rank's (non-finite loss, stop) as a float tensor on the loss's device."""
+        loss = self._step_loss
+        return torch.stack([~torch.isfinite(loss), loss.new_tensor(self._stop, dtype=bool)]
+                           ).float()
+
+    @staticmethod
+    def _from_flags(reduced: torch.Tensor, grad_norm: torch.Tensor | None) -> StepDecision:
+        """Decision from reduced flags (> 0: some rank raised it) and the gradient norm, with
+        one host read."""
         if grad_norm is not None:
-            bad = bad | ~torch.isfinite(grad_norm.to(reduced.device))
-        loss_bad, stop = torch.stack([bad, reduced[1] > 0]).tolist()
-        return StepDecision(commit=not loss_bad, stop=stop)
+            reduced = torch.cat([reduced, grad_norm.reshape(1).to(reduced)])
+        values = reduced.tolist()
+        stop = values[1] > 0
+        bad = values[0] > 0 or (grad_norm is not None and not math.isfinite(values[2]))
+        return StepDecision(commit=not (bad or stop), stop=stop)
+
+    _needs_norm = False  # the norm carries the signal (GradientConsensus)
 
     @abstractmethod
-    def _reduced(self) -> torch.Tensor:
-        """The flags of this step, reduced over ranks (> 0: some rank raised it)."""
+    def _decide(self, grad_norm: torch.Tensor | None, overflow_ok: bool) -> StepDecision: ...
 
 
 class LocalConsensus(StepConsensus):
     """World size 1: the rank's own flags are the decision."""
 
-    def _reduced(self) -> torch.Tensor:
-        return self._loss_flags
+    def _decide(self, grad_norm: torch.Tensor | None, overflow_ok: bool) -> StepDecision:
+        return self._from_flags(self._flags(), grad_norm)
 
 
 class AllReduceConsensus(StepConsensus):
@@ -119,14 +153,40 @@ class AllReduceConsensus(StepConsensus):
         super().__init__(stop_requested)
         self._group = group
 
-    def _reduced(self) -> torch.Tensor:
-        flags = self._loss_flags.clone()
+    def _decide(self, grad_norm: torch.Tensor | None, overflow_ok: bool) -> StepDecision:
+        flags = self._flags()
         dist.all_reduce(flags, group=self._group)
-        return flags
+        return self._from_flags(flags, grad_norm)
+
+
+class GradientConsensus(StepConsensus):
+    """DDP without a collective of its own: the signal travels in the gradients (see the
+    module docstring). Multiplying by 1.0 is exact, so gradients are bitwise unchanged when
+    nothing is signalled; a user's comm hook must keep non-finite values (torch's hooks do)."""
+
+    _needs_norm = True
+
+    def propose(self, loss: torch.Tensor, step_loss: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        super().propose(loss, step_loss)
+        if self._stop:
+            return loss * float("nan")
+        check = self._step_loss
+        return loss * (1.0 + (check - check))  # x - x: 0 when finite, NaN otherwise
+
+    def _decide(self, grad_norm: torch.Tensor | None, overflow_ok: bool) -> StepDecision:
+        if grad_norm is None:
+            raise ValueError("GradientConsensus.decide() needs the reduced gradients' norm")
+        if math.isfinite(grad_norm.item()):
+            return StepDecision(commit=True, stop=False)
+        flags = self._flags()  # every rank is here at the same step: the norm is the same
+        dist.all_reduce(flags)
+        why = self._from_flags(flags, None)  # commit: neither a non-finite loss nor a stop
+        return StepDecision(commit=overflow_ok and why.commit, stop=why.stop)
 
 
 class CommHookConsensus(StepConsensus):
-    """The flags ride on DDP's gradient reduction (see the module docstring).
+    """The flags travel with DDP's gradient reduction (see the module docstring).
 
     Args:
         ddp: the DDP module; no comm hook may be registered on it yet (DDP allows one).
@@ -149,15 +209,17 @@ class CommHookConsensus(StepConsensus):
         self._result: torch.Tensor | None = None
         ddp.register_comm_hook(None, self._wrapped)
 
-    def propose(self, loss: torch.Tensor) -> None:
-        super().propose(loss)
-        self._armed, self._result = self._loss_flags, None
+    def propose(self, loss: torch.Tensor, step_loss: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        out = super().propose(loss, step_loss)
+        self._armed, self._result = self._flags(), None
+        return out
 
-    def _reduced(self) -> torch.Tensor:
+    def _decide(self, grad_norm: torch.Tensor | None, overflow_ok: bool) -> StepDecision:
         if self._result is None:
             raise RuntimeError("step consensus: DDP reduced no gradient bucket since propose() "
                                "(was backward called under no_sync()?)")
-        return self._result
+        return self._from_flags(self._result, grad_norm)
 
     # no annotations: DDP's register_comm_hook checks them against the real classes, and this
     # module's postponed (string) annotations would fail that check
@@ -166,14 +228,12 @@ class CommHookConsensus(StepConsensus):
         if bucket.index() != 0 or flags is None:
             return self._user_hook(bucket)
         self._armed = None
-        if self._hook is None:
-            return self._packed(bucket, flags)
-        fut_flags = dist.all_reduce(flags.clone(), async_op=True).get_future()
+        fut_flags = dist.all_reduce(flags, async_op=True).get_future()
         fut_grads = self._user_hook(bucket)
 
         def both(f: torch.futures.Future[Any]) -> torch.Tensor:
-            grads, reduced = (x.value() for x in f.value())
-            self._result = reduced[0]
+            grads = f.value()[0].value()
+            self._result = flags
             return grads[0] if isinstance(grads, list) else grads
 
         return torch.futures.collect_all([fut_grads, fut_flags]).then(both)
@@ -183,29 +243,16 @@ class CommHookConsensus(StepConsensus):
             return allreduce_hook(None, bucket)
         return self._hook(self._state, bucket)
 
-    def _packed(self, bucket, flags):  # noqa: ANN001, ANN202
-        grads = bucket.buffer()
-        # the same averaging as allreduce_hook: divide by the world size, then SUM
-        packed = torch.cat([grads, flags.to(grads.dtype)]).div_(dist.get_world_size())
-        future = dist.all_reduce(packed, async_op=True).get_future()
-
-        def unpack(f: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
-            reduced = f.value()[0]
-            self._result = reduced[-N_FLAGS:]
-            return reduced[:-N_FLAGS]
-
-        return future.then(unpack)
-
 
 def make_consensus(net: torch.nn.Module, stop_requested: Callable[[], bool] = lambda: False,
                    comm_hook: CommHook | None = None, hook_state: Any = None) -> StepConsensus:
-    """The cheapest consensus for ``net``: on the DDP comm hook when ``net`` is DDP and no hook
-    is registered on it yet (or the user's hook is passed here), a plain all-reduce in a process
-    group otherwise, local without one."""
+    """The cheapest consensus for ``net``: local without a process group; on DDP the gradient
+    signal (:class:`GradientConsensus`), or the comm hook wrapping ``comm_hook`` when you pass
+    one; a plain all-reduce otherwise."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return LocalConsensus(stop_requested)
-    if isinstance(net, DDP) and compat.registered_comm_hook(net) is None:
+    if isinstance(net, DDP) and comm_hook is not None:
         return CommHookConsensus(net, stop_requested, comm_hook, hook_state)
     if isinstance(net, DDP):
-        log.info("step consensus: DDP already has a comm hook; the vote uses its own all-reduce")
+        return GradientConsensus(stop_requested)
     return AllReduceConsensus(stop_requested)

@@ -76,29 +76,36 @@ class StepEngine:
     def step(self, micro_batches: list[Any], session: TrainingSession) -> torch.Tensor:
         """One optimizer step; returns the step's loss (detached, on the device, not read)."""
         n = len(micro_batches)
-        total = torch.zeros((), device=self.device)
+        total = None
         for i, batch in enumerate(micro_batches):
             last = i == n - 1
             with (contextlib.nullcontext() if last or not self._ddp else self.net.no_sync()), \
-                    torch.autocast(self.device.type, dtype=self.dtype,
-                                   enabled=self.dtype is not None):
-                loss = batch_loss(self.net, to_device(batch, self.device), self.loss_fn) / n
-            total += loss.detach()
+                    self._autocast():
+                loss = batch_loss(self.net, to_device(batch, self.device), self.loss_fn)
+            if n > 1:
+                loss = loss / n
+            total = loss.detach() if total is None else total + loss.detach()
             if last:  # this backward's all-reduce carries the step's vote
                 session.backward(loss, total, self.scaler if self.fp16 else None)
             else:
                 (self.scaler.scale(loss) if self.fp16 else loss).backward()
-        if session.should_commit(self._clip()):
+        if session.should_commit(self._clip(), overflow_ok=self.fp16):
             self._apply()
         elif self.fp16:
             self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
+        if not session.discarding:
+            self.scheduler.step()
         return total
 
-    def _clip(self) -> torch.Tensor | None:
-        """Total norm of the reduced gradients (clipped when configured); None with fp16,
-        whose GradScaler checks the gradients itself."""
+    def _autocast(self) -> Any:
+        if self.dtype is None:  # fp32: no autocast state to enter and leave per micro-batch
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.dtype)
+
+    def _clip(self) -> torch.Tensor:
+        """Total norm of the reduced (unscaled) gradients, clipped when configured. With fp16
+        an overflow makes it non-finite too; the GradScaler then skips the update itself."""
         if self.fp16:
             self.scaler.unscale_(self.optimizer)
         grads = [p for p in self.params if p.grad is not None]
@@ -106,7 +113,7 @@ class StepEngine:
             norm = nn.utils.clip_grad_norm_(grads, self.clip)
         else:
             norm = nn.utils.get_total_norm([p.grad for p in grads])
-        return None if self.fp16 else norm
+        return norm
 
     def _apply(self) -> None:
         if self.fp16:

@@ -145,9 +145,10 @@ class Trainer:
         if self.session.check_limits():
             self.save()
             return True
-        due = (not end_of_epoch and not self.state.bad_in_row
+        epoch_save = end_of_epoch and self.cfg.checkpoint.at_epoch_end  # _end_epoch saves
+        due = (not epoch_save and not self.state.bad_in_row
                and self.checkpoints.due(self.state.step))
-        if due or (self._best_pending and not end_of_epoch):
+        if due or (self._best_pending and not epoch_save):
             self.save(step_checkpoint=due)
         return False
 
@@ -156,7 +157,8 @@ class Trainer:
         self.session.callbacks.on_epoch_end(
             epoch, self.state.step, lambda: sampler.permutation(epoch)[cursor:].tolist())
         self.sampler.set_epoch(epoch + 1)
-        if self.session.check_limits() or not self.state.bad_in_row:
+        if self.session.check_limits() or (self.cfg.checkpoint.at_epoch_end
+                                           and not self.state.bad_in_row):
             self.save()
 
     def save(self, step_checkpoint: bool = True) -> None:

@@ -16,7 +16,8 @@
 
 Under ``torchrun`` or ``elastic-runner run`` every (re)start resumes from the newest valid
 checkpoint at the exact next step, at any world size (the sampler's global cursor); SIGTERM
-(preemption) commits a checkpoint of the current step on every rank and exits 143; per-rank
+(preemption) discards the step in flight on every rank, commits a checkpoint of the last applied
+step and exits 143 (put an LR scheduler's ``step()`` inside ``if ft.should_commit():``); per-rank
 metrics are recorded (served by ``elastic-runner run``'s agent, or on ``metrics.port +
 local_rank`` under plain torchrun); a hang past the watchdog budget dumps stacks and exits. A
 streak of non-finite steps fails the process, and the restart resumes from the last checkpoint.
@@ -71,9 +72,8 @@ class FaultTolerantLoop:
     """
 
     def __init__(self, session: TrainingSession, params: list[nn.Parameter],
-                 check_gradients: bool, closing: list[Any]) -> None:
-        self.session, self._params = session, params
-        self._check_gradients, self._closing = check_gradients, closing
+                 closing: list[Any]) -> None:
+        self.session, self._params, self._closing = session, params, closing
         self._loss: torch.Tensor | None = None
         self._saved_step = -1
         self._epoch: int | None = None  # of the last step, and where its cursor ended
@@ -108,11 +108,12 @@ class FaultTolerantLoop:
 
     def should_commit(self, grad_norm: torch.Tensor | None = None) -> bool:
         """True when every rank may apply this step's update (no non-finite loss anywhere,
-        finite gradients); the same answer on all ranks. ``grad_norm``: the total gradient
-        norm if you have it (``clip_grad_norm_``'s result); otherwise it is computed."""
-        if grad_norm is None and self._check_gradients:
-            grads = [p.grad for p in self._params if p.grad is not None]
-            grad_norm = nn.utils.get_total_norm(grads) if grads else None
+        finite gradients, no stop requested); the same answer on all ranks. ``grad_norm``: the
+        total gradient norm if you have it (``clip_grad_norm_``'s result); otherwise it is
+        computed (on DDP the step's vote travels in it, see ``consensus.py``)."""
+        if grad_norm is None:
+            grad_norm = nn.utils.get_total_norm(
+                [p.grad for p in self._params if p.grad is not None])
         return self.session.should_commit(grad_norm)
 
     def step_done(self) -> int:
@@ -120,7 +121,8 @@ class FaultTolerantLoop:
         on cadence, arm the next step. Returns the new global step.
 
         Raises:
-            SystemExit(143): preemption; this step's checkpoint is committed on every rank.
+            SystemExit(143): preemption: every rank discarded this step, and the checkpoint of
+                the last applied one is committed.
             TrainingFailed: ``max_bad_steps`` non-finite steps in a row (a restart resumes from
                 the last checkpoint).
         """
@@ -177,7 +179,6 @@ def fault_tolerant(model: nn.Module, optimizer: torch.optim.Optimizer,
                    long_op_timeout_seconds: float = 1800.0,
                    metrics: MetricsConfig | None = None, trace_dir: str | None = None,
                    comm_hook: CommHook | None = None, hook_state: Any = None,
-                   check_gradients: bool = True,
                    callbacks: list[Callback] | None = None) -> FaultTolerantLoop:
     """Make a user's DDP loop fault-tolerant (see the module docstring).
 
@@ -196,9 +197,8 @@ def fault_tolerant(model: nn.Module, optimizer: torch.optim.Optimizer,
             the first step of an attempt and checkpoint I/O get ``long_op_timeout_seconds``.
         metrics: the ``metrics`` section (port, address, labels); default: recorded, not served.
         trace_dir: write the sample audit trace (``elastic-runner audit DIR``) there.
-        comm_hook, hook_state: your own DDP comm hook, wrapped rather than replaced.
-        check_gradients: compute the gradient norm for the non-finite check when
-            :meth:`FaultTolerantLoop.should_commit` gets none.
+        comm_hook, hook_state: your own DDP comm hook, wrapped rather than replaced (the vote
+            then costs one small all-reduce per step; without it, none).
         callbacks: your own :class:`~elastic_runner.callbacks.Callback` objects.
 
     The runner logs to stderr (rank 0: INFO, others: WARNING) unless the program configured
@@ -239,7 +239,7 @@ def fault_tolerant(model: nn.Module, optimizer: torch.optim.Optimizer,
         lr=lambda: optimizer.param_groups[0]["lr"],
         poisoned=injection.poisoned if injection else (lambda step: False))
     params = [p for p in inner.parameters() if p.requires_grad]
-    return FaultTolerantLoop(session, params, check_gradients, closing)
+    return FaultTolerantLoop(session, params, closing)
 
 
 def _reporting(metrics: RankMetrics, rank: int, sampler: ElasticSampler,

@@ -3,7 +3,8 @@
 Kubernetes evicts a pod by sending SIGTERM to its main process (torchrun's agent), which forwards
 SIGTERM to its workers and SIGKILLs them 30 s later (a fixed gap in torchrun, pytorch issue
 119856). Each worker only records the signal here; the training loop reduces the flag across
-ranks once per step (so one rank's signal stops all), writes a checkpoint of exactly that step,
+ranks through the step consensus (so one rank's signal stops all: every rank discards the step in
+flight), writes a checkpoint of the last applied step,
 and exits with :data:`EXIT_PREEMPTED` (128 + SIGTERM), which a PyTorchJob with
 ``restartPolicy: ExitCode`` treats as retryable.
 """

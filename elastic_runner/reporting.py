@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from . import audit
-from .callbacks import Callback, StepEnd
+from .callbacks import Callback, LogEvent, StepEnd
 from .checkpoint import CheckpointInfo
 from .checkpointing import CheckpointEvent
 from .dist import barrier
@@ -51,10 +51,11 @@ class MetricsReporter(Callback):
         self.metrics.phase("training", self.budgets.health("training", steps_this_attempt == 1))
 
     def on_step_end(self, e: StepEnd) -> None:
-        self.metrics.step_done(e.step, e.epoch, e.seconds, e.data_seconds, e.samples,
-                               e.mean_loss, e.lr)
-        if e.log_due:
-            self.metrics.window(e.straggler_ratio)
+        self.metrics.step_done(e.step, e.epoch, e.seconds, e.data_seconds, e.samples, None,
+                               e.lr)
+
+    def on_log(self, e: LogEvent) -> None:
+        self.metrics.window(e.straggler_ratio, e.mean_loss)
 
     def on_skipped_step(self, step: int, in_row: int, limit: int) -> None:
         self.metrics.skipped_step()
@@ -91,11 +92,9 @@ class StepLog(Callback):
     def __init__(self, total_steps: int) -> None:
         self.total = f"/{total_steps}" if total_steps else ""
 
-    def on_step_end(self, e: StepEnd) -> None:
-        if e.mean_loss is not None and e.log_due:
-            step_log.info("epoch %d step %d%s loss %.4f lr %.3e %.0f samples/s", e.epoch,
-                          e.step, self.total, e.mean_loss, e.lr,
-                          e.global_samples / max(e.seconds, 1e-9))
+    def on_log(self, e: LogEvent) -> None:
+        step_log.info("epoch %d step %d%s loss %.4f lr %.3e %.0f samples/s", e.epoch, e.step,
+                      self.total, e.mean_loss, e.lr, e.samples_per_second)
 
 
 class TensorBoardScalars(Callback):
@@ -105,13 +104,10 @@ class TensorBoardScalars(Callback):
         from torch.utils.tensorboard import SummaryWriter
 
         self.writer = SummaryWriter(log_dir)
-        self._step = 0
 
-    def on_step_end(self, e: StepEnd) -> None:
-        self._step = e.step
-        if e.log_due and e.mean_loss is not None:
-            self.writer.add_scalar("train/loss", e.mean_loss, e.step)
-            self.writer.add_scalar("train/lr", e.lr, e.step)
+    def on_log(self, e: LogEvent) -> None:
+        self.writer.add_scalar("train/loss", e.mean_loss, e.step)
+        self.writer.add_scalar("train/lr", e.lr, e.step)
 
     def on_eval(self, step: int, metrics: dict[str, float]) -> None:
         for k, v in metrics.items():
@@ -139,10 +135,11 @@ class ProgressBar(Callback):
         self.bar = tqdm(total=self.total_steps, initial=step, unit="step", dynamic_ncols=True)
 
     def on_step_end(self, e: StepEnd) -> None:
-        if self.bar is None:
-            return
-        self.bar.update(1)
-        if e.log_due and e.mean_loss is not None:
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def on_log(self, e: LogEvent) -> None:
+        if self.bar is not None:
             self.bar.set_postfix(loss=f"{e.mean_loss:.4f}", lr=f"{e.lr:.2e}")
 
     def close(self) -> None:

@@ -8,7 +8,7 @@ Per optimizer step (the built-in trainer and ``examples/own_loop.py`` alike)::
     if session.should_commit(grad_norm): # same answer on every rank
         optimizer.step()
     session.end_step()                   # cursor and counters, reporting, non-finite guard,
-                                         # preemption: checkpoint this step, exit 143
+                                         # preemption: checkpoint the last step, exit 143
 
 What it composes (each usable alone): the :class:`~elastic_runner.checkpointing.CheckpointManager`,
 the sampler's global cursor, the :class:`~elastic_runner.consensus.StepConsensus`, the
@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from .callbacks import Callbacks, StepEnd
+from .callbacks import Callbacks, LogEvent, StepEnd
 from .checkpointing import CheckpointManager
 from .consensus import StepConsensus, StepDecision
 from .dist import all_reduce_sums, barrier
@@ -87,6 +87,7 @@ class TrainingSession:
     _cursor: int = 0
     _epoch: int = 0
     _decision: StepDecision | None = None
+    _log: tuple[int, int, float, float] | None = None  # a logging step awaiting its collective
     _poison: bool = False
 
     # ------------------------------------------------------------ start
@@ -146,15 +147,23 @@ class TrainingSession:
         # the step's place in the data, taken here: an own loop may call set_epoch() after
         # begin_step()
         self._cursor, self._epoch = self.sampler.cursor, self.sampler.epoch
-        self.consensus.propose(loss if step_loss is None else step_loss)
+        loss = self.consensus.propose(loss, step_loss)  # may carry the step's signal
         self._t_sync = time.perf_counter()
         (scaler.scale(loss) if scaler is not None else loss).backward()
 
-    def should_commit(self, grad_norm: torch.Tensor | None = None) -> bool:
+    def should_commit(self, grad_norm: torch.Tensor | None = None,
+                      overflow_ok: bool = False) -> bool:
         """Whether to apply this step's update: the same answer on every rank. ``grad_norm``:
-        the reduced gradients' total norm (None: not checked)."""
-        self._decision = self.consensus.decide(grad_norm)
+        the reduced gradients' total norm (required on DDP, see ``consensus.py``);
+        ``overflow_ok``: fp16 with a GradScaler, which skips overflowing steps itself."""
+        self._decision = self.consensus.decide(grad_norm, overflow_ok)
         return self._decision.commit
+
+    @property
+    def discarding(self) -> bool:
+        """The step in flight is discarded (a stop): nothing of it may be applied, not even an
+        LR scheduler step, so the checkpoint that follows is that of the last applied step."""
+        return self._decision is not None and self._decision.stop
 
     def end_step(self, loss: torch.Tensor) -> int:
         """The step is over: move the cursor, count, report; returns the new global step.
@@ -162,11 +171,15 @@ class TrainingSession:
         Raises:
             RollbackRequested: the non-finite streak reached ``max_bad_steps``.
             TrainingFailed: it did again after a rollback.
-            Preempted: some rank was asked to stop; this step's checkpoint is committed.
+            Preempted: some rank was asked to stop; this step was discarded and the checkpoint
+                of the last applied one is committed.
         """
         decision, self._decision = self._decision, None
         if decision is None:
             raise RuntimeError("end_step() without should_commit() for this step")
+        self.flush_log()
+        if decision.stop:
+            self._stop_for_preemption()
         self.straggler.add(self._t_sync - self._t0)
         cursor, epoch = self._cursor, self._epoch
         self.sampler.advance()
@@ -175,25 +188,31 @@ class TrainingSession:
         self.steps_this_attempt += 1
         self.callbacks.on_step_end(self._step_event(loss, step, epoch, cursor, decision.commit))
         self._count_bad(decision.commit)
-        if decision.stop:
-            self._stop_for_preemption()
         return step
 
     def _step_event(self, loss: torch.Tensor, step: int, epoch: int, cursor: int,
                     committed: bool) -> StepEnd:
         log_due = step % self.options.log_every_steps == 0
-        mean_loss, ratio = None, None
-        if log_due:  # one collective carries the loss and the straggler times
-            mean_loss, ratio = self.straggler.exchange(float(loss))
-        elif self.callbacks.needs_mean_loss:
-            mean_loss = self.global_mean(loss)
-        now = time.perf_counter()
-        gbs = self.sampler.global_batch_size
+        mean_loss = self.global_mean(loss) if self.callbacks.needs_mean_loss else None
+        seconds = time.perf_counter() - self._t0
+        gbs, lr = self.sampler.global_batch_size, self.lr()
+        if log_due:  # one asynchronous collective carries the loss and the straggler times
+            self.straggler.start(loss)
+            self._log = (step, epoch, lr, gbs / max(seconds, 1e-9))
         return StepEnd(
-            step=step, epoch=epoch, seconds=now - self._t0, data_seconds=self._t_data - self._t0,
+            step=step, epoch=epoch, seconds=seconds, data_seconds=self._t_data - self._t0,
             samples=gbs // self.world_size, global_samples=gbs, loss=loss, mean_loss=mean_loss,
-            straggler_ratio=ratio, lr=self.lr(), committed=committed, log_due=log_due,
+            lr=lr, committed=committed, log_due=log_due,
             indices=lambda: [i for mb in self.sampler.step_indices(cursor, epoch) for i in mb])
+
+    def flush_log(self) -> None:
+        """Report the pending logging step (all ranks, at the same point: it completes a
+        collective). Called at the next step's end, before checkpoints and at the end."""
+        if self._log is None:
+            return
+        (step, epoch, lr, rate), self._log = self._log, None
+        mean_loss, ratio = self.straggler.result()
+        self.callbacks.on_log(LogEvent(step, epoch, mean_loss, ratio, lr, rate))
 
     def global_mean(self, loss: torch.Tensor) -> float:
         """``loss`` averaged over ranks (a collective; reads the device)."""
@@ -231,6 +250,7 @@ class TrainingSession:
             TrainingFailed: there is no checkpoint to roll back to.
         """
         self.checkpoints.wait()  # the newest checkpoint may still be in flight
+        self.flush_log()
         rollbacks = self.state.rollbacks + 1
         log.warning("rolling back to the last valid checkpoint after %d non-finite steps",
                     self.options.max_bad_steps)
@@ -240,10 +260,11 @@ class TrainingSession:
         self.callbacks.on_rollback(self.state.step)
 
     def _stop_for_preemption(self) -> None:
-        """All ranks: commit a checkpoint of exactly this step, then leave with 143."""
+        """All ranks: discard the step in flight, commit a checkpoint of the last applied step,
+        then leave with 143."""
         step = self.state.step
         log.warning("preemption: checkpointing step %d, then stopping (SIGTERM on at least one "
-                    "rank)", step)
+                    "rank; step %d discarded, redone after the restart)", step, step + 1)
         self.callbacks.on_phase("checkpointing", "preemption checkpoint", True)
         self.callbacks.on_finish(StopReason.PREEMPTED, "preempted")
         self.checkpoint()
@@ -256,6 +277,7 @@ class TrainingSession:
 
     def checkpoint(self) -> None:
         """Checkpoint the current step (all ranks call it; rank 0 writes)."""
+        self.flush_log()
         self.callbacks.on_phase("checkpointing", "checkpointing", True)
         if self.save is not None:
             self.save()
@@ -286,6 +308,7 @@ class TrainingSession:
     def close(self, extra: Iterable[Any] = ()) -> None:
         """Commit the in-flight checkpoint, then close the reporting (trace, bar, watchdog)."""
         try:
+            self.flush_log()
             self.checkpoints.close()
         finally:
             self.callbacks.on_phase("finished", "", False)

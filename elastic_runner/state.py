@@ -68,10 +68,26 @@ def _tuples(x: Any) -> Any:
     return tuple(_tuples(v) for v in x) if isinstance(x, list | tuple) else x
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    """SplitMix64's finaliser (Steele, Lea & Flood, "Fast splittable pseudorandom number
+    generators", OOPSLA 2014): a bijective mix of a 64-bit integer."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
 def step_seed(seed: int, epoch: int, step: int, rank: int) -> int:
-    """A 63-bit seed derived from (seed, epoch, step, rank) with numpy's SeedSequence."""
-    return int(np.random.SeedSequence([seed, epoch, step, rank]).generate_state(1, np.uint64)[0]
-               >> np.uint64(1))
+    """A 63-bit seed derived from (seed, epoch, step, rank) by chaining SplitMix64 over the four
+    values: distinct inputs give independent-looking seeds, in ~2 us of pure Python (numpy's
+    SeedSequence took 10-90 us per step, measured with ``bench.overhead``)."""
+    h = 0
+    for v in (seed, epoch, step, rank):
+        h = _splitmix64(h ^ (v & _MASK64))
+    return h >> 1
 
 
 def seed_step(seed: int, device: torch.device) -> None:

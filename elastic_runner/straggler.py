@@ -6,7 +6,8 @@ part of the step: waiting for data, the forward passes and the backward passes o
 accumulation micro-batches, up to the start of the last backward (whose all-reduce
 synchronises the ranks). The loop measures that per step; at the logging cadence the ranks
 exchange their mean over the window together with their loss (one ``all_gather`` of two floats
-per rank, which also yields the logged mean loss, so the signal costs no extra collective) and
+per rank, which also yields the logged mean loss, so the signal costs no extra collective;
+asynchronous, read one step later) and
 each rank's ratio to the lower median (so that with two ranks the slow one is compared with the fast one)
 becomes the ``elastic_runner_straggler_ratio`` gauge. Rank 0 names the ranks above
 ``metrics.straggler_threshold`` in the log.
@@ -42,6 +43,7 @@ class StragglerMonitor:
         self.threshold, self.rank, self.world_size, self.device = (threshold, rank, world_size,
                                                                    device)
         self._sum, self._n = 0.0, 0
+        self._steps, self._work, self._parts = 0, None, []
         self.hosts = [socket.gethostname()] * world_size
         if threshold and dist.is_initialized() and world_size > 1:
             dist.all_gather_object(self.hosts, socket.gethostname())
@@ -51,21 +53,31 @@ class StragglerMonitor:
         self._sum += local_seconds
         self._n += 1
 
-    def exchange(self, loss: float) -> tuple[float, float | None]:
-        """Collective (all ranks, same step): the mean of ``loss`` over ranks, and this rank's
-        step-time ratio to the median over the window since the last call (None when the
-        threshold is 0 or no step was recorded)."""
-        mean, steps = (self._sum / self._n if self._n else 0.0), self._n
+    def start(self, loss: torch.Tensor) -> None:
+        """Collective (all ranks, same step), asynchronous: share ``loss`` (a scalar tensor)
+        and the mean local step time of the window since the last call; :meth:`result` reads
+        it. Launched at a logging step and read a step later, it costs the loop no wait."""
+        mean, self._steps = (self._sum / self._n if self._n else 0.0), self._n
         self._sum, self._n = 0.0, 0
+        mine = torch.stack([loss.detach().reshape(()).to(torch.float64),
+                            torch.tensor(mean, dtype=torch.float64, device=loss.device)])
         if not (dist.is_initialized() and self.world_size > 1):
-            return loss, (1.0 if self.threshold and steps else None)
-        mine = torch.tensor([loss, mean], dtype=torch.float64, device=self.device)
-        parts = [torch.empty_like(mine) for _ in range(self.world_size)]
-        dist.all_gather(parts, mine)
-        mean_loss = sum(float(p[0]) for p in parts) / self.world_size
-        if not self.threshold or not steps:
+            self._parts, self._work = [mine], None
+            return
+        self._parts = [torch.empty_like(mine) for _ in range(self.world_size)]
+        self._work = dist.all_gather(self._parts, mine, async_op=True)
+
+    def result(self) -> tuple[float, float | None]:
+        """The mean loss over ranks, and this rank's step-time ratio to the median over the
+        window (None when the threshold is 0 or no step was recorded) of the last
+        :meth:`start`."""
+        if self._work is not None:
+            self._work.wait()
+        values = torch.stack(self._parts).tolist()
+        mean_loss = sum(v[0] for v in values) / len(values)
+        if not self.threshold or not self._steps:
             return mean_loss, None
-        times = [float(p[1]) for p in parts]
+        times = [v[1] for v in values]
         median = statistics.median_low(times)
         ratios = [t / median if median > 0 else 1.0 for t in times]
         if self.rank == 0:
@@ -73,5 +85,10 @@ class StragglerMonitor:
                 if ratio > self.threshold:
                     log.warning("straggler: rank %d on %s: local step time %.4f s is %.1fx the "
                                 "median %.4f s over the last %d steps", r, self.hosts[r],
-                                times[r], ratio, median, steps)
-        return mean_loss, ratios[self.rank]
+                                times[r], ratio, median, self._steps)
+        return mean_loss, ratios[self.rank] if len(values) > 1 else 1.0
+
+    def exchange(self, loss: float) -> tuple[float, float | None]:
+        """:meth:`start` and :meth:`result` at once (blocking)."""
+        self.start(torch.tensor(loss, dtype=torch.float64, device=self.device))
+        return self.result()

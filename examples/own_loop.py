@@ -60,7 +60,7 @@ def main() -> None:
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             if ft.should_commit(norm):  # the same answer on every rank
                 optimizer.step()
-            step = ft.step_done()  # checkpoints, metrics, SIGTERM: checkpoint and exit 143
+            step = ft.step_done()  # checkpoints, metrics; SIGTERM: checkpoint, exit 143
             if rank == 0 and step % 10 == 0:
                 print(f"{datetime.now():%H:%M:%S.%f} step {step} loss {loss.item():.4f}",
                       flush=True)

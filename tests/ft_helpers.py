@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from elastic_runner.callbacks import Callback, Callbacks, StepEnd
+from elastic_runner.callbacks import Callback, Callbacks, LogEvent, StepEnd
 from elastic_runner.checkpointing import CheckpointManager
 from elastic_runner.config import EarlyStoppingConfig
 from elastic_runner.consensus import LocalConsensus
@@ -49,6 +49,10 @@ class StepRecorder(Callback):
         self.skipped: list[tuple[int, int, int]] = []
         self.rollbacks: list[int] = []
         self.finished: list[tuple[StopReason | None, str]] = []
+        self.logs: list[LogEvent] = []
+
+    def on_log(self, event: LogEvent) -> None:
+        self.logs.append(event)
 
     def on_step_end(self, event: StepEnd) -> None:
         self.steps.append(event)

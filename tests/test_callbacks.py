@@ -8,14 +8,16 @@ import inspect
 import pytest
 import torch
 
-from elastic_runner.callbacks import Callback, Callbacks, StepEnd
+from elastic_runner.callbacks import Callback, Callbacks, LogEvent, StepEnd
 from elastic_runner.checkpoint import CheckpointInfo
 from elastic_runner.checkpointing import CheckpointEvent
 from elastic_runner.stop import StopReason
 
 EVENT = StepEnd(step=3, epoch=0, seconds=0.1, data_seconds=0.01, samples=4, global_samples=8,
-                loss=torch.tensor(0.5), mean_loss=0.5, straggler_ratio=None, lr=0.1,
+                loss=torch.tensor(0.5), mean_loss=0.5, lr=0.1,
                 committed=True, log_due=False, indices=lambda: [1, 2, 3, 4])
+LOG = LogEvent(step=3, epoch=0, mean_loss=0.5, straggler_ratio=1.2, lr=0.1,
+               samples_per_second=80.0)
 INFO = CheckpointInfo("ckpt/step-00000003", "step", 3, 0, 1, 0.0, 10, True)
 COMMITTED = CheckpointEvent(["ckpt/step-00000003"], 3, 0.2, 10)
 
@@ -24,6 +26,7 @@ CALLS = {
     "on_phase": ("checkpointing", "checkpoint", True),
     "on_step_begin": (3, 1),
     "on_step_end": (EVENT,),
+    "on_log": (LOG,),
     "on_skipped_step": (3, 1, 3),
     "on_rollback": (2,),
     "on_epoch_end": (0, 3, lambda: [7]),

@@ -76,9 +76,12 @@ def test_steps_move_the_cursor_and_the_counters(tmp_path, parts):
     assert [e.epoch for e in rec.steps] == [0] * 8 + [1]
     assert rec.indices == [perm0[i:i + MB] for i in range(0, 32, MB)] + [perm1[:MB]]
     assert all(e.committed and e.global_samples == MB and e.lr == 0.1 for e in rec.steps)
-    assert rec.steps[-1].mean_loss == pytest.approx(float(rec.steps[-1].loss))
+    # log_every_steps=1: each step's mean loss is reported at the end of the next step
+    assert [e.step for e in rec.logs] == list(range(1, 9))
+    assert rec.logs[-1].mean_loss == pytest.approx(float(rec.steps[-2].loss))
     assert session.steps_this_attempt == 9
     session.close()
+    assert [e.step for e in rec.logs] == list(range(1, 10))  # close() reports the last one
 
 
 def test_step_indices_read_later_are_those_of_the_step(tmp_path, parts):
@@ -207,7 +210,8 @@ def test_rollback_waits_for_the_in_flight_async_checkpoint(tmp_path, parts, monk
 
 
 @pytest.mark.parametrize("async_save", [False, True])
-def test_preemption_commits_exactly_that_step(tmp_path, parts, async_save):
+def test_preemption_discards_the_step_in_flight_and_commits_the_last_one(tmp_path, parts,
+                                                                         async_save):
     model, opt, loader = parts
     stop = [False]
     rec = StepRecorder()
@@ -215,16 +219,18 @@ def test_preemption_commits_exactly_that_step(tmp_path, parts, async_save):
                             async_save=async_save, callbacks=[rec])
     run_step(session, model, opt, loader)
     run_step(session, model, opt, loader)
+    before = {k: v.clone() for k, v in weights(model).items()}
     stop[0] = True
-    with pytest.raises(Preempted, match="after step 3; checkpoint step-00000003 committed"):
+    with pytest.raises(Preempted, match="after step 2; checkpoint step-00000002 committed"):
         run_step(session, model, opt, loader)
     # committed when end_step raises, without waiting here
-    assert sorted(os.listdir(tmp_path)) == ["step-00000003"]
-    assert ckpt.latest_valid(tmp_path).step == 3
-    raw = ckpt.load_state(tmp_path / "step-00000003")
-    assert raw["train_state"]["step"] == 3 and raw["sampler"]["cursor"] == 3 * MB
-    assert_bitwise(raw["model"], weights(model))  # the update of step 3 is in it
-    assert [e.step for e in rec.steps] == [1, 2, 3] and rec.steps[-1].committed
+    assert sorted(os.listdir(tmp_path)) == ["step-00000002"]
+    assert ckpt.latest_valid(tmp_path).step == 2
+    raw = ckpt.load_state(tmp_path / "step-00000002")
+    assert raw["train_state"]["step"] == 2 and raw["sampler"]["cursor"] == 2 * MB
+    assert_bitwise(before, weights(model))  # step 3 was not applied...
+    assert_bitwise(raw["model"], before)  # ...and the checkpoint is step 2's state
+    assert [e.step for e in rec.steps] == [1, 2]
     assert rec.finished == [(StopReason.PREEMPTED, "preempted")]
     assert not session.stop.stopped  # a preempted run resumes
     session.close()
@@ -252,15 +258,15 @@ def test_step_done_turns_preemption_into_exit_143(tmp_path, parts):
     ft.session.consensus = LocalConsensus(lambda: True)  # as after SIGTERM
     x, y = next(iter(loader))
     opt.zero_grad()
+    before = {k: v.clone() for k, v in weights(model).items()}
     ft.backward(nn.functional.mse_loss(model(x), y))
-    assert ft.should_commit()
-    opt.step()
+    assert not ft.should_commit()  # a stop discards the step in flight
     with pytest.raises(SystemExit) as exit_info:
         ft.step_done()
     assert exit_info.value.code == EXIT_PREEMPTED == 143
     info = ckpt.latest_valid(tmp_path)
-    assert info.step == 1 and info.valid
-    assert_bitwise(ckpt.load_state(info.path)["model"], weights(model))
+    assert info.step == 0 and info.valid
+    assert_bitwise(ckpt.load_state(info.path)["model"], before)
     # the loop closed its reporting on the way out: the watchdog thread is gone
     (heartbeat,) = [c for c in ft.session.callbacks.items if isinstance(c, WatchdogHeartbeat)]
     assert not heartbeat.watchdog._thread.is_alive()
