@@ -35,7 +35,7 @@ from .reporting import (
 from .sampler import ElasticSampler
 from .session import SessionOptions, TrainingSession
 from .state import RNGState, TrainState, seed_everything
-from .stop import StopPolicy
+from .stop import StopPolicy, StopReason
 from .straggler import StragglerMonitor
 from .tasks.base import TaskBundle
 from .watchdog import HangWatchdog
@@ -141,7 +141,7 @@ def _session(cfg: Config, info: DistInfo, net: nn.Module, stateful: dict[str, An
         meta=lambda: {"epoch": sampler.epoch, "cursor": sampler.cursor,
                       "world_size": info.world_size, "config_hash": cfg.fingerprint(),
                       "finished": stop.stopped},
-        listener=callbacks, after_load=after_load, rank=info.rank)
+        listener=callbacks, after_load=after_load, migrate=legacy_stop_state, rank=info.rank)
     return TrainingSession(
         state=state, sampler=sampler, checkpoints=checkpoints,
         consensus=make_consensus(net, lambda: preempt.requested), stop=stop,
@@ -152,6 +152,19 @@ def _session(cfg: Config, info: DistInfo, net: nn.Module, stateful: dict[str, An
                                cfg.training.max_bad_steps),
         lr=lambda: stateful["scheduler"].get_last_lr()[0],
         poisoned=injection.poisoned if injection else (lambda step: False))
+
+
+def legacy_stop_state(raw: dict[str, Any]) -> dict[str, Any]:
+    """Checkpoints written before the stop policy was its own state kept the stop reason as
+    text in ``train_state`` and the early-stopping state beside it: rebuild ``stop`` from
+    them."""
+    if "stop" in raw or "early_stopping" not in raw:
+        return raw
+    message = raw.get("train_state", {}).get("stop_reason", "")
+    finished = raw.get("train_state", {}).get("finished", False)
+    reason = StopReason.from_message(message) if finished else None
+    return {**raw, "stop": {"reason": reason.value if reason else None, "message": message,
+                            "early_stopping": raw["early_stopping"]}}
 
 
 def _callbacks(cfg: Config, info: DistInfo, total: int, metrics: RankMetrics,

@@ -98,6 +98,8 @@ class CheckpointManager:
         listener: receives stall / commit / load events (metrics).
         after_load: called with the loaded raw state after loading, before the replicas are
             compared.
+        migrate: rewrites a loaded raw state before it is applied (checkpoints of older
+            releases); identity by default.
         rank: this process's rank (default: the process group's, 0 without one).
 
     Raises:
@@ -110,7 +112,8 @@ class CheckpointManager:
                  extra: Mapping[str, Any] | None = None,
                  meta: Callable[[], dict[str, Any]] = dict,
                  listener: CheckpointListener | None = None,
-                 after_load: Callable[[dict[str, Any]], None] = lambda raw: None, rank: int | None = None) -> None:
+                 after_load: Callable[[dict[str, Any]], None] = lambda raw: None,
+                 migrate: Callable[[dict[str, Any]], dict[str, Any]] = lambda raw: raw, rank: int | None = None) -> None:
         for key, value in state.items():
             if not isinstance(value, Stateful):
                 raise TypeError(f"checkpoint state {key!r}: {type(value).__name__} does not "
@@ -121,7 +124,7 @@ class CheckpointManager:
         self.keep_last, self.keep_best = keep_last, keep_best
         self.extra, self.meta = dict(extra or {}), meta
         self.listener: CheckpointListener = listener or _Quiet()
-        self.after_load = after_load
+        self.after_load, self.migrate = after_load, migrate
         self.rank = current_rank() if rank is None else rank
         self.resumed_from: str | None = None
         self._writer = AsyncCheckpointer() if async_save and self.rank == 0 else _SyncWriter()
@@ -212,7 +215,7 @@ class CheckpointManager:
         if choice is None:
             log.info("no checkpoint in %s: starting from scratch", self.directory)
             return None
-        raw = ckpt.load_state(choice, map_location=map_location)
+        raw = self.migrate(ckpt.load_state(choice, map_location=map_location))
         self.resumed_from = choice
         self._load(raw, choice)
         return raw

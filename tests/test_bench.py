@@ -97,3 +97,14 @@ def test_bare_loop_steps_the_runners_lr_schedule(config):
     for step in (0, 1, s.warmup_steps - 1, s.warmup_steps, 150, total - 1, total, total + 5):
         assert factor(step) == lr_factor(step, s.warmup_steps, total, s.min_lr_ratio,
                                          cosine=s.name == "cosine")
+
+
+def test_profile_step_smoke():
+    """bench.profile_step pairs blocks of both loops in one process and reports the runner's
+    extra time per step."""
+    from bench import profile_step
+
+    out = profile_step.main(["--tasks", "digits", "--steps", "5", "--repeats", "2"])["digits"]
+    assert len(out["us_per_step"]["runner"]) == len(out["us_per_step"]["bare"]) == 2
+    assert out["bare_us"] > 0 and out["runner_us"] > 0
+    assert out["extra_us"]["min"] <= out["extra_us"]["median"] <= out["extra_us"]["max"]

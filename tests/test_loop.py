@@ -10,6 +10,7 @@ import torch
 from elastic_runner.config import load_config
 from elastic_runner.dist import init_distributed
 from elastic_runner.loop import build_trainer, lr_factor
+from elastic_runner.stop import StopReason
 
 from .procs import CONFIGS
 
@@ -90,3 +91,22 @@ def test_seed_step_gives_the_same_stream_as_manual_seed():
     want = torch.rand(5)
     seed_step(123, torch.device("cpu"))
     assert torch.equal(torch.rand(5), want)
+
+
+def test_checkpoint_of_the_previous_layout_resumes(tmp_path):
+    """A checkpoint written before the stop policy had its own state (stop reason as text in
+    train_state) still resumes, stopped for the same reason."""
+    from elastic_runner import checkpoint as ckpt
+
+    t = trainer(tmp_path, "training.max_steps=3", "checkpoint.every_steps=0")
+    t.fit()
+    path = ckpt.latest_valid(tmp_path).path
+    raw = ckpt.load_state(path)
+    raw["train_state"].update(finished=True, stop_reason="max_steps reached")
+    raw["early_stopping"] = raw.pop("stop")["early_stopping"]
+    ckpt.write_checkpoint(tmp_path, "step-00000003", raw, {"step": 3, "epoch": 0})
+    again = trainer(tmp_path, "training.max_steps=3", "checkpoint.every_steps=0")
+    assert again.resume() and again.state.step == 3
+    assert (again.stop.reason, again.stop.message) == (StopReason.MAX_STEPS,
+                                                       "max_steps reached")
+    again.close()
