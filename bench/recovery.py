@@ -150,7 +150,8 @@ def single_node(kind: str, backend: str, endpoint: str, workdir: Path) -> dict[s
     log = job.output
     day = datetime.fromtimestamp(t_start).strftime("%Y-%m-%d")
     t_fault = _epoch(day, next(m[1] for ln in log.splitlines() if (m := _FAULT.match(ln))))
-    return _measure(log, t_fault, trace, FAULT_STEP + (kind == "sigterm"))
+    # a SIGTERM after FAULT_STEP makes every rank discard the next step and checkpoint this one
+    return _measure(log, t_fault, trace, FAULT_STEP)
 
 
 def _measure(log: str, t_fault: float, trace: Path, last_done: int) -> dict[str, float]:

@@ -96,6 +96,7 @@ class RankMetrics:
         self._pending = _pending()
         self._published = time.monotonic()
         self._beat, self._beat_phase = 0.0, ""
+        self._epoch: int | None = None
         self._process = psutil.Process()
         if not self.enabled:
             return
@@ -227,21 +228,25 @@ class RankMetrics:
         loss every step would synchronise the host with the device."""
         if not self.enabled:
             return
+        self.step.set(step)  # per step: /health names the last step of a hung rank
+        if epoch != self._epoch:
+            self.epoch.set(epoch)
+            self._epoch = epoch
         self.step_seconds.observe(seconds)
         self.data_wait.observe(data_seconds)
         self._window_samples += samples
         p = self._pending
         p["steps"] += 1
         p["samples"] += samples
-        p.update(step=step, epoch=epoch, lr=lr)
+        p["lr"] = lr
         if loss is not None:
             p["loss"] = loss
         if loss is not None or time.monotonic() - self._published >= PUBLISH_SECONDS:
             self.publish()
 
     def publish(self) -> None:
-        """Write the step counters and gauges gathered since the last call (each write is a
-        multiprocess-file update: per step they cost ~40 us, measured with ``bench.overhead``);
+        """Write the step counters, the LR and the loss gathered since the last call (each
+        write is a multiprocess-file update: per step they cost ~40 us with the gauges);
         called at logging steps, at least every ``PUBLISH_SECONDS``, and at phase changes."""
         p, self._pending = self._pending, _pending()
         self._published = time.monotonic()
@@ -251,8 +256,6 @@ class RankMetrics:
             self.loss.set(p["loss"])
         if not p["steps"]:
             return
-        self.step.set(p["step"])
-        self.epoch.set(p["epoch"])
         self.lr.set(p["lr"])
         self.steps_total.inc(p["steps"])
         self.samples_total.inc(p["samples"])
