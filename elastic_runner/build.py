@@ -25,12 +25,9 @@ from .preempt import PreemptionFlag
 from .reporting import (
     Budgets,
     FaultInjection,
-    MetricsReporter,
     ProgressBar,
-    SampleTraceRecorder,
-    StepLog,
     TensorBoardScalars,
-    WatchdogHeartbeat,
+    runner_callbacks,
 )
 from .sampler import ElasticSampler
 from .session import SessionOptions, TrainingSession
@@ -38,7 +35,6 @@ from .state import RNGState, TrainState, seed_everything
 from .stop import StopPolicy, StopReason
 from .straggler import StragglerMonitor
 from .tasks.base import TaskBundle
-from .watchdog import HangWatchdog
 
 log = logging.getLogger("elastic_runner.loop")
 
@@ -173,18 +169,12 @@ def _callbacks(cfg: Config, info: DistInfo, total: int, metrics: RankMetrics,
     w = cfg.watchdog
     budgets = Budgets(w.hang_timeout_seconds, w.long_op_timeout_seconds,
                       cfg.metrics.heartbeat_timeout_seconds)
-    out: list[Callback] = [WatchdogHeartbeat(HangWatchdog(info.rank, w.dump_grace_seconds),
-                                             budgets)]
-    if metrics.enabled:
-        out.append(MetricsReporter(metrics, budgets, info.is_main))
-    out.append(StepLog(total))
+    out = runner_callbacks(metrics, budgets, info.rank, info.world_size, num_samples, total,
+                           cfg.audit.trace_dir, w.dump_grace_seconds)
     if info.is_main and cfg.logging.tensorboard_dir:
         out.append(TensorBoardScalars(cfg.logging.tensorboard_dir))
     if ProgressBar.wanted(info.is_main, cfg.logging.progress_bar):
         out.append(ProgressBar(total))
-    if cfg.audit.trace_dir:
-        out.append(SampleTraceRecorder(cfg.audit.trace_dir, info.rank, info.world_size,
-                                       num_samples))
     if faults.specs:
         out.append(FaultInjection(faults))  # last: a kill after the step is reported
     return out

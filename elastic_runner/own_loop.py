@@ -48,20 +48,11 @@ from .faults import FaultInjector
 from .logs import setup_logging
 from .metrics import RankMetrics
 from .preempt import EXIT_PREEMPTED, Preempted, PreemptionFlag
-from .reporting import (
-    Budgets,
-    FaultInjection,
-    MetricsReporter,
-    SampleTraceRecorder,
-    StepLog,
-    WatchdogHeartbeat,
-)
-from .sampler import ElasticSampler
+from .reporting import Budgets, FaultInjection, runner_callbacks
 from .session import RollbackRequested, SessionOptions, TrainingFailed, TrainingSession
 from .state import RNGState, TrainState
 from .stop import StopPolicy
 from .straggler import StragglerMonitor
-from .watchdog import HangWatchdog
 
 
 class FaultTolerantLoop:
@@ -214,11 +205,11 @@ def fault_tolerant(model: nn.Module, optimizer: torch.optim.Optimizer,
         setup_logging(rank)  # the runner's lines (resumed from, checkpoints) unless you log
     preempt = PreemptionFlag()
     preempt.install()
-    rank_metrics, closing = _metrics(metrics or MetricsConfig(), rank)
+    rank_metrics, closing = _metrics(metrics or MetricsConfig())
     injection = _faults(rank)
     reporting = Callbacks([
-        *_reporting(rank_metrics, rank, sampler, trace_dir,
-                    Budgets(hang_timeout_seconds, long_op_timeout_seconds)),
+        *runner_callbacks(rank_metrics, Budgets(hang_timeout_seconds, long_op_timeout_seconds),
+                          rank, sampler.world_size, sampler.num_samples, 0, trace_dir),
         *(callbacks or []), *([injection] if injection else [])])
     train_state = TrainState()
     checkpoints = CheckpointManager(
@@ -242,20 +233,7 @@ def fault_tolerant(model: nn.Module, optimizer: torch.optim.Optimizer,
     return FaultTolerantLoop(session, params, closing)
 
 
-def _reporting(metrics: RankMetrics, rank: int, sampler: ElasticSampler,
-               trace_dir: str | None, budgets: Budgets) -> list[Callback]:
-    """The runner's own callbacks for an own loop: watchdog, metrics, step log, sample trace."""
-    items: list[Callback] = [WatchdogHeartbeat(HangWatchdog(rank), budgets)]
-    if metrics.enabled:
-        items.append(MetricsReporter(metrics, budgets, rank == 0))
-    items.append(StepLog(0))
-    if trace_dir:
-        items.append(SampleTraceRecorder(trace_dir, rank, sampler.world_size,
-                                         sampler.num_samples))
-    return items
-
-
-def _metrics(cfg: MetricsConfig, rank: int) -> tuple[RankMetrics, list[Any]]:
+def _metrics(cfg: MetricsConfig) -> tuple[RankMetrics, list[Any]]:
     """This rank's series, served on ``port + local_rank`` when no elastic-runner agent serves
     the node's (plain torchrun)."""
     from .worker import worker_metrics

@@ -230,3 +230,18 @@ class FaultInjection(Callback):
 
     def on_step_end(self, e: StepEnd) -> None:
         self.injector.after_step(e.step, self._attempt_steps)
+
+
+def runner_callbacks(metrics: RankMetrics, budgets: Budgets, rank: int, world_size: int,
+                     num_samples: int, total_steps: int, trace_dir: str | None,
+                     dump_grace_seconds: float = 2.0) -> list[Callback]:
+    """The callbacks every loop of the runner has, in the order they see each event: the
+    watchdog heartbeat, metrics (when enabled), the step log and the sample trace (when
+    ``trace_dir``); the built-in trainer adds TensorBoard, the progress bar and faults."""
+    out: list[Callback] = [WatchdogHeartbeat(HangWatchdog(rank, dump_grace_seconds), budgets)]
+    if metrics.enabled:
+        out.append(MetricsReporter(metrics, budgets, rank == 0))
+    out.append(StepLog(total_steps))
+    if trace_dir:
+        out.append(SampleTraceRecorder(trace_dir, rank, world_size, num_samples))
+    return out

@@ -3,11 +3,8 @@ config mistakes that end with exit code 2 and one line on stderr (no traceback).
 
 from __future__ import annotations
 
-import importlib
 import os
 import subprocess
-import uuid
-from pathlib import Path
 
 import pytest
 
@@ -15,6 +12,7 @@ from elastic_runner.cli import _overrides, build_parser, main
 from elastic_runner.launch import torchrun_argv
 
 from .procs import CONFIGS, REPO, cli
+from .test_config import user_task
 
 DIGITS = str(CONFIGS / "digits.yaml")
 
@@ -96,20 +94,11 @@ def test_config_without_task_is_an_error(tmp_path, capsys):
     assert one_line_error(capsys, ["validate", str(path)]).startswith("task: required")
 
 
-def _task_package(root: Path, source: str) -> str:
-    pkg = root / f"clitask_{uuid.uuid4().hex[:8]}"
-    pkg.mkdir()
-    (pkg / "__init__.py").write_text("")
-    (pkg / "task.py").write_text(source)
-    importlib.invalidate_caches()
-    return f"{pkg.name}.task"
-
-
 def test_task_data_config_not_subclassing_the_base(tmp_path, capsys, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
-    module = _task_package(tmp_path, "from dataclasses import dataclass\n\n\n@dataclass\n"
-                                     "class DataConfig:\n    rows: int = 1\n\n\n"
-                                     "def build(cfg): ...\n")
+    module = user_task(tmp_path, "from dataclasses import dataclass\n\n\n@dataclass\n"
+                                 "class DataConfig:\n    rows: int = 1\n\n\n"
+                                 "def build(cfg): ...\n").removesuffix(":build")
     path = tmp_path / "c.yaml"
     path.write_text(f"task: {module}:build\ndata:\n  rows: 3\n")
     msg = one_line_error(capsys, ["validate", str(path)])
