@@ -10,6 +10,9 @@
 #       --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu126 --build-arg CONSTRAINTS= .
 #   Extra packages, e.g. the fsspec driver of an object store for checkpoint.dir=s3://...:
 #     docker build --build-arg EXTRA_PACKAGES="s3fs" ...
+#   The package's extras, e.g. hf (transformers, tokenizers: the text_classification and
+#   causal_lm tasks, users' transformers models):
+#     docker build --build-arg EXTRAS=hf ...
 #
 # ENTRYPOINT is the CLI, CMD its default arguments:
 #   docker run --rm --init IMAGE run configs/digits.yaml   ->  elastic-runner run configs/digits.yaml
@@ -29,6 +32,8 @@ ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ARG CONSTRAINTS=constraints/cpu.txt
 # more pip requirements, space separated (e.g. "s3fs" or "gcsfs" for checkpoints on an object store)
 ARG EXTRA_PACKAGES=
+# the package's extras, comma separated (e.g. "hf"); empty for none
+ARG EXTRAS=
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PYTHONDONTWRITEBYTECODE=1
@@ -42,14 +47,16 @@ COPY elastic_runner/ elastic_runner/
 # 2. the package (a regular, non-editable install) and its other dependencies from PyPI; torch is
 #    already installed and satisfies both the package's torch range and the constraint, so pip
 #    keeps it (the range, torch>=2.4,<2.14, is compat.SUPPORTED_TORCH).
-# ${CONSTRAINTS:+-c "$CONSTRAINTS"} adds "-c FILE" only when CONSTRAINTS is not empty.
+# ${CONSTRAINTS:+-c "$CONSTRAINTS"} adds "-c FILE" only when CONSTRAINTS is not empty, and
+# ${EXTRAS:+[$EXTRAS]} "[hf]" only when EXTRAS is not empty.
 # hadolint ignore=SC2086
 RUN set -eu; \
     if [ -n "$TORCH_INDEX_URL" ]; then \
         pip install --no-cache-dir ${CONSTRAINTS:+-c "$CONSTRAINTS"} \
             --index-url "$TORCH_INDEX_URL" "torch>=2.4,<2.14"; \
     fi; \
-    pip install --no-cache-dir ${CONSTRAINTS:+-c "$CONSTRAINTS"} . $EXTRA_PACKAGES; \
+    pip install --no-cache-dir ${CONSTRAINTS:+-c "$CONSTRAINTS"} ".${EXTRAS:+[$EXTRAS]}" \
+        $EXTRA_PACKAGES; \
     python -c "import torch, elastic_runner.launch, elastic_runner.worker; print('torch', torch.__version__)"; \
     elastic-runner --help >/dev/null
 

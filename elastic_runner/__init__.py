@@ -16,6 +16,8 @@ usable alone:
                             patience rule, decided on rank 0
 ``engine``                  :class:`StepEngine`: forward/backward, accumulation, autocast,
                             clipping, optimizer and scheduler steps
+``batches``                 how a tensor, tuple or mapping batch reaches the model and its loss
+                            (``model(**batch)``, ``outputs.loss``); :func:`to_device`
 ``session``                 :class:`TrainingSession`: the step protocol composing the above
 ``callbacks``, ``reporting``  :class:`Callback` events; metrics, TensorBoard, progress bar,
                             sample trace, watchdog heartbeat, fault injection
@@ -24,6 +26,8 @@ usable alone:
 ``dist``, ``preempt``,      process groups per attempt, SIGTERM, hang watchdog, straggler,
 ``watchdog``, ``straggler`` per-rank metrics (``metrics``, ``health``, ``agent_metrics``)
 ``compat``                  every reliance on torch internals, with the supported torch range
+``tasks``, ``hf``           the task interface (``tasks.base``), built-in tasks; export and
+                            ``generate()`` of transformers models
 ``config``, ``cli``,        typed config, command line, the agent (``launch``), the worker
 ``launch``, ``worker``
 ==========================  ====================================================================
@@ -49,6 +53,8 @@ _EXPORTS = {
     "StopPolicy": "stop",
     "StopReason": "stop",
     "StepEngine": "engine",
+    "to_device": "batches",
+    "batch_loss": "batches",
     "TrainingSession": "session",
     "TrainingFailed": "session",
     "Callback": "callbacks",

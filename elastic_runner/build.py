@@ -11,12 +11,13 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from . import faults as fault_injection
+from .batches import check_samples
 from .callbacks import Callback, Callbacks
 from .checkpointing import CheckpointManager
 from .config import Config, ConfigError, fingerprint, task_builder
 from .consensus import make_consensus
 from .data import ElasticDataLoader
-from .dist import DistInfo
+from .dist import DistInfo, assert_same_across_ranks
 from .early_stop import EarlyStopping
 from .engine import StepEngine, precision_dtype
 from .loop import Trainer, lr_factor
@@ -34,18 +35,36 @@ from .session import SessionOptions, TrainingSession
 from .state import RNGState, TrainState, seed_everything
 from .stop import StopPolicy, StopReason
 from .straggler import StragglerMonitor
-from .tasks.base import TaskBundle
+from .tasks.base import TaskBundle, check_same_build, task_fingerprint
 
 log = logging.getLogger("elastic_runner.loop")
 
 
-def build_optimizer(cfg: Config, model: nn.Module) -> torch.optim.Optimizer:
+def build_optimizer(cfg: Config, model: nn.Module, bundle: TaskBundle | None = None
+                    ) -> torch.optim.Optimizer:
+    """The task's ``optimizer_fn(model)``, else the ``optimizer`` section's over the task's
+    ``param_groups(model)`` (default: all parameters in one group)."""
+    if bundle is not None and bundle.optimizer_fn is not None:
+        return bundle.optimizer_fn(model)
+    params: Any = model.parameters()
+    if bundle is not None and bundle.param_groups is not None:
+        params = bundle.param_groups(model)
     o = cfg.optimizer
     if o.name == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=o.lr, momentum=o.momentum,
-                               weight_decay=o.weight_decay)
-    return torch.optim.AdamW(model.parameters(), lr=o.lr, betas=tuple(o.betas),
-                             weight_decay=o.weight_decay)
+        return torch.optim.SGD(params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
+    return torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
+
+
+def build_scheduler(cfg: Config, optimizer: torch.optim.Optimizer, total_steps: int,
+                    bundle: TaskBundle | None = None) -> torch.optim.lr_scheduler.LRScheduler:
+    """The task's ``scheduler_fn(optimizer, total_steps)``, else the ``schedule`` section's
+    warm-up and cosine (or constant) schedule, stepped once per optimizer step."""
+    if bundle is not None and bundle.scheduler_fn is not None:
+        return bundle.scheduler_fn(optimizer, total_steps)
+    s = cfg.schedule
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_factor(step, s.warmup_steps, total_steps, s.min_lr_ratio,
+                                          cosine=s.name == "cosine"))
 
 
 def build_trainer(cfg: Config, info: DistInfo, metrics: RankMetrics | None = None) -> Trainer:
@@ -59,6 +78,9 @@ def build_trainer(cfg: Config, info: DistInfo, metrics: RankMetrics | None = Non
         raise ConfigError("training.precision: 'fp16' needs CUDA (GradScaler); use 'bf16' on CPU")
     seed_everything(cfg.seed)
     bundle: TaskBundle = task_builder(cfg.task)(cfg)
+    for split in ("train", "val"):  # a wrong sample type fails here, once, with exit code 2
+        check_samples(getattr(bundle, split), split, bundle.collate_fn, cfg.task)
+    _check_same_task(cfg, bundle)
     model = bundle.model.to(info.device)
     net = _wrap(cfg, info, model)
     loader = _loader(cfg, info, bundle)
@@ -66,11 +88,8 @@ def build_trainer(cfg: Config, info: DistInfo, metrics: RankMetrics | None = Non
     total = sampler.steps_per_epoch() * cfg.training.max_epochs
     if cfg.training.max_steps:
         total = min(total, cfg.training.max_steps)
-    optimizer = build_optimizer(cfg, model)
-    s = cfg.schedule
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: lr_factor(step, s.warmup_steps, total, s.min_lr_ratio,
-                                          cosine=s.name == "cosine"))
+    optimizer = build_optimizer(cfg, model, bundle)
+    scheduler = build_scheduler(cfg, optimizer, total, bundle)
     scaler = torch.amp.GradScaler(info.device.type, enabled=cfg.training.precision == "fp16")
     log.info("task %s: %d train / %d val / %d test samples; world size %d; global batch %d "
              "(%d x micro-batch %d x accumulation %d); %d steps per epoch; %d steps in total",
@@ -87,12 +106,30 @@ def build_trainer(cfg: Config, info: DistInfo, metrics: RankMetrics | None = Non
     preempt = PreemptionFlag()
     stateful = {"model": model, "optimizer": optimizer, "scheduler": scheduler,
                 "scaler": scaler, "sampler": sampler}
-    session = _session(cfg, info, net, stateful, total, metrics, preempt)
+    session = _session(cfg, info, net, stateful, total, metrics, preempt,
+                       task_fingerprint(bundle))
     trainer = Trainer(cfg=cfg, info=info, bundle=bundle, model=model, optimizer=optimizer,
                       scheduler=scheduler, loader=loader, engine=engine, session=session,
                       total_steps=total, preempt=preempt)
     session.save = trainer.save
     return trainer
+
+
+def _check_same_task(cfg: Config, bundle: TaskBundle) -> None:
+    """Every rank must have built the same data and tokenizer (a tokenizer trained or a split
+    drawn without a fixed seed would silently give ranks different token ids or samples).
+
+    Raises:
+        ConfigError: naming the ranks and what each built.
+    """
+    built = task_fingerprint(bundle)
+    try:
+        assert_same_across_ranks(built, f"task {cfg.task}'s build")
+    except RuntimeError as e:
+        raise ConfigError(f"{e}: build(cfg) must give the same splits, samples and tokenizer "
+                          "on every rank and every restart: seed what it draws at random, and "
+                          "make what it trains (a tokenizer) once per job with "
+                          "elastic_runner.tasks.base.job_artifact") from e
 
 
 def _wrap(cfg: Config, info: DistInfo, model: nn.Module) -> nn.Module:
@@ -109,12 +146,13 @@ def _loader(cfg: Config, info: DistInfo, bundle: TaskBundle) -> ElasticDataLoade
     sampler = ElasticSampler(len(bundle.train), cfg.seed, cfg.batch.micro_batch_size,
                              cfg.batch.accumulation_for(info.world_size), info.rank,
                              info.world_size)
-    return ElasticDataLoader(bundle.train, sampler, num_workers=cfg.data.num_workers,
-                             pin_memory=cfg.data.pin_memory)
+    return ElasticDataLoader(bundle.train, sampler, collate_fn=bundle.collate_fn,
+                             num_workers=cfg.data.num_workers, pin_memory=cfg.data.pin_memory)
 
 
 def _session(cfg: Config, info: DistInfo, net: nn.Module, stateful: dict[str, Any],
-             total: int, metrics: RankMetrics, preempt: PreemptionFlag) -> TrainingSession:
+             total: int, metrics: RankMetrics, preempt: PreemptionFlag, task: str
+             ) -> TrainingSession:
     state, sampler = TrainState(), stateful["sampler"]
     stop = StopPolicy(cfg.training.max_steps, cfg.training.max_epochs,
                       EarlyStopping(cfg.early_stopping))
@@ -125,6 +163,8 @@ def _session(cfg: Config, info: DistInfo, net: nn.Module, stateful: dict[str, An
 
     def after_load(raw: dict[str, Any]) -> None:
         fault_injection.perturb_replica(cfg.faults, info.rank, model)
+        check_same_build(raw, cfg.to_dict(), task,
+                         checkpoints.resumed_from or c.dir)
         if fingerprint(raw["config"]) != cfg.fingerprint():
             log.warning("checkpoint %s was written with a different config; resuming anyway",
                         checkpoints.resumed_from or "")
@@ -133,7 +173,8 @@ def _session(cfg: Config, info: DistInfo, net: nn.Module, stateful: dict[str, An
     checkpoints = CheckpointManager(
         c.dir, {**stateful, "train_state": state, "stop": stop, "rng": RNGState()},
         every_steps=c.every_steps, every_seconds=c.every_seconds, async_save=c.async_save,
-        keep_last=c.keep_last, keep_best=c.keep_best, extra={"config": cfg.to_dict()},
+        keep_last=c.keep_last, keep_best=c.keep_best,
+        extra={"config": cfg.to_dict(), "task_fingerprint": task},
         meta=lambda: {"epoch": sampler.epoch, "cursor": sampler.cursor,
                       "world_size": info.world_size, "config_hash": cfg.fingerprint(),
                       "finished": stop.stopped},

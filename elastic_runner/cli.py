@@ -156,7 +156,9 @@ def _add_other_commands(sub: Any) -> None:
     p.add_argument("trace", help="trace directory (--trace-samples / audit.trace_dir)")
     p.set_defaults(func=cmd_audit)
 
-    p = sub.add_parser("export", help="write weights (safetensors), config and preprocessing")
+    p = sub.add_parser("export", help="write weights (safetensors), config, preprocessing and "
+                                      "tokenizer; a transformers model in its save_pretrained "
+                                      "layout (loadable with from_pretrained)")
     p.add_argument("checkpoint", help="checkpoint directory, or a checkpoint.dir (newest)")
     p.add_argument("out_dir")
     p.set_defaults(func=cmd_export)
@@ -171,7 +173,9 @@ def _add_other_commands(sub: Any) -> None:
     p = sub.add_parser("generate", help="print a sample from a generative task's checkpoint")
     p.add_argument("checkpoint", help="checkpoint directory, or a checkpoint.dir (newest)")
     p.add_argument("--prompt", default="def ")
-    p.add_argument("--max-new-tokens", type=int, default=300)
+    p.add_argument("--max-new-tokens", type=int, default=300,
+                   help="characters (char_lm) or tokens (a transformers model, capped by its "
+                        "context)")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_generate)
 
@@ -279,8 +283,8 @@ def cmd_audit(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from .export import export
 
-    out = export(args.checkpoint, args.out_dir)
-    print(f"exported to {out}: model.safetensors, config.yaml, preprocessing.json")
+    out, files = export(args.checkpoint, args.out_dir)
+    print(f"exported to {out}: {', '.join(files)}")
     return EXIT_OK
 
 
@@ -296,13 +300,14 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from .export import model_from_checkpoint
+    from .export import model_from_checkpoint, sample
 
     cfg, bundle, model, _ = model_from_checkpoint(None, args.checkpoint)
-    if bundle.sample_fn is None:
+    text = sample(bundle, model, args.prompt, args.max_new_tokens, args.seed)
+    if text is None:
         print(f"elastic-runner: task {cfg.task!r} is not generative", file=sys.stderr)
         return EXIT_BAD_INPUT
-    print(bundle.sample_fn(model, args.prompt, args.max_new_tokens, args.seed))
+    print(text)
     return EXIT_OK
 
 

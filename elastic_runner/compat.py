@@ -58,6 +58,15 @@ does when one is gone (required: exit code 2 with one line; optional: a warning,
    command line with torchrun's own parser. ``config_from_args`` sets ``OMP_NUM_THREADS=1`` with a
    banner when the variable is unset; ``elastic-runner run`` sets it first.
 
+8. **Bad input is not restarted** (``elastic/agent/server/local_elastic_agent.py``:
+   ``LocalElasticAgent._monitor_workers`` returning a ``RunResult`` whose ``failures`` hold each
+   failed rank's ``ProcessFailure.exitcode``; ``api.py``: ``SimpleElasticAgent._invoke_run``
+   restarting while ``self._remaining_restarts > 0``; optional, agent).
+   :func:`apply_agent_fixes` wraps ``_monitor_workers`` so that a worker exit code 2 (bad input:
+   config, task, checkpoint) sets the remaining restarts to 0: a restart would fail the same
+   way. Torch has no switch for it (``--max-restarts`` counts every failure alike). Without it
+   such a job burns its restarts first, as under plain torchrun.
+
 Check 1 is the only required one: losing it breaks elastic membership changes silently (a hang
 until the rendezvous times out). ``ELASTIC_RUNNER_IGNORE_TORCH_CHECK=1`` turns that error into a
 warning for users who must run an untested torch.
@@ -95,10 +104,10 @@ from .config import ConfigError
 
 __all__ = [
     "AGENT_STORE_ENV", "BELOW_TORCH", "DEFAULT_JOIN_TIMEOUT_S", "ETCD_OPTION_SPELLINGS",
-    "IGNORE_CHECK_ENV", "METRICS_GROUP", "MIN_TORCH", "RDZV_SWITCHES", "REMAINING_RESTARTS",
+    "EXIT_BAD_INPUT", "IGNORE_CHECK_ENV", "METRICS_GROUP", "MIN_TORCH", "RDZV_SWITCHES", "REMAINING_RESTARTS",
     "RENDEZVOUS_DURATION", "RENDEZVOUS_SUCCESS", "SHARE_STORE_SWITCH", "SUPPORTED_TORCH",
     "WORKERS_STARTED", "WORKERS_STOPPED", "WORKER_GROUP", "TorchCompatError", "agent_store",
-    "apply_rendezvous_fixes", "check_torch", "config_from_args", "determine_local_world_size",
+    "apply_agent_fixes", "apply_rendezvous_fixes", "check_torch", "config_from_args", "determine_local_world_size",
     "get_args_parser", "in_supported_range", "parse_rendezvous_endpoint", "registered_comm_hook",
     "shares_agent_store",
 ]
@@ -289,6 +298,49 @@ ETCD_OPTION_SPELLINGS = (("ca_cert", "cacert"), ("ssl_cert", "cert"), ("ssl_cert
 DEFAULT_JOIN_TIMEOUT_S = 600  # both backends' default join timeout, seconds
 
 
+# --- 8. bad input is not restarted ---
+
+EXIT_BAD_INPUT = 2  # the worker's and the CLI's exit code for bad input (config, task, checkpoint)
+
+
+def _check_monitor_workers() -> str | None:
+    fn = getattr(LocalElasticAgent, "_monitor_workers", None)
+    if fn is None or list(inspect.signature(fn).parameters) != ["self", "worker_group"]:
+        return "LocalElasticAgent._monitor_workers(self, worker_group) is gone"
+    if not _mentions_name(SimpleElasticAgent._invoke_run, "_remaining_restarts"):
+        return "SimpleElasticAgent._invoke_run no longer counts self._remaining_restarts"
+    return None
+
+
+def apply_agent_fixes(cls: type = LocalElasticAgent) -> bool:
+    """Patch ``cls`` (torch's ``LocalElasticAgent``) in this process with fix 8: no restart
+    after a worker exits with :data:`EXIT_BAD_INPUT` (idempotent). Returns False, without
+    patching, when the methods no longer look as expected (:func:`check_torch` has said so)."""
+    if getattr(cls.__dict__.get("_monitor_workers"), _MARK, False):
+        return True
+    if _check_monitor_workers() is not None:
+        return False
+    cls._monitor_workers = _no_restart_on_bad_input(cls._monitor_workers)  # type: ignore
+    return True
+
+
+def _no_restart_on_bad_input(monitor: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+    @functools.wraps(monitor)
+    def wrapper(self: SimpleElasticAgent, worker_group: Any) -> Any:
+        result = monitor(self, worker_group)
+        bad = sorted(rank for rank, f in (getattr(result, "failures", None) or {}).items()
+                     if f.exitcode == EXIT_BAD_INPUT)
+        if bad and self._remaining_restarts > 0:
+            log.error("rank %s exited with code %d (bad input: config, task or checkpoint): "
+                      "not restarting, a restart would fail the same way", bad[0],
+                      EXIT_BAD_INPUT)
+            self._remaining_restarts = 0
+        return result
+
+    setattr(wrapper, _MARK, True)
+    return wrapper
+
+
 # --- start-up check ---
 
 @dataclass(frozen=True)
@@ -306,6 +358,8 @@ FIXES = (
          "a node whose rank changes between rounds may hang the restarted group"),
     _Fix("the rendezvous outage tolerance", ("agent",), False, _check_outage_patch,
          "an unreachable rendezvous backend fails the job, as under plain torchrun"),
+    _Fix("no restart after bad input", ("agent",), False, _check_monitor_workers,
+         "a worker's bad-input exit (code 2) is restarted until --max-restarts runs out"),
     _Fix("the agent metrics", ("agent",), False, _check_metric_names,
          "the elastic_runner_agent_state, restarts and rendezvous series stop changing"),
     _Fix("the per-attempt process-group namespace", ("worker",), False, _check_agent_store_env,

@@ -45,6 +45,8 @@ from pydantic_core import ErrorDetails, PydanticCustomError
 BUILTIN_TASKS = {
     "digits": "elastic_runner.tasks.digits:build",
     "char_lm": "elastic_runner.tasks.char_lm:build",
+    "text_classification": "elastic_runner.tasks.text_classification:build",  # [hf] extra
+    "causal_lm": "elastic_runner.tasks.causal_lm:build",  # [hf] extra
 }
 TASK_ENTRY_POINTS = "elastic_runner.tasks"  # importlib.metadata group: name = "pkg.module:build"
 
@@ -325,6 +327,20 @@ def fingerprint(config: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
+_BUILD_SECTIONS = ("task", "seed", "data", "model")
+_LOADER_KEYS = ("num_workers", "pin_memory")  # how data is loaded, not which data
+
+
+def build_key(config: dict[str, Any]) -> str:
+    """sha256 (hex, 16 chars) of what a task's ``build`` may depend on, from a config dict: the
+    task, the seed and the data and model sections (without the loader settings), so changing
+    the optimizer, the schedule or the batch keeps the task's build and its job artifacts."""
+    d = {k: config.get(k) for k in _BUILD_SECTIONS}
+    if isinstance(d["data"], dict):
+        d["data"] = {k: v for k, v in d["data"].items() if k not in _LOADER_KEYS}
+    return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+
 def _plain(obj: Any) -> Any:
     if isinstance(obj, dict):
         return {k: _plain(v) for k, v in obj.items()}
@@ -387,6 +403,10 @@ def _import_failure(path: str, module_name: str, e: ImportError) -> str:
                 f"{missing!r}); check that the directory holding it is on PYTHONPATH (e.g. "
                 "PYTHONPATH=. when it sits in the current directory) or that its package is "
                 "installed (pip install)")
+    if missing.partition(".")[0] in ("transformers", "tokenizers"):
+        return (f"{path}: task module {module_name!r} needs {missing!r}, which is not "
+                "installed; install the Hugging Face extra: pip install 'elastic-runner[hf]' "
+                "(from a checkout: pip install -e '.[hf]')")
     return (f"{path}: importing task module {module_name!r} failed: {e}; check that its "
             "dependencies are installed (pip install)")
 

@@ -4,47 +4,23 @@ Forward and backward of each micro-batch (gradients all-reduced only on the last
 ``no_sync()`` on the others), autocast to bf16/fp16, a GradScaler for fp16, gradient clipping,
 then the optimizer and LR scheduler steps, as torchtitan's ``train_step``. The update is applied
 only when the session's step consensus says so. Batches may be a tensor, a tuple/list or a
-mapping of tensors (nested); a mapping is passed as ``model(**batch)``, a 2-tuple
-``(inputs, targets)`` as ``loss_fn(model(inputs), targets)``.
+mapping of tensors (nested); ``batches.py`` says how each is passed to the model and its loss.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from .batches import batch_loss, to_device
 from .session import TrainingSession
 
-
-def to_device(batch: Any, device: torch.device) -> Any:
-    """``batch`` with every tensor moved to ``device`` (``non_blocking``; same nesting)."""
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, Mapping):
-        return type(batch)({k: to_device(v, device) for k, v in batch.items()})
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple
-        return type(batch)(*(to_device(v, device) for v in batch))
-    if isinstance(batch, list | tuple):
-        return type(batch)(to_device(v, device) for v in batch)
-    return batch
-
-
-def batch_loss(net: nn.Module, batch: Any, loss_fn: Callable[..., torch.Tensor] | None
-               ) -> torch.Tensor:
-    """The mean loss of one micro-batch: ``loss_fn(net(x), y)`` for ``(x, y)``,
-    ``loss_fn(net(**batch), batch)`` or the output's ``loss`` for a mapping."""
-    if isinstance(batch, Mapping):
-        out = net(**batch)
-        if loss_fn is not None:
-            return loss_fn(out, batch)
-        return out["loss"] if isinstance(out, Mapping) else out.loss
-    x, y = batch
-    return loss_fn(net(x), y)
+__all__ = ["StepEngine", "batch_loss", "precision_dtype", "to_device"]
 
 
 def precision_dtype(precision: str) -> torch.dtype | None:

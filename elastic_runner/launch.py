@@ -150,7 +150,8 @@ def torchrun_argv(args: argparse.Namespace) -> list[str]:
 def launch(args: argparse.Namespace) -> int:
     """Run the agent until the job ends; returns the process exit code (a torch without an
     internal that a required fix relies on, or an etcd that cannot serve the rendezvous, both
-    checked before the agent starts: 2; a failed rendezvous: 1)."""
+    checked before the agent starts, or a worker's bad input (not restarted): 2; a failed
+    rendezvous or worker: 1; preempted: 143)."""
     targs = get_args_parser().parse_args(torchrun_argv(args))
     try:
         compat.check_torch("agent")
@@ -158,6 +159,7 @@ def launch(args: argparse.Namespace) -> int:
         print(f"elastic-runner: error: {e}", file=sys.stderr, flush=True)
         return 2
     compat.apply_rendezvous_fixes()
+    compat.apply_agent_fixes()
     if targs.rdzv_backend in ETCD_BACKENDS:
         conf = parse_conf(targs.rdzv_conf)
         try:
@@ -205,7 +207,8 @@ def _run_agent(targs: argparse.Namespace, config: Any, cmd: Any, cmd_args: list[
     except ChildFailedError as e:
         print(f"elastic-runner: job failed: {root_cause_line(e)}", flush=True)
         _, first = e.get_first_failure()
-        return EXIT_PREEMPTED if first.exitcode == EXIT_PREEMPTED else 1
+        # preempted (143) and bad input (2: config, task, checkpoint) keep their meaning
+        return first.exitcode if first.exitcode in (EXIT_PREEMPTED, compat.EXIT_BAD_INPUT) else 1
     except SignalException as e:
         # the agent got SIGTERM/SIGINT (eviction) and stopped the workers, which checkpointed
         print(f"elastic-runner: stopped by {e.sigval.name}; workers checkpointed at their last "

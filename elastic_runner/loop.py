@@ -175,9 +175,11 @@ class Trainer:
         single-process evaluation of the whole split (up to float64 summation order)."""
         dataset = getattr(self.bundle, split)
         shard = Subset(dataset, shard_indices(len(dataset), self.info.rank, self.info.world_size))
-        loader = DataLoader(shard, batch_size=self.cfg.batch.micro_batch_size)
+        loader = DataLoader(shard, batch_size=self.cfg.batch.micro_batch_size,
+                            collate_fn=self.bundle.collate_fn)
         sums = metric_sums(self.model, loader, self.bundle.metrics_fn, self.info.device,
-                           precision_dtype(self.cfg.training.precision), max_batches)
+                           precision_dtype(self.cfg.training.precision), max_batches,
+                           self.bundle.loss_fn)
         total = all_reduce_sums(sums, self.info.device)
         prefix = "val" if split == "val" else split
         return {f"{prefix}_{k}": s / c if c else float("nan") for k, (s, c) in total.items()}

@@ -57,7 +57,8 @@ def main(config_path: str, overrides: list[str], resume: bool = True, verbose: b
 @record
 def _train(config_path: str, overrides: list[str], resume: bool, entered: float) -> int:
     check_torch("worker")
-    cfg = load_config(config_path, overrides)
+    # --no-resume: nothing stored is reused, neither checkpoints nor task artifacts
+    cfg = load_config(config_path, [*overrides, *([] if resume else ["checkpoint.resume=false"])])
     metrics, server = worker_metrics(cfg.metrics)
     metrics.phase("starting", None)  # joining the process group is not a hang
     info = None
@@ -70,7 +71,7 @@ def _train(config_path: str, overrides: list[str], resume: bool, entered: float)
         trainer = build_trainer(cfg, info, metrics)
         trainer.preempt.install()
         marks.append(time.time())
-        if resume and cfg.checkpoint.resume:
+        if cfg.checkpoint.resume:
             trainer.resume()
         marks.append(time.time())
         if info.rank == 0:

@@ -31,10 +31,35 @@ def write(tmp_path: Path, text: str) -> Path:
     return p
 
 
-@pytest.mark.parametrize("name", ["digits.yaml", "char_lm.yaml"])
+@pytest.mark.parametrize("name", ["digits.yaml", "char_lm.yaml", "text_classification.yaml",
+                                  "causal_lm.yaml"])
 def test_shipped_configs_are_valid(name):
+    if name in ("text_classification.yaml", "causal_lm.yaml"):
+        pytest.importorskip("transformers", reason="needs the hf extra: pip install -e '.[hf]'")
     cfg = load_config(CONFIGS / name)
     assert cfg.task == name.removesuffix(".yaml")
+    assert sorted(p.name for p in CONFIGS.glob("*.yaml")) == sorted(SHIPPED)
+
+
+SHIPPED = ["digits.yaml", "char_lm.yaml", "text_classification.yaml", "causal_lm.yaml"]
+
+
+def test_an_hf_task_without_the_extra_names_it(monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_transformers(name, *args, **kwargs):
+        if name.partition(".")[0] == "transformers":
+            raise ModuleNotFoundError("No module named 'transformers'", name="transformers")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.delitem(sys.modules, "elastic_runner.tasks.causal_lm", raising=False)
+    monkeypatch.setattr(builtins, "__import__", no_transformers)
+    with pytest.raises(ConfigError, match=r"task: task module 'elastic_runner.tasks.causal_lm' "
+                                          r"needs 'transformers'.*pip install "
+                                          r"'elastic-runner\[hf\]'"):
+        load_config(CONFIGS / "causal_lm.yaml")
 
 
 def test_overrides_are_parsed_as_yaml_and_typed():

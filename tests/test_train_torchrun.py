@@ -134,8 +134,11 @@ def test_checkpoint_of_another_model_names_mismatched_tensors(launch, tmp_path):
     assert "Traceback" not in res.stderr
 
     job = launch(cli("run", DIGITS, *QUIET, f"checkpoint.dir={ck}", "model.channels=8",
-                     "--max-restarts", "0"), name="mismatch")
-    assert job.wait(timeout=300) == 1
+                     "--max-restarts", "2"), name="mismatch")
+    assert job.wait(timeout=300) == 2  # bad input: exit 2, and not restarted
+    assert "not restarting, a restart would fail the same way" in job.output
+    worker_errors = [ln for ln in job.output.splitlines() if "ERROR elastic_runner.worker" in ln]
+    assert len(worker_errors) == 2, job.output[-3000:]  # one attempt of 2 ranks
     summary = [ln for ln in job.output.splitlines() if ln.startswith("elastic-runner: job failed")]
     assert len(summary) == 1 and "CheckpointError" in summary[0], job.output[-3000:]
     assert "shape mismatch" in job.output
