@@ -15,6 +15,7 @@ import torch
 
 pytest.importorskip("transformers", reason="needs the hf extra: pip install -e '.[hf]'")
 
+from elastic_runner import audit  # noqa: E402
 from elastic_runner.config import load_config  # noqa: E402
 from elastic_runner.export import model_from_checkpoint  # noqa: E402
 from elastic_runner.tasks import char_lm, text_classification  # noqa: E402
@@ -93,6 +94,22 @@ def test_causal_lm_quality_bitwise_resume_export_and_generate(launch, tmp_path):
     again = run_cli("generate", str(ck), "--prompt", prompt, "--max-new-tokens", "40",
                     timeout=300)
     assert again.stdout == sampled.stdout  # seeded
+
+
+def test_causal_lm_world_size_1_to_2_trains_every_sample_once(launch, tmp_path):
+    """Dict samples keep the global cursor's guarantee: 1 worker (accumulation 2), then 2
+    workers (accumulation 1) inside one epoch, each sample exactly once."""
+    common = [CAUSAL_LM, "training.max_epochs=1", "early_stopping.enabled=false",
+              "checkpoint.every_steps=10", f"checkpoint.dir={tmp_path / 'ck'}",
+              "--trace-samples", str(tmp_path / "trace")]
+    run_job(launch, "one", *common, "training.max_steps=25", "--nproc-per-node", "1")
+    two = run_job(launch, "two", *common, "--nproc-per-node", "2")
+    assert "resumed from" in two.output and "global batch changed" not in two.output
+    (report,) = audit.audit(tmp_path / "trace")
+    assert report.complete and report.ok and report.seen_once == report.expected, report
+    worlds = {e["step"]: e["world_size"] for e in audit.read_entries(tmp_path / "trace")
+              if "world_size" in e}
+    assert worlds[25] == 1 and worlds[26] == 2 and max(worlds) == 60
 
 
 def test_text_classification_beats_its_baselines_exports_and_evaluates(launch, tmp_path):

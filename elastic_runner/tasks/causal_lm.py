@@ -45,7 +45,11 @@ from elastic_runner.tasks.base import (
     check_split_fractions,
     weight_decay_groups,
 )
-from elastic_runner.tasks.char_lm import DEFAULT_CORPUS_MODULES, load_corpus, module_source_path
+from elastic_runner.tasks.char_lm import (
+    DEFAULT_CORPUS_MODULES,
+    check_gpt_config,
+    configured_corpus,
+)
 
 EOT = "<|endoftext|>"  # GPT-2's only special token: BOS, EOS, UNK and PAD at once
 N_BYTE_TOKENS = 256  # the byte-level base alphabet
@@ -276,24 +280,7 @@ def _check(cfg: Config) -> None:
     if not data.corpus_modules:
         raise ConfigError("data.corpus_modules: must name at least one module")
     check_split_fractions(data.val_fraction, data.test_fraction)
-    for key in ("n_layer", "n_head", "n_embd"):
-        if getattr(model, key) < 1:
-            raise ConfigError(f"model.{key}: must be >= 1, got {getattr(model, key)!r}")
-    if model.n_embd % model.n_head:
-        raise ConfigError(
-            f"model.n_embd: must be divisible by model.n_head ({model.n_head}), got {model.n_embd}"
-        )
-    if not 0.0 <= model.dropout < 1.0:
-        raise ConfigError(f"model.dropout: must be in [0, 1), got {model.dropout!r}")
-
-
-def _corpus(modules: tuple[str, ...]) -> str:
-    for i, name in enumerate(modules):
-        try:
-            module_source_path(name)
-        except ValueError as e:
-            raise ConfigError(f"data.corpus_modules[{i}]: {e}") from e
-    return load_corpus(modules)
+    check_gpt_config(model)
 
 
 def build(cfg: Config) -> TaskBundle:
@@ -306,7 +293,7 @@ def build(cfg: Config) -> TaskBundle:
     _check(cfg)
     data = cfg.data
     modules = tuple(data.corpus_modules)
-    corpus = _corpus(modules)
+    corpus = configured_corpus(modules)
     bounds = split_bounds(len(corpus), data.val_fraction, data.test_fraction)
     texts = {name: corpus[lo:hi] for name, (lo, hi) in bounds.items()}
     tok = train_tokenizer(texts["train"], data.vocab_size)

@@ -321,13 +321,33 @@ def sample(
 # ---------------------------------------------------------------- build
 
 
+def configured_corpus(modules: tuple[str, ...]) -> str:
+    """:func:`load_corpus` of ``data.corpus_modules``.
+
+    Raises:
+        ConfigError: naming ``data.corpus_modules[i]`` when a module has no source file.
+    """
+    for i, name in enumerate(modules):
+        try:
+            module_source_path(name)
+        except ValueError as e:
+            raise ConfigError(f"data.corpus_modules[{i}]: {e}") from e
+    return load_corpus(modules)
+
+
 def _check(cfg: Config) -> None:
-    data, model = cfg.data, cfg.model
+    data = cfg.data
     if data.block_size < 1:
         raise ConfigError(f"data.block_size: must be >= 1, got {data.block_size!r}")
     if not data.corpus_modules:
         raise ConfigError("data.corpus_modules: must name at least one module")
     check_split_fractions(data.val_fraction, data.test_fraction)
+    check_gpt_config(cfg.model)
+
+
+def check_gpt_config(model: ModelConfig) -> None:
+    """Raise :class:`ConfigError` naming the ``model.*`` key of a GPT config (``n_layer``,
+    ``n_head``, ``n_embd``, ``dropout``) that cannot build a model."""
     for key in ("n_layer", "n_head", "n_embd"):
         if getattr(model, key) < 1:
             raise ConfigError(f"model.{key}: must be >= 1, got {getattr(model, key)!r}")
@@ -347,12 +367,7 @@ def build(cfg: Config) -> TaskBundle:
     _check(cfg)
     data = cfg.data
     modules = tuple(data.corpus_modules)
-    for i, name in enumerate(modules):
-        try:
-            module_source_path(name)
-        except ValueError as e:
-            raise ConfigError(f"data.corpus_modules[{i}]: {e}") from e
-    corpus = load_corpus(modules)
+    corpus = configured_corpus(modules)
     vocab = "".join(sorted(set(corpus)))
     n = len(corpus)
     n_val = int(round(data.val_fraction * n))
