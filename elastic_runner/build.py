@@ -80,7 +80,8 @@ def build_trainer(cfg: Config, info: DistInfo, metrics: RankMetrics | None = Non
     bundle: TaskBundle = task_builder(cfg.task)(cfg)
     for split in ("train", "val"):  # a wrong sample type fails here, once, with exit code 2
         check_samples(getattr(bundle, split), split, bundle.collate_fn, cfg.task)
-    _check_same_task(cfg, bundle)
+    built = task_fingerprint(bundle)
+    _check_same_task(cfg, built)
     model = bundle.model.to(info.device)
     net = _wrap(cfg, info, model)
     loader = _loader(cfg, info, bundle)
@@ -106,8 +107,7 @@ def build_trainer(cfg: Config, info: DistInfo, metrics: RankMetrics | None = Non
     preempt = PreemptionFlag()
     stateful = {"model": model, "optimizer": optimizer, "scheduler": scheduler,
                 "scaler": scaler, "sampler": sampler}
-    session = _session(cfg, info, net, stateful, total, metrics, preempt,
-                       task_fingerprint(bundle))
+    session = _session(cfg, info, net, stateful, total, metrics, preempt, built)
     trainer = Trainer(cfg=cfg, info=info, bundle=bundle, model=model, optimizer=optimizer,
                       scheduler=scheduler, loader=loader, engine=engine, session=session,
                       total_steps=total, preempt=preempt)
@@ -115,14 +115,14 @@ def build_trainer(cfg: Config, info: DistInfo, metrics: RankMetrics | None = Non
     return trainer
 
 
-def _check_same_task(cfg: Config, bundle: TaskBundle) -> None:
-    """Every rank must have built the same data and tokenizer (a tokenizer trained or a split
-    drawn without a fixed seed would silently give ranks different token ids or samples).
+def _check_same_task(cfg: Config, built: str) -> None:
+    """Every rank must have built the same data and tokenizer (``built``: this rank's
+    :func:`task_fingerprint`); a tokenizer trained or a split drawn without a fixed seed would
+    silently give ranks different token ids or samples.
 
     Raises:
         ConfigError: naming the ranks and what each built.
     """
-    built = task_fingerprint(bundle)
     try:
         assert_same_across_ranks(built, f"task {cfg.task}'s build")
     except RuntimeError as e:

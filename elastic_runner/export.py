@@ -77,8 +77,7 @@ def export(path: str | Path, out_dir: str | Path) -> tuple[Path, list[str]]:
         save_model(model, str(out / "model.safetensors"), metadata={
             "task": cfg.task, "step": str(state["train_state"]["step"]),
             "exported_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
-        if bundle.tokenizer is not None:
-            hf.pretrained_tokenizer(bundle.tokenizer).save_pretrained(str(out))
+        hf.save_tokenizer(bundle.tokenizer, out)
     (out / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     (out / "preprocessing.json").write_text(json.dumps(bundle.artifacts, indent=1))
     return out, sorted(p.name for p in out.iterdir())

@@ -43,13 +43,17 @@ def pretrained_tokenizer(tokenizer: Any) -> Any:
                     f"tokenizers.Tokenizer, got {type(tokenizer).__name__}")
 
 
-def save_pretrained(model: nn.Module, tokenizer: Any, out: Path) -> list[str]:
-    """Write ``model`` (and ``tokenizer`` when not None) with ``save_pretrained`` into ``out``;
-    returns the names of the files written, sorted."""
+def save_pretrained(model: nn.Module, tokenizer: Any, out: Path) -> None:
+    """Write ``model`` with ``save_pretrained`` into ``out``, and its tokenizer."""
     model.save_pretrained(str(out), safe_serialization=True)  # type: ignore[operator]
+    save_tokenizer(tokenizer, out)
+
+
+def save_tokenizer(tokenizer: Any, out: Path) -> None:
+    """Write ``tokenizer`` (see :func:`pretrained_tokenizer`; None: nothing) into ``out`` with
+    ``save_pretrained``."""
     if tokenizer is not None:
         pretrained_tokenizer(tokenizer).save_pretrained(str(out))
-    return sorted(p.name for p in out.iterdir())
 
 
 @torch.no_grad()

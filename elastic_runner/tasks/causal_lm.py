@@ -31,14 +31,12 @@ import tokenizers
 import torch
 import torch.nn.functional as F
 import transformers
-from pydantic import Field
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from torch.utils.data import Dataset
 from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
 
 from elastic_runner.config import Config, ConfigError
-from elastic_runner.config import DataConfig as BaseDataConfig
-from elastic_runner.config import ModelConfig as BaseModelConfig
+from elastic_runner.tasks import char_lm
 from elastic_runner.tasks.base import (
     MetricSums,
     TaskBundle,
@@ -46,7 +44,6 @@ from elastic_runner.tasks.base import (
     weight_decay_groups,
 )
 from elastic_runner.tasks.char_lm import (
-    DEFAULT_CORPUS_MODULES,
     check_gpt_config,
     configured_corpus,
 )
@@ -56,22 +53,17 @@ N_BYTE_TOKENS = 256  # the byte-level base alphabet
 IGNORE_INDEX = -100  # label value the transformers losses skip
 
 
-class DataConfig(BaseDataConfig):
-    """``data:`` section. Fractions are of the corpus length in characters, as in char_lm."""
+class DataConfig(char_lm.DataConfig):
+    """``data:`` section: char_lm's (corpus modules, fractions of the corpus length in
+    characters), with ``block_size`` in tokens and the BPE vocabulary size."""
 
     block_size: int = 128  # tokens per training window = model context (n_positions)
     vocab_size: int = 4096  # BPE vocabulary: 256 byte tokens + <|endoftext|> + merges
-    corpus_modules: list[str] = Field(default_factory=lambda: list(DEFAULT_CORPUS_MODULES))
-    val_fraction: float = 0.05
-    test_fraction: float = 0.05
 
 
-class ModelConfig(BaseModelConfig):
-    """``model:`` section: the size of the ``GPT2Config``."""
+class ModelConfig(char_lm.ModelConfig):
+    """``model:`` section: char_lm's GPT sizes, for the ``GPT2Config``."""
 
-    n_layer: int = 2  # transformer blocks
-    n_head: int = 4  # attention heads; must divide n_embd
-    n_embd: int = 128  # residual stream width
     dropout: float = 0.1  # GPT-2's resid_pdrop, embd_pdrop and attn_pdrop
 
 
