@@ -61,7 +61,7 @@ class AgentMonitor(te_metrics.MetricHandler):
         self.local_ranks = local_ranks
         self._lock = threading.Lock()
         self.state = "rendezvous"
-        self.restarts = {"failure": 0, "membership": 0}
+        self.restarts = {"failure": 0, "membership": 0, "in_place": 0}
         self.rendezvous = 0
         self._rdzv_buckets = [0] * len(_RDZV_BUCKETS)
         self._rdzv_sum = 0.0
@@ -100,6 +100,14 @@ class AgentMonitor(te_metrics.MetricHandler):
         elif state == "succeeded":
             self.state = "succeeded"
 
+    def replaced(self, replacement: Any) -> None:
+        """An in-place replacement (:class:`~elastic_runner.inplace_agent.Replacement`): the
+        group stays running."""
+        with self._lock:
+            self.restarts["in_place"] += 1
+        log.info("worker(s) %s replaced in place (generation %d)", list(replacement.ranks),
+                 replacement.generation)
+
     def _observe_rendezvous(self, seconds: float) -> None:
         self._rdzv_sum += seconds
         for i, le in enumerate(_RDZV_BUCKETS):
@@ -120,8 +128,10 @@ class AgentMonitor(te_metrics.MetricHandler):
         names, values = list(self.labels), list(self.labels.values())
         with self._lock:
             restarts = CounterMetricFamily(PREFIX + "restarts", "Worker-group restarts on this "
-                                           "node: failure (counts against max restarts) or "
-                                           "membership (a node joined or left).",
+                                           "node: failure (all workers restarted; counts "
+                                           "against max restarts), membership (a node joined "
+                                           "or left) or in_place (only the failed worker "
+                                           "replaced; counts against max restarts too).",
                                            labels=[*names, "reason"])
             for reason, n in self.restarts.items():
                 restarts.add_metric([*values, reason], n)

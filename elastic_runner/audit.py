@@ -56,6 +56,20 @@ class SampleTrace:
         self._file.close()
 
 
+def steps_recorded(directory: str | Path, rank: int) -> set[int]:
+    """The steps of ``rank``'s complete entries."""
+    path = Path(directory) / f"rank-{rank}.jsonl"
+    if not path.exists():
+        return set()
+    out = set()
+    for line in path.read_text().splitlines():
+        try:
+            out.add(json.loads(line)["step"])
+        except (ValueError, KeyError):
+            continue
+    return out
+
+
 def read_entries(directory: str | Path) -> list[dict[str, Any]]:
     """All complete entries of all ranks' files (a torn last line is skipped)."""
     entries = []

@@ -67,23 +67,39 @@ def build_scheduler(cfg: Config, optimizer: torch.optim.Optimizer, total_steps: 
                                           cosine=s.name == "cosine"))
 
 
-def build_trainer(cfg: Config, info: DistInfo, metrics: RankMetrics | None = None) -> Trainer:
+def build_task(cfg: Config) -> tuple[TaskBundle, str]:
+    """The task's data and model (seeded), its samples checked; and its fingerprint.
+
+    Raises:
+        ConfigError: fp16 without CUDA; a wrong sample type; errors of the task's build.
+    """
+    if cfg.training.precision == "fp16" and not torch.cuda.is_available():
+        raise ConfigError("training.precision: 'fp16' needs CUDA (GradScaler); use 'bf16' on CPU")
+    seed_everything(cfg.seed)
+    bundle: TaskBundle = task_builder(cfg.task)(cfg)
+    for split in ("train", "val"):  # a wrong sample type fails here, once, with exit code 2
+        check_samples(getattr(bundle, split), split, bundle.collate_fn, cfg.task)
+    return bundle, task_fingerprint(bundle)
+
+
+def build_trainer(cfg: Config, info: DistInfo, metrics: RankMetrics | None = None,
+                  task: tuple[TaskBundle, str] | None = None, joining: bool = False
+                  ) -> Trainer:
     """Build everything one rank trains with; ``metrics`` (default: recording only) receives
-    the rank's series.
+    the rank's series. ``task``: :func:`build_task`'s result when already built (a warm
+    spare); ``joining``: this process replaces a failed worker in a running group, whose
+    members check the build and wrap the model together (``inplace.rejoin``).
 
     Raises:
         ConfigError: fp16 without CUDA; errors of the task's build.
     """
     if cfg.training.precision == "fp16" and info.device.type != "cuda":
         raise ConfigError("training.precision: 'fp16' needs CUDA (GradScaler); use 'bf16' on CPU")
-    seed_everything(cfg.seed)
-    bundle: TaskBundle = task_builder(cfg.task)(cfg)
-    for split in ("train", "val"):  # a wrong sample type fails here, once, with exit code 2
-        check_samples(getattr(bundle, split), split, bundle.collate_fn, cfg.task)
-    built = task_fingerprint(bundle)
-    _check_same_task(cfg, built)
+    bundle, built = task or build_task(cfg)
+    if not joining:
+        _check_same_task(cfg, built)
     model = bundle.model.to(info.device)
-    net = _wrap(cfg, info, model)
+    net = model if joining else _wrap(cfg, info, model)
     loader = _loader(cfg, info, bundle)
     sampler = loader.elastic_sampler
     total = sampler.steps_per_epoch() * cfg.training.max_epochs
@@ -107,12 +123,24 @@ def build_trainer(cfg: Config, info: DistInfo, metrics: RankMetrics | None = Non
     preempt = PreemptionFlag()
     stateful = {"model": model, "optimizer": optimizer, "scheduler": scheduler,
                 "scaler": scaler, "sampler": sampler}
-    session = _session(cfg, info, net, stateful, total, metrics, preempt, built)
+    session = _session(cfg, info, net, stateful, total, metrics, preempt, built, joining)
     trainer = Trainer(cfg=cfg, info=info, bundle=bundle, model=model, optimizer=optimizer,
                       scheduler=scheduler, loader=loader, engine=engine, session=session,
-                      total_steps=total, preempt=preempt)
+                      total_steps=total, preempt=preempt, fingerprint=built)
     session.save = trainer.save
+    trainer.rewrap = lambda: _rewrap(cfg, info, trainer)
     return trainer
+
+
+def _rewrap(cfg: Config, info: DistInfo, trainer: Trainer) -> None:
+    """After the process group was re-formed (in-place recovery): a new DDP over the same
+    module on the new group, and the step vote and straggler exchange that go with it."""
+    net = _wrap(cfg, info, trainer.model)
+    session = trainer.session
+    trainer.engine.rebind(net)
+    session.consensus = make_consensus(net, lambda: trainer.preempt.requested)
+    session.straggler = StragglerMonitor(cfg.metrics.straggler_threshold, info.rank,
+                                         info.world_size, info.device)
 
 
 def _check_same_task(cfg: Config, built: str) -> None:
@@ -151,8 +179,10 @@ def _loader(cfg: Config, info: DistInfo, bundle: TaskBundle) -> ElasticDataLoade
 
 
 def _session(cfg: Config, info: DistInfo, net: nn.Module, stateful: dict[str, Any],
-             total: int, metrics: RankMetrics, preempt: PreemptionFlag, task: str
-             ) -> TrainingSession:
+             total: int, metrics: RankMetrics, preempt: PreemptionFlag, task: str,
+             joining: bool = False) -> TrainingSession:
+    """The session; a joining replacement gets its vote and straggler exchange (collectives)
+    from ``_rewrap``, together with the group it joins."""
     state, sampler = TrainState(), stateful["sampler"]
     stop = StopPolicy(cfg.training.max_steps, cfg.training.max_epochs,
                       EarlyStopping(cfg.early_stopping))
@@ -183,8 +213,8 @@ def _session(cfg: Config, info: DistInfo, net: nn.Module, stateful: dict[str, An
         state=state, sampler=sampler, checkpoints=checkpoints,
         consensus=make_consensus(net, lambda: preempt.requested), stop=stop,
         callbacks=callbacks, device=info.device, rank=info.rank, world_size=info.world_size,
-        straggler=StragglerMonitor(cfg.metrics.straggler_threshold, info.rank,
-                                   info.world_size, info.device),
+        straggler=StragglerMonitor(0.0 if joining else cfg.metrics.straggler_threshold,
+                                   info.rank, info.world_size, info.device),
         options=SessionOptions(cfg.seed, cfg.training.log_every_steps,
                                cfg.training.max_bad_steps),
         lr=lambda: stateful["scheduler"].get_last_lr()[0],

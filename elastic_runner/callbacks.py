@@ -124,6 +124,16 @@ class Callback:
     def on_finish(self, reason: StopReason | None, message: str) -> None:
         pass
 
+    def on_recovered(self, step: int, joining: bool,
+                     last_step: Callable[[], tuple[int, list[int]]]) -> None:
+        """An in-place recovery re-formed the group at ``step`` (``joining``: this process is
+        the replacement); training goes on from there. ``last_step()``: (epoch, this rank's
+        sample indices) of step ``step``."""
+
+    def on_recovery_report(self, report: Any) -> None:
+        """The first step after an in-place recovery is committed; ``report``:
+        :class:`~elastic_runner.inplace.RecoveryReport` with every phase's seconds."""
+
     # CheckpointListener
     def checkpoint_stall(self, seconds: float) -> None:
         pass
@@ -190,6 +200,13 @@ class Callbacks(Callback):
 
     def on_finish(self, reason: StopReason | None, message: str) -> None:
         self._each("on_finish", reason, message)
+
+    def on_recovered(self, step: int, joining: bool,
+                     last_step: Callable[[], tuple[int, list[int]]]) -> None:
+        self._each("on_recovered", step, joining, last_step)
+
+    def on_recovery_report(self, report: Any) -> None:
+        self._each("on_recovery_report", report)
 
     def checkpoint_stall(self, seconds: float) -> None:
         self._each("checkpoint_stall", seconds)

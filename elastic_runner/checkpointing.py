@@ -221,6 +221,15 @@ class CheckpointManager:
         return raw
 
     def _load(self, raw: dict[str, Any], source: str) -> None:
+        self._apply(raw, source)
+        self.after_load(raw)
+        model = self.state.get("model")
+        if isinstance(model, torch.nn.Module):
+            # replicas must be identical after loading, or DDP would average diverged models
+            assert_same_across_ranks(ckpt.tensors_digest(model.state_dict()),
+                                     f"model parameters loaded from {source}")
+
+    def _apply(self, raw: dict[str, Any], source: str) -> None:
         missing = sorted(set(self.state) - set(raw))
         if missing:
             raise ckpt.CheckpointError(f"checkpoint {source} has no state for "
@@ -230,11 +239,14 @@ class CheckpointManager:
             ckpt.check_compatible(model.state_dict(), raw["model"], source)
         for key, obj in self.state.items():
             obj.load_state_dict(raw[key])
-        self.after_load(raw)
-        if isinstance(model, torch.nn.Module):
-            # replicas must be identical after loading, or DDP would average diverged models
-            assert_same_across_ranks(ckpt.tensors_digest(model.state_dict()),
-                                     f"model parameters loaded from {source}")
+
+    def load_from_peer(self, raw: dict[str, Any], peer: int) -> None:
+        """Load ``raw`` (a live peer's :meth:`state_dict`, received during an in-place
+        recovery) into ``state``; the model's tensors are checked first (not collective).
+
+        Raises:
+            CheckpointError: a missing state key or tensors that do not fit the model."""
+        self._apply(raw, f"rank {peer}'s state")
 
     def rollback(self, map_location: str | torch.device = "cpu") -> bool:
         """Wait for the in-flight save, then reload the newest valid checkpoint on all ranks;

@@ -192,6 +192,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)  # fail fast, before any worker starts
     args.shutdown_timeout = cfg.preemption.grace_seconds
     args.metrics = cfg.metrics
+    args.recovery = cfg.recovery
     return launch(args)
 
 

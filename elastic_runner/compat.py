@@ -67,6 +67,15 @@ does when one is gone (required: exit code 2 with one line; optional: a warning,
    way. Torch has no switch for it (``--max-restarts`` counts every failure alike). Without it
    such a job burns its restarts first, as under plain torchrun.
 
+9. **In-place recovery** (``launcher/api.py``: ``launch_agent`` constructs the module global
+   ``LocalElasticAgent``; ``elastic/multiprocessing/api.py``: ``SubprocessContext`` keeps one
+   ``SubprocessHandler`` (``proc``, ``close``) per local rank in ``subprocess_handlers`` and
+   its ``envs``/``args``/``entrypoint``; ``local_elastic_agent.py``: ``_start_workers``,
+   ``_stop_workers``, ``_shutdown``, ``_monitor_workers`` and ``self._pcontext``; optional,
+   agent). :func:`agent_class` makes ``launch_agent`` build
+   :class:`~elastic_runner.inplace_agent.InPlaceAgent`, which swaps a spare into a dead
+   worker's slot. Without them ``run`` recovers by restarting every worker, as torchrun does.
+
 Check 1 is the only required one: losing it breaks elastic membership changes silently (a hang
 until the rendezvous times out). ``ELASTIC_RUNNER_IGNORE_TORCH_CHECK=1`` turns that error into a
 warning for users who must run an untested torch.
@@ -74,6 +83,7 @@ warning for users who must run an untested torch.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import inspect
@@ -341,6 +351,43 @@ def _no_restart_on_bad_input(monitor: Callable[[Any, Any], Any]) -> Callable[[An
     return wrapper
 
 
+# --- 9. in-place recovery ---
+
+def _check_inplace_agent() -> str | None:
+    from torch.distributed.elastic.multiprocessing.api import SubprocessContext
+    from torch.distributed.launcher import api as launcher_api
+
+    if "LocalElasticAgent" not in launcher_api.launch_agent.__code__.co_names:
+        return "torch.distributed.launcher.api.launch_agent no longer builds LocalElasticAgent"
+    for name in ("_start_workers", "_stop_workers", "_shutdown", "_monitor_workers"):
+        if not callable(getattr(LocalElasticAgent, name, None)):
+            return f"LocalElasticAgent.{name} is gone"
+    if not _mentions_name(SubprocessContext._start, "subprocess_handlers"):
+        return "SubprocessContext no longer keeps subprocess_handlers"
+    return None
+
+
+@contextlib.contextmanager
+def agent_class(factory: Callable[..., Any]) -> Iterator[bool]:
+    """Within the block, torch's ``launch_agent`` builds its agent with ``factory`` (same
+    arguments as ``LocalElasticAgent``). Yields False, changing nothing, when fix 9's internals
+    are gone."""
+    from torch.distributed.launcher import api as launcher_api
+
+    problem = _check_inplace_agent()
+    if problem is not None:
+        log.warning("in-place recovery is off (%s): a failed worker restarts all of them",
+                    problem)
+        yield False
+        return
+    saved = launcher_api.LocalElasticAgent
+    launcher_api.LocalElasticAgent = factory  # type: ignore[misc]
+    try:
+        yield True
+    finally:
+        launcher_api.LocalElasticAgent = saved  # type: ignore[misc]
+
+
 # --- start-up check ---
 
 @dataclass(frozen=True)
@@ -360,6 +407,8 @@ FIXES = (
          "an unreachable rendezvous backend fails the job, as under plain torchrun"),
     _Fix("no restart after bad input", ("agent",), False, _check_monitor_workers,
          "a worker's bad-input exit (code 2) is restarted until --max-restarts runs out"),
+    _Fix("in-place recovery", ("agent",), False, _check_inplace_agent,
+         "a failed worker makes the agent restart every worker"),
     _Fix("the agent metrics", ("agent",), False, _check_metric_names,
          "the elastic_runner_agent_state, restarts and rendezvous series stop changing"),
     _Fix("the per-attempt process-group namespace", ("worker",), False, _check_agent_store_env,

@@ -231,6 +231,9 @@ class FaultSpec(_Section):
     count: StrictInt = 1
     repeat: StrictBool = False
     seconds: Float = 0.0  # ``slow``: extra time each of ``count`` steps takes on this rank
+    during: Literal["step", "checkpoint", "evaluation"] = "step"  # sigkill/sigterm/raise:
+    #   after the step (default), while the step's checkpoint is written (after the snapshot),
+    #   or as the evaluation after the step begins
 
 
 class FaultConfig(_Section):
@@ -241,6 +244,23 @@ class FaultConfig(_Section):
     once_dir: str | None = None  # marker files here make each fault fire once per job
     planted_metric: list[Float] | None = None  # replaces the early-stopping metric, one per eval
     perturb_rank: StrictInt | None = None  # this rank's weights diverge after loading a checkpoint
+
+
+class RecoveryConfig(_Section):
+    """What happens when a worker dies (see ``docs/recovery.md``).
+
+    ``in_place`` (``elastic-runner run`` on one node): the surviving workers keep their process,
+    leave the step in flight, re-form the process group with a replacement that the agent takes
+    from a warm spare, and send it their state; a failure with no survivor, a second node, or
+    plain torchrun fall back to ``restart``: torchrun's agent stops every worker and starts new
+    ones, which resume from the newest checkpoint."""
+
+    mode: Literal["in_place", "restart"] = "in_place"
+    spare: StrictBool = True  # keep one warm replacement per node (imported, task built)
+    detect_timeout_seconds: Float = Field(10.0, gt=0)  # a rank whose collective failed waits
+    #   this long for its agent to name a failed peer; then the error is a failure as before
+    join_timeout_seconds: Float = Field(120.0, gt=0)  # re-forming the group with the
+    #   replacement (covers a spare that is still starting)
 
 
 class PreemptionConfig(_Section):
@@ -305,6 +325,7 @@ class Config(_Section):
     audit: AuditConfig = Field(default_factory=AuditConfig)
     watchdog: WatchdogConfig = Field(default_factory=WatchdogConfig)
     preemption: PreemptionConfig = Field(default_factory=PreemptionConfig)
+    recovery: RecoveryConfig = Field(default_factory=RecoveryConfig)
     faults: FaultConfig = Field(default_factory=FaultConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
 

@@ -115,6 +115,10 @@ class StepConsensus(ABC):
         finally:
             self._step_loss = None
 
+    def reset(self) -> None:
+        """Forget a step proposed but never decided (its collective failed)."""
+        self._step_loss = None
+
     def _flags(self) -> torch.Tensor:
         """This rank's (non-finite loss, stop) as a float tensor on the loss's device."""
         loss = self._step_loss

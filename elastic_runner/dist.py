@@ -143,12 +143,14 @@ def _check_deadline(deadline: float, timeout_s: float, what: str) -> None:
         raise TimeoutError(f"process-group handshake: waited {timeout_s:.0f} s for {what}")
 
 
-def init_distributed(backend: str = "auto", timeout_s: float = 600.0) -> DistInfo:
+def init_distributed(backend: str = "auto", timeout_s: float = 600.0,
+                     store: dist.Store | None = None) -> DistInfo:
     """Initialise the default process group from torchrun's environment.
 
     Without ``WORLD_SIZE`` in the environment (no launcher) no process group is created and the
-    run is world size 1. Under torchrun with a shared agent store, the group's store is namespaced
-    per attempt (see module docstring).
+    run is world size 1. ``store``: the group's store (in-place recovery's generation store,
+    see ``inplace.py``); without it, under torchrun with a shared agent store, the group's store
+    is namespaced per attempt (see module docstring).
     """
     rank = _env_int("RANK", 0)
     local_rank = _env_int("LOCAL_RANK", 0)
@@ -171,7 +173,9 @@ def init_distributed(backend: str = "auto", timeout_s: float = 600.0) -> DistInf
     kwargs: dict[str, Any] = {"backend": backend, "timeout": timeout}
     if device.type == "cuda":
         kwargs["device_id"] = device
-    if shares_agent_store():
+    if store is not None:
+        kwargs.update(store=store, rank=rank, world_size=world_size)
+    elif shares_agent_store():
         store = agent_store(timeout)
         namespace = attempt_namespace(store, rank, world_size, timeout_s)
         log.debug("rank %d: process-group namespace %s", rank, namespace)

@@ -49,6 +49,10 @@ class StepEngine:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self._ddp = isinstance(net, DDP)
 
+    def rebind(self, net: nn.Module) -> None:
+        """Train through ``net`` from now on (a new DDP wrapper of the same module)."""
+        self.net, self._ddp = net, isinstance(net, DDP)
+
     def step(self, micro_batches: list[Any], session: TrainingSession) -> torch.Tensor:
         """One optimizer step; returns the step's loss (detached, on the device, not read)."""
         n = len(micro_batches)

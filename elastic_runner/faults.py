@@ -84,17 +84,22 @@ class FaultInjector:
                 log.warning("fault injection: rank %d hangs in step %d", self.rank, step)
                 _hang_forever()
 
-    def after_step(self, step: int, steps_this_attempt: int) -> None:
-        """Fire ``sigkill`` / ``sigterm`` / ``raise`` faults due after ``step`` completed."""
+    def after_step(self, step: int, steps_this_attempt: int, during: str = "step") -> None:
+        """Fire ``sigkill`` / ``sigterm`` / ``raise`` faults due after ``step`` completed
+        (``during``: ``"step"``), while its checkpoint is written (``"checkpoint"``) or as its
+        evaluation begins (``"evaluation"``)."""
         for i, spec in self.specs:
-            if spec.kind not in ("sigkill", "sigterm", "raise"):
+            if spec.kind not in ("sigkill", "sigterm", "raise") or spec.during != during:
                 continue
             if not (self._due(spec, step, steps_this_attempt) and self._take(i, spec, step)):
                 continue
-            log.warning("fault injection: rank %d %s after step %d (%d steps of attempt %d)",
-                        self.rank, spec.kind, step, steps_this_attempt, self.restart_count)
+            where = "after" if during == "step" else f"during the {during} of"
+            log.warning("fault injection: rank %d %s %s step %d (%d steps of attempt %d)",
+                        self.rank, spec.kind, where, step, steps_this_attempt,
+                        self.restart_count)
             if spec.kind == "raise":
-                raise InjectedFault(f"fault injection: rank {self.rank} raises after step {step}")
+                raise InjectedFault(f"fault injection: rank {self.rank} raises {where} step "
+                                    f"{step}")
             for handler in logging.getLogger("elastic_runner").handlers:
                 handler.flush()
             os.kill(os.getpid(), signal.SIGKILL if spec.kind == "sigkill" else signal.SIGTERM)

@@ -14,6 +14,8 @@ from __future__ import annotations
 import json
 import logging
 import math
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +30,7 @@ from .data import ElasticDataLoader
 from .dist import DistInfo, all_reduce_sums
 from .engine import StepEngine, precision_dtype
 from .faults import planted_metric
+from .inplace import InPlaceRecovery, NoRecovery, RecoveryReport
 from .preempt import PreemptionFlag
 from .sampler import ElasticSampler, shard_indices
 from .session import RollbackRequested, TrainingFailed, TrainingSession
@@ -69,7 +72,13 @@ class Trainer:
     total_steps: int
     preempt: PreemptionFlag
     results: dict[str, Any] = field(default_factory=dict)
+    fingerprint: str = ""  # the task's build (tasks.base.task_fingerprint)
+    recovery: InPlaceRecovery | NoRecovery = field(default_factory=NoRecovery)
+    rewrap: Callable[[], None] = lambda: None  # a new DDP (and vote) on the current group
+    after_done: int = 0  # the last step whose evaluation / checkpoint work is done
     _best_pending: bool = False
+    _recovering: RecoveryReport | None = None
+    _t_recovered: float = 0.0
 
     @property
     def state(self) -> TrainState:
@@ -97,33 +106,66 @@ class Trainer:
 
     # ------------------------------------------------------------ the loop
 
-    def fit(self) -> dict[str, Any]:
+    def fit(self, joined: bool = False) -> dict[str, Any]:
+        """Train until a stop; ``joined``: this process replaced a failed worker
+        (``inplace.rejoin`` has opened the reporting at the group's step)."""
         if self.stop.reason is StopReason.FAILED:
             raise TrainingFailed(self.stop.message)
         if self.stop.stopped:
             log.info("training already finished at step %d (%s); nothing to do",
                      self.state.step, self.stop.message)
             return self.results
-        self.session.start()
+        if not joined:
+            self.session.start()
+            self.after_done = self.state.step
         try:
             while not self.stop.stopped:
                 try:
                     self._run_epoch()
                 except RollbackRequested:
                     self.session.rollback()
+                except RuntimeError as e:  # a collective failed: did a peer die?
+                    if isinstance(e, TrainingFailed):
+                        raise
+                    self._recover(e)
         finally:
             self.session.close()  # the last checkpoint is committed before we go on
         self._report()
         return self.results
 
+    def _recover(self, error: RuntimeError) -> None:
+        """In-place recovery (``inplace.py``), or re-raise ``error`` when no peer died or
+        recovery is off (torchrun then restarts every worker)."""
+        self.session.abandon_step()
+        self.optimizer.zero_grad(set_to_none=True)  # the failed step's partial gradients
+        report = self.recovery.recover(error, self)
+        if report is None:
+            raise error
+        self._recovering, self._t_recovered = report, time.perf_counter()
+
     def _run_epoch(self) -> None:
         session = self.session
+        # a recovery interrupted the last step's evaluation or checkpoint: redo it
+        if self.after_done < self.state.step and self._after_step(
+                end_of_epoch=self.sampler.steps_left_in_epoch() == 0):
+            return
         for micro_batches in self._steps():  # the cursor moves only on finished steps
             loss = self.engine.step(micro_batches, session)  # no host sync but the vote
             session.end_step(loss)  # counters, reporting, guards, preemption
+            if self._recovering is not None:
+                self._recovered()
             if self._after_step(end_of_epoch=self.sampler.steps_left_in_epoch() == 0):
                 return
         self._end_epoch()
+
+    def _recovered(self) -> None:
+        """The first step after an in-place recovery is committed: report the recovery."""
+        report, self._recovering = self._recovering, None
+        report.phases["first step"] = time.perf_counter() - self._t_recovered
+        log.warning("in-place recovery %d done: step %d committed %.3f s after the failure "
+                    "(%s)", report.generation, self.state.step, report.seconds,
+                    ", ".join(f"{k} {v:.3f} s" for k, v in report.phases.items()))
+        self.session.callbacks.on_recovery_report(report)
 
     def _steps(self) -> Any:
         """The epoch's remaining steps, each a list of micro-batches, fetched after
@@ -144,12 +186,14 @@ class Trainer:
             self._evaluate_and_decide()
         if self.session.check_limits():
             self.save()
+            self.after_done = self.state.step
             return True
         epoch_save = end_of_epoch and self.cfg.checkpoint.at_epoch_end  # _end_epoch saves
         due = (not epoch_save and not self.state.bad_in_row
                and self.checkpoints.due(self.state.step))
         if due or (self._best_pending and not epoch_save):
             self.save(step_checkpoint=due)
+        self.after_done = self.state.step
         return False
 
     def _end_epoch(self) -> None:

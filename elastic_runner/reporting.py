@@ -134,6 +134,10 @@ class ProgressBar(Callback):
         self.close()
         self.bar = tqdm(total=self.total_steps, initial=step, unit="step", dynamic_ncols=True)
 
+    def on_recovered(self, step: int, joining: bool, last_step: Any) -> None:
+        if joining:
+            self.on_resumed(step)
+
     def on_step_end(self, e: StepEnd) -> None:
         if self.bar is not None:
             self.bar.update(1)
@@ -171,6 +175,18 @@ class SampleTraceRecorder(Callback):
         self.trace = audit.SampleTrace(self.directory, self.rank)
 
     on_rollback = on_resumed
+
+    def on_recovered(self, step: int, joining: bool,
+                     last_step: Callable[[], tuple[int, list[int]]]) -> None:
+        """In-place recovery at ``step``: the trace is rewound to it, and this rank's entry of
+        ``step`` is written if the step was committed but its entry was not (the peer died
+        in the step's loss collective, or this process replaces one that died there)."""
+        self.on_resumed(step)
+        if step > 0 and step not in audit.steps_recorded(self.directory, self.rank):
+            epoch, indices = last_step()
+            self.trace.record_step(epoch, step, self.world_size, None, indices)
+            step_log.info("sample trace: wrote the entry of step %d for rank %d", step,
+                          self.rank)
 
     def on_step_end(self, e: StepEnd) -> None:
         self.trace.record_step(e.epoch, e.step, self.world_size, e.mean_loss, e.indices(),
@@ -219,6 +235,7 @@ class FaultInjection(Callback):
     def __init__(self, injector: FaultInjector) -> None:
         self.injector = injector
         self._attempt_steps = 0
+        self._step = 0
 
     def on_step_begin(self, step: int, steps_this_attempt: int) -> None:
         self._attempt_steps = steps_this_attempt
@@ -229,7 +246,16 @@ class FaultInjection(Callback):
         return self.injector.poison_loss(step, self._attempt_steps)
 
     def on_step_end(self, e: StepEnd) -> None:
+        self._step = e.step
         self.injector.after_step(e.step, self._attempt_steps)
+
+    def on_phase(self, phase: str, what: str, long: bool) -> None:
+        if phase == "evaluating":
+            self.injector.after_step(self._step, self._attempt_steps, "evaluation")
+
+    def checkpoint_stall(self, seconds: float) -> None:
+        # the snapshot is taken; an asynchronous save is now writing in the background
+        self.injector.after_step(self._step, self._attempt_steps, "checkpoint")
 
 
 def runner_callbacks(metrics: RankMetrics, budgets: Budgets, rank: int, world_size: int,

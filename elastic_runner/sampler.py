@@ -81,6 +81,15 @@ class ElasticSampler:
         """Mark one optimizer step's global batch as trained."""
         self.cursor += self.global_batch_size
 
+    def last_step(self) -> tuple[int, list[int]]:
+        """(epoch, this rank's indices) of the step that ended at the current position (the
+        cursor, or the end of the previous epoch at an epoch's start)."""
+        if self.cursor >= self.global_batch_size:
+            epoch, start = self.epoch, self.cursor - self.global_batch_size
+        else:
+            epoch, start = self.epoch - 1, (self.steps_per_epoch() - 1) * self.global_batch_size
+        return epoch, [i for mb in self.step_indices(start, epoch) for i in mb]
+
     def step_indices(self, cursor: int, epoch: int | None = None) -> list[list[int]]:
         """This rank's micro-batches of the optimizer step that starts at ``cursor`` of
         ``epoch`` (default: the current epoch)."""

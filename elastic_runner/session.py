@@ -159,6 +159,15 @@ class TrainingSession:
         self._decision = self.consensus.decide(grad_norm, overflow_ok)
         return self._decision.commit
 
+    def abandon_step(self) -> None:
+        """A collective of the step in flight failed (a peer died): forget the step's vote and
+        the pending logging collective; the step is redone after the group is re-formed, with
+        the first step's watchdog budget."""
+        self._decision, self._log = None, None
+        self.consensus.reset()
+        self.straggler.reset()
+        self.steps_this_attempt = 0
+
     @property
     def discarding(self) -> bool:
         """The step in flight is discarded (a stop): nothing of it may be applied, not even an

@@ -48,6 +48,10 @@ class StragglerMonitor:
         if threshold and dist.is_initialized() and world_size > 1:
             dist.all_gather_object(self.hosts, socket.gethostname())
 
+    def reset(self) -> None:
+        """Drop an exchange in flight (its group is gone after a peer died)."""
+        self._work, self._parts = None, []
+
     def add(self, local_seconds: float) -> None:
         """Record the rank-local time (seconds) of one step."""
         self._sum += local_seconds

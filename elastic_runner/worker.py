@@ -17,15 +17,18 @@ import psutil
 import torch
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
+from .build import build_task, build_trainer
 from .checkpoint import CheckpointError
 from .compat import check_torch
-from .config import ConfigError, MetricsConfig, load_config
+from .config import Config, ConfigError, MetricsConfig, load_config
 from .dist import destroy_distributed, init_distributed
 from .health import MetricsServer
+from .inplace import SPARE_ENV, InPlaceRecovery, rejoin
 from .logs import setup_logging
-from .loop import TrainingFailed, build_trainer
+from .loop import TrainingFailed
 from .metrics import AGENT_ENV, RankMetrics
 from .preempt import EXIT_PREEMPTED, Preempted
+from .tasks.base import TaskBundle
 
 log = logging.getLogger("elastic_runner.worker")
 
@@ -44,7 +47,7 @@ def main(config_path: str, overrides: list[str], resume: bool = True, verbose: b
     entered = time.time()
     setup_logging(int(os.environ.get("RANK", 0)), verbose)
     try:
-        return _train(config_path, overrides, resume, entered)
+        return _train(config_path, overrides, resume, entered, verbose)
     except tuple(_EXPECTED) as e:
         # an expected ending: one message and an exit code, the error file names it for the
         # agent's summary, no traceback
@@ -55,10 +58,14 @@ def main(config_path: str, overrides: list[str], resume: bool = True, verbose: b
 
 
 @record
-def _train(config_path: str, overrides: list[str], resume: bool, entered: float) -> int:
+def _train(config_path: str, overrides: list[str], resume: bool, entered: float,
+           verbose: bool = False) -> int:
     check_torch("worker")
     # --no-resume: nothing stored is reused, neither checkpoints nor task artifacts
     cfg = load_config(config_path, [*overrides, *([] if resume else ["checkpoint.resume=false"])])
+    recovery = InPlaceRecovery.from_env(cfg.recovery)
+    spare = os.environ.get(SPARE_ENV) if recovery.active else None
+    task = stand_by(cfg, recovery, spare, verbose) if spare else None
     metrics, server = worker_metrics(cfg.metrics)
     metrics.phase("starting", None)  # joining the process group is not a hang
     info = None
@@ -66,17 +73,23 @@ def _train(config_path: str, overrides: list[str], resume: bool, entered: float)
     linger = 0.0
     try:
         marks = [psutil.Process().create_time(), entered]
-        info = init_distributed(cfg.distributed.backend, cfg.distributed.timeout_seconds)
+        store = recovery.group_store() if recovery.active else None
+        info = init_distributed(cfg.distributed.backend, cfg.distributed.timeout_seconds, store)
+        recovery.backend = info.backend
         marks.append(time.time())
-        trainer = build_trainer(cfg, info, metrics)
+        trainer = build_trainer(cfg, info, metrics, task, joining=task is not None)
+        trainer.recovery = recovery
         trainer.preempt.install()
         marks.append(time.time())
-        if cfg.checkpoint.resume:
+        if task is not None:
+            rejoin(trainer, joining=True)
+        elif cfg.checkpoint.resume:
             trainer.resume()
         marks.append(time.time())
-        if info.rank == 0:
+        recovery.announce_built(info.rank)
+        if info.rank == 0 and task is None:
             log_startup(marks)
-        trainer.fit()
+        trainer.fit(joined=task is not None)
         linger = cfg.metrics.linger_seconds  # a final scrape sees the ending (not on errors)
     finally:
         if trainer is not None:
@@ -87,6 +100,24 @@ def _train(config_path: str, overrides: list[str], resume: bool, entered: float)
             threading.Event().wait(linger)
             server.close()
     return 0
+
+
+def stand_by(cfg: Config, recovery: InPlaceRecovery, spare: str, verbose: bool
+             ) -> tuple[TaskBundle, str]:
+    """A warm spare: build the task's data and model now, then wait until the agent hands
+    this process a failed worker's place (its RANK, LOCAL_RANK, ... become this process's
+    environment). Stored task artifacts are read, never remade (the job made them)."""
+    reuse = cfg.model_copy(deep=True)
+    reuse.checkpoint.resume = True
+    task = build_task(reuse)
+    t0 = time.time()
+    env = recovery.wait_assignment(spare)
+    os.environ.update(env)
+    setup_logging(int(env["RANK"]), verbose)
+    log.warning("spare %s replaces rank %s (local_rank %s) in generation %d, after standing by "
+                "%.1f s", spare, env["RANK"], env["LOCAL_RANK"], recovery.generation,
+                time.time() - t0)
+    return task
 
 
 def log_startup(marks: list[float]) -> None:

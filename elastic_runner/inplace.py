@@ -1,0 +1,319 @@
+"""In-place recovery, the workers' side: survivors keep their process when a peer dies.
+
+Under ``elastic-runner run`` on one node (``recovery.mode: in_place``) the agent
+(:mod:`elastic_runner.inplace_agent`) hosts a small TCPStore for the job's attempt and names it
+in :data:`ENV`. The process group of *generation* ``g`` lives under ``<prefix>/pg/<g>/`` of that
+store (a ``PrefixStore``, as :func:`~elastic_runner.dist.attempt_namespace` namespaces restarted
+groups), so a re-formed group never reads a dead member's keys, and the store outlives every
+worker (the workers' own rank-0 store would die with rank 0).
+
+Protocol (sequence diagram in ``docs/recovery.md``):
+
+1. A peer dies; a survivor's next collective fails (gloo: "Connection closed by peer").
+   :meth:`InPlaceRecovery.recover` waits up to ``recovery.detect_timeout_seconds`` for the agent
+   to publish generation ``g+1`` (``<prefix>/gen/<g+1>``: the failed ranks). Nothing is
+   published when no worker died (a bug, a timeout): the error is re-raised, as before.
+2. The agent hands the failed rank to its warm spare (a process that has imported torch and
+   built the task's data and model, waiting for ``<prefix>/spare/<n>/assign``).
+3. Survivors destroy the old group; all members create group ``g+1`` (same ranks, same world
+   size). :func:`rejoin` all-gathers each member's progress (committed step, whether that step's
+   evaluation/checkpoint is done) and task fingerprint; the member furthest along is the
+   source. It sends its checkpoint state (model, optimizer, scheduler, sampler cursor, step
+   counters, stop policy, RNG) to the joiner and to any member behind it, as ``torch.save``
+   bytes over the group (``torch.load(weights_only=True)`` on the receiver). No checkpoint is
+   read.
+4. Everyone wraps the model in a new DDP on the new group, the trainer re-creates its data
+   iterator from the sampler cursor and trains on. The step in flight was applied by nobody (its
+   gradient all-reduce failed, or its update vote never completed), its samples stay
+   unconsumed, and each step reseeds its RNG streams from ``(seed, epoch, step, rank)``: the run
+   goes on bitwise as if nothing happened.
+
+A process started without :data:`ENV` (plain torchrun, ``recovery.mode: restart``, a second
+node) gets :class:`NoRecovery`: errors propagate and torchrun restarts everyone.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from .config import ConfigError
+
+if TYPE_CHECKING:
+    from .loop import Trainer
+
+log = logging.getLogger(__name__)
+
+ENV = "ELASTIC_RUNNER_INPLACE"  # "<host>:<port>/<prefix>": the agent's recovery store
+SPARE_ENV = "ELASTIC_RUNNER_SPARE"  # set on a spare only: its number
+GENERATION_ENV = "ELASTIC_RUNNER_GENERATION"  # set on a replacement: the group it joins
+PHASES = ("detection", "teardown", "group", "state", "first step")
+_POLL_S = 0.005
+
+
+@dataclass
+class RecoveryReport:
+    """One in-place recovery as this rank saw it. ``phases`` (seconds): ``detection`` (the
+    failed collective -> the agent named the failed rank), ``teardown`` (old group destroyed),
+    ``group`` (new group formed, including waiting for the replacement), ``state`` (progress
+    exchanged, state sent to the joiner, DDP re-wrapped), ``first step`` (-> the next committed
+    step; filled in by the trainer)."""
+
+    generation: int
+    failed_ranks: list[int]
+    step: int
+    phases: dict[str, float] = field(default_factory=dict)
+    source: int = 0
+    received: bool = False
+
+    @property
+    def seconds(self) -> float:
+        return sum(self.phases.values())
+
+
+def connect(address: str, timeout_s: float) -> tuple[dist.Store, str]:
+    """The agent's recovery store and this attempt's key prefix, from :data:`ENV`'s value."""
+    hostport, prefix = address.split("/", 1)
+    host, port = hostport.rsplit(":", 1)
+    store = dist.TCPStore(host, int(port), is_master=False,
+                          timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+    return store, prefix
+
+
+class NoRecovery:
+    """Recovery off (plain torchrun, ``recovery.mode: restart``): every error propagates."""
+
+    active = False
+    generation = 0
+    backend = ""
+
+    def announce_built(self, rank: int) -> None:
+        pass
+
+    def recover(self, error: BaseException, trainer: Trainer) -> RecoveryReport | None:
+        return None
+
+
+class InPlaceRecovery:
+    """This worker's side of the protocol in the module docstring.
+
+    Args:
+        store: the agent's recovery store; ``prefix``: this attempt's keys in it.
+        generation: the group this process (first) joins: 0 at the attempt's start, the
+            announced one for a replacement.
+        detect_timeout_s: how long a failed collective waits for the agent's announcement.
+        join_timeout_s: the limit for forming a new group (covers a replacement still
+            starting).
+        backend: the process-group backend (``gloo``/``nccl``).
+    """
+
+    active = True
+
+    def __init__(self, store: dist.Store, prefix: str, generation: int, detect_timeout_s: float,
+                 join_timeout_s: float, backend: str = "gloo") -> None:
+        self.store, self.prefix, self.generation = store, prefix, generation
+        self.detect_timeout_s, self.join_timeout_s = detect_timeout_s, join_timeout_s
+        self.backend = backend
+
+    @classmethod
+    def from_env(cls, cfg: Any) -> InPlaceRecovery | NoRecovery:
+        """From the agent's :data:`ENV` (``cfg``: the ``recovery`` config section), else
+        :class:`NoRecovery`. Set :attr:`backend` once the group exists."""
+        address = os.environ.get(ENV)
+        if not address or cfg.mode != "in_place":
+            return NoRecovery()
+        store, prefix = connect(address, cfg.join_timeout_seconds)
+        return cls(store, prefix, int(os.environ.get(GENERATION_ENV, 0)),
+                   cfg.detect_timeout_seconds, cfg.join_timeout_seconds)
+
+    def key(self, *parts: object) -> str:
+        return "/".join([self.prefix, *map(str, parts)])
+
+    def group_store(self, rank: int | None = None, world_size: int | None = None
+                    ) -> dist.Store:
+        """The store of the process group to create: the current generation's, once all
+        ``world_size`` members have shown up in it (a newer generation announced meanwhile,
+        e.g. the replacement died while joining, is followed)."""
+        if rank is None:
+            rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        assert world_size is not None
+        deadline = time.monotonic() + self.join_timeout_s
+        while True:
+            self.store.set(self.key("pg", self.generation, "present", rank), "1")
+            present = [self.key("pg", self.generation, "present", r) for r in range(world_size)]
+            newer = self.key("gen", self.generation + 1)
+            while not self.store.check(present):
+                if self.store.check([newer]):
+                    break
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"in-place recovery: generation {self.generation} did "
+                                       f"not form within {self.join_timeout_s:.0f} s "
+                                       "(recovery.join_timeout_seconds)")
+                time.sleep(_POLL_S)
+            else:
+                return dist.PrefixStore(self.key("pg", self.generation) + "/", self.store)
+            log.warning("generation %d was superseded while forming (another worker died); "
+                        "joining %d", self.generation, self.generation + 1)
+            self.generation += 1
+
+    def announce_built(self, rank: int) -> None:
+        """Rank 0 tells the agent the workers have built the task: it may start the spare now
+        without competing with the workers' start-up (and a task artifact exists)."""
+        if rank == 0:
+            self.store.set(self.key("built"), "1")
+
+    # ------------------------------------------------------------ recovery
+
+    def recover(self, error: BaseException, trainer: Trainer) -> RecoveryReport | None:
+        """After ``error`` in a collective: re-form the group without leaving the process.
+
+        Returns:
+            The report, or None when the agent named no failed peer within
+            ``detect_timeout_s`` (the caller re-raises ``error``).
+        """
+        t0 = time.perf_counter()
+        announced = self._wait_generation(self.generation + 1, self.detect_timeout_s)
+        if announced is None:
+            log.error("collective failed and no peer died within %.0f s "
+                      "(recovery.detect_timeout_seconds): %s", self.detect_timeout_s,
+                      _first_line(error))
+            return None
+        report = RecoveryReport(self.generation + 1, announced["failed"], trainer.state.step)
+        log.warning("in-place recovery: rank(s) %s died (%s); generation %d, the rest keep "
+                    "their process", announced["failed"], _first_line(error),
+                    report.generation)
+        trainer.session.callbacks.on_phase("recovering", "in-place recovery", True)
+        t1 = time.perf_counter()
+        report.phases["detection"] = t1 - t0
+        dist.destroy_process_group()
+        t2 = time.perf_counter()
+        report.phases["teardown"] = t2 - t1
+        self._form_group(trainer.info.rank, trainer.info.world_size, report.generation)
+        report.generation = self.generation  # a later one if the replacement died too
+        t3 = time.perf_counter()
+        report.phases["group"] = t3 - t2
+        rejoin(trainer, joining=False, report=report)
+        report.phases["state"] = time.perf_counter() - t3
+        return report
+
+    def _wait_generation(self, generation: int, timeout_s: float) -> dict[str, Any] | None:
+        key = self.key("gen", generation)
+        try:
+            self.store.wait([key], timedelta(seconds=timeout_s))
+        except (RuntimeError, dist.DistStoreError):  # timed out (or the agent is gone)
+            return None
+        return json.loads(self.store.get(key))
+
+    def _form_group(self, rank: int, world_size: int, generation: int) -> None:
+        """Create generation ``generation``'s group (or a newer one's, see
+        :meth:`group_store`); a group that fails to form because a newer generation was
+        announced meanwhile moves on to that one."""
+        self.generation = generation
+        while True:
+            store = self.group_store(rank, world_size)
+            try:
+                dist.init_process_group(self.backend, store=store, rank=rank,
+                                        world_size=world_size,
+                                        timeout=timedelta(seconds=self.join_timeout_s))
+                return
+            except (RuntimeError, dist.DistError) as e:
+                if not self.store.check([self.key("gen", self.generation + 1)]):
+                    raise
+                log.warning("generation %d did not form (%s); joining %d", self.generation,
+                            _first_line(e), self.generation + 1)
+                if dist.is_initialized():
+                    dist.destroy_process_group()
+                self.generation += 1
+
+    # ------------------------------------------------------------ the spare
+
+    def wait_assignment(self, spare: str, ready: Callable[[], None] = lambda: None
+                        ) -> dict[str, str]:
+        """A spare (after building the task) tells the agent it is ready and blocks until the
+        agent hands it a failed worker's place; returns that worker's environment (RANK,
+        LOCAL_RANK, ... and :data:`GENERATION_ENV`)."""
+        self.store.set(self.key("spare", spare, "ready"), "1")
+        ready()
+        key = self.key("spare", spare, "assign")
+        while True:
+            try:
+                self.store.wait([key], timedelta(days=365))
+                break
+            except RuntimeError:  # a wait timeout; the agent's death raises DistStoreError
+                continue
+        env = json.loads(self.store.get(key))
+        self.generation = int(env[GENERATION_ENV])
+        return env
+
+
+def rejoin(trainer: Trainer, joining: bool, report: RecoveryReport | None = None) -> None:
+    """All members of a new group (the survivors and the joiner) agree on the state to go on
+    from and install it (module docstring, step 3-4). Collective.
+
+    Raises:
+        ConfigError: the joiner built another task than the survivors (fingerprints differ).
+    """
+    rank, world_size = trainer.info.rank, trainer.info.world_size
+    mine = {"step": trainer.state.step, "after": trainer.after_done, "joining": joining,
+            "fingerprint": trainer.fingerprint}
+    everyone: list[Any] = [None] * world_size
+    dist.all_gather_object(everyone, mine)
+    prints = {s["fingerprint"] for s in everyone}
+    if len(prints) > 1:
+        raise ConfigError("the replacement built another task than the survivors: "
+                          + "; ".join(f"rank {r}: {s['fingerprint']}"
+                                      for r, s in enumerate(everyone)))
+    candidates = [r for r, s in enumerate(everyone) if not s["joining"]]
+    if not candidates:
+        raise RuntimeError("in-place recovery: no survivor holds the state")
+    src = max(candidates, key=lambda r: (everyone[r]["step"], everyone[r]["after"], -r))
+    best = everyone[src]
+    receivers = [r for r, s in enumerate(everyone)
+                 if s["joining"] or (s["step"], s["after"]) != (best["step"], best["after"])]
+    # nccl moves device tensors only; gloo host tensors
+    wire = trainer.info.device if dist.get_backend() == "nccl" else torch.device("cpu")
+    if rank == src and receivers:
+        payload = _pack(trainer.checkpoints.state_dict()).to(wire)
+        for r in receivers:
+            dist.send(torch.tensor([payload.numel()], dtype=torch.int64, device=wire), dst=r)
+            dist.send(payload, dst=r)
+    elif rank in receivers:
+        size = torch.zeros(1, dtype=torch.int64, device=wire)
+        dist.recv(size, src=src)
+        payload = torch.empty(int(size.item()), dtype=torch.uint8, device=wire)
+        dist.recv(payload, src=src)
+        trainer.checkpoints.load_from_peer(_unpack(payload, trainer.info.device), src)
+    trainer.after_done = best["after"]
+    if report is not None:
+        report.source, report.received = src, rank in receivers
+    trainer.rewrap()
+    trainer.session.callbacks.on_recovered(trainer.state.step, joining,
+                                           trainer.sampler.last_step)
+    log.info("rank %d %s step %d from rank %d", rank,
+             "received the state of" if rank in receivers else "goes on at", best["step"], src)
+
+
+def _pack(state: dict[str, Any]) -> torch.Tensor:
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    return torch.frombuffer(bytearray(buf.getbuffer()), dtype=torch.uint8)
+
+
+def _unpack(payload: torch.Tensor, device: torch.device) -> dict[str, Any]:
+    return torch.load(io.BytesIO(payload.cpu().numpy().tobytes()), map_location=device,
+                      weights_only=True)
+
+
+def _first_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0] if lines else ''}"

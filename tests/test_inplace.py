@@ -1,0 +1,99 @@
+"""In-place recovery with real processes (``elastic-runner run``, gloo): workers SIGKILLed from
+outside, one during a checkpoint write, one during an evaluation, one while its replacement is
+joining; the survivors keep their process, the replacement gets the state from a live peer,
+and the run ends bitwise equal to an uninterrupted one with an exact sample audit."""
+
+from __future__ import annotations
+
+import re
+import signal
+
+import psutil
+import pytest
+
+from elastic_runner import audit
+
+from .procs import CONFIGS, cli, free_port, wait_until
+from .test_train_torchrun import assert_same_tensors, final_state
+
+pytestmark = pytest.mark.slow
+
+DIGITS = str(CONFIGS / "digits.yaml")
+STEPS = 1200
+COMMON = [DIGITS, "logging.tensorboard_dir=null", "early_stopping.enabled=false",
+          f"training.max_steps={STEPS}", "training.max_epochs=1000", "checkpoint.every_steps=40",
+          "training.log_every_steps=10", "eval.every_steps=0"]
+# digits: 19 steps per epoch at world size 2 (global batch 64), evaluated at each epoch's end
+FAULTS = ("faults.inject=[{kind: sigkill, rank: 0, step: 40, during: checkpoint},"
+          " {kind: sigkill, rank: 1, step: 76, during: evaluation},"
+          " {kind: slow, rank: 0, step: 1, count: 100000, seconds: 0.03}]")
+OUTSIDE_KILLS = 10
+_REPLACED = re.compile(r"rank\(s\) \[(\d+)\] exited with code\(s\) \[(-?\d+)\]: replaced in "
+                       r"place by (\w+) spare\(s\) pid\(s\) \[(\d+)\] \(generation (\d+)")
+_DONE = re.compile(r"in-place recovery (\d+) done: step (\d+) committed ([\d.]+) s")
+_WENT_ON = re.compile(r"\[rank0\] INFO elastic_runner\.inplace: rank 0 (?:goes on at|received the "
+                      r"state of) step (\d+)")
+
+
+def replacements(log: str) -> list[tuple[int, int, str, int, int]]:
+    """(rank, exit code, warm/cold, new pid, generation) of each replacement in the log."""
+    return [(int(m[1]), int(m[2]), m[3], int(m[4]), int(m[5])) for m in _REPLACED.finditer(log)]
+
+
+def done(log: str) -> dict[int, int]:
+    """generation -> the step committed first after that recovery."""
+    return {int(m[1]): int(m[2]) for m in _DONE.finditer(log)}
+
+
+def test_ten_kills_a_checkpoint_write_an_evaluation_and_a_joiner(launch, tmp_path):
+    ref_ck = tmp_path / "ref"
+    ref = launch(cli("run", *COMMON, f"checkpoint.dir={ref_ck}", "--nproc-per-node", "2"),
+                 name="reference")
+
+    ck, trace, port = tmp_path / "ck", tmp_path / "trace", free_port()
+    job = launch(cli("run", *COMMON, FAULTS, f"faults.once_dir={tmp_path / 'once'}",
+                     f"checkpoint.dir={ck}", "--trace-samples", str(trace), "--nproc-per-node",
+                     "2", "--max-restarts", "20", "--metrics-port", str(port)), name="job")
+    # the two injected faults: rank 0 dies while step 40's checkpoint is written (after the
+    # snapshot, in the background write), rank 1 as step 76's evaluation begins
+    wait_until(lambda: len(done(job.output)) >= 2, 240, "the two injected faults' recoveries")
+    assert [r[:2] for r in replacements(job.output)] == [(0, -9), (1, -9)]
+    assert not (ck / "step-00000040").exists() or (ck / "step-00000040" / "MANIFEST").exists()
+
+    pids = {rank: p.pid for rank, p in job.workers().items() if rank >= 0}
+    for rank, _, _, pid, _ in replacements(job.output):  # the spares' RANK is set later
+        pids[rank] = pid
+    generation = len(replacements(job.output))
+    lost = []
+    for i in range(OUTSIDE_KILLS):
+        rank = i % 2
+        before = max(audit.steps_recorded(trace, 0) | audit.steps_recorded(trace, 1))
+        psutil.Process(pids[rank]).send_signal(signal.SIGKILL)
+        generation += 1
+        wait_until(lambda g=generation: len(replacements(job.output)) >= g, 60,
+                   f"kill {i + 1}: the agent replacing rank {rank}")
+        new = replacements(job.output)[generation - 1]
+        assert new[:2] == (rank, -9) and new[4] == generation, new
+        pids[rank] = new[3]
+        if i == 4:  # the replacement dies while it joins: the group forms with the next one
+            psutil.Process(new[3]).send_signal(signal.SIGKILL)
+            generation += 1
+            wait_until(lambda g=generation: len(replacements(job.output)) >= g, 60,
+                       "the agent replacing the joiner")
+            pids[rank] = replacements(job.output)[generation - 1][3]
+        wait_until(lambda g=generation: g in done(job.output), 120,
+                   f"kill {i + 1}: a step committed after generation {generation}")
+        resumed = int(_WENT_ON.findall(job.output)[-1])
+        lost.append(before - resumed)
+    assert job.wait(timeout=600) == 0, job.output[-4000:]
+    assert ref.wait(timeout=300) == 0, ref.output[-3000:]
+
+    log = job.output
+    assert "resumed from" not in log  # no checkpoint was read: every state came from a peer
+    assert all(n <= 0 for n in lost), lost  # nothing committed was lost
+    assert len(done(log)) == generation - 1  # the superseded generation never committed
+    for r in audit.audit(trace):
+        assert r.ok, r
+    assert_same_tensors(final_state(ref_ck)["model"], final_state(ck)["model"])
+    assert_same_tensors(final_state(ref_ck)["optimizer"]["state"][0],
+                        final_state(ck)["optimizer"]["state"][0])
