@@ -4,8 +4,10 @@ checkpoints, step consensus, stop policy and reporting callbacks, for one rank."
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
+import psutil
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -20,6 +22,7 @@ from .data import ElasticDataLoader
 from .dist import DistInfo, assert_same_across_ranks
 from .early_stop import EarlyStopping
 from .engine import StepEngine, precision_dtype
+from .goodput import Goodput
 from .loop import Trainer, lr_factor
 from .metrics import RankMetrics
 from .preempt import PreemptionFlag
@@ -187,7 +190,9 @@ def _session(cfg: Config, info: DistInfo, net: nn.Module, stateful: dict[str, An
     stop = StopPolicy(cfg.training.max_steps, cfg.training.max_epochs,
                       EarlyStopping(cfg.early_stopping))
     faults = fault_injection.FaultInjector(cfg.faults, info.rank, info.restart_count)
-    callbacks = Callbacks(_callbacks(cfg, info, total, metrics, sampler.num_samples, faults))
+    goodput = Goodput(psutil.Process().create_time(), metrics.goodput)
+    callbacks = Callbacks(_callbacks(cfg, info, total, metrics, sampler.num_samples, faults,
+                                     goodput))
     injection = next((c for c in callbacks.items if isinstance(c, FaultInjection)), None)
     model = stateful["model"]
 
@@ -201,14 +206,15 @@ def _session(cfg: Config, info: DistInfo, net: nn.Module, stateful: dict[str, An
 
     c = cfg.checkpoint
     checkpoints = CheckpointManager(
-        c.dir, {**stateful, "train_state": state, "stop": stop, "rng": RNGState()},
+        c.dir, {**stateful, "train_state": state, "stop": stop, "rng": RNGState(),
+                "goodput": goodput},
         every_steps=c.every_steps, every_seconds=c.every_seconds, async_save=c.async_save,
         keep_last=c.keep_last, keep_best=c.keep_best,
         extra={"config": cfg.to_dict(), "task_fingerprint": task},
         meta=lambda: {"epoch": sampler.epoch, "cursor": sampler.cursor,
                       "world_size": info.world_size, "config_hash": cfg.fingerprint(),
                       "finished": stop.stopped},
-        listener=callbacks, after_load=after_load, migrate=legacy_stop_state, rank=info.rank)
+        listener=callbacks, after_load=after_load, migrate=migrate_checkpoint, rank=info.rank)
     return TrainingSession(
         state=state, sampler=sampler, checkpoints=checkpoints,
         consensus=make_consensus(net, lambda: preempt.requested), stop=stop,
@@ -219,6 +225,16 @@ def _session(cfg: Config, info: DistInfo, net: nn.Module, stateful: dict[str, An
                                cfg.training.max_bad_steps),
         lr=lambda: stateful["scheduler"].get_last_lr()[0],
         poisoned=injection.poisoned if injection else (lambda step: False))
+
+
+def migrate_checkpoint(raw: dict[str, Any]) -> dict[str, Any]:
+    """Checkpoints of earlier releases, in today's layout: :func:`legacy_stop_state`, and no
+    goodput figures (the job's goodput then counts from the resume)."""
+    raw = legacy_stop_state(raw)
+    if "goodput" not in raw:
+        now = time.time()
+        raw = {**raw, "goodput": {"job_start": now, "seconds": {}, "saved_at": now}}
+    return raw
 
 
 def legacy_stop_state(raw: dict[str, Any]) -> dict[str, Any]:
@@ -235,13 +251,15 @@ def legacy_stop_state(raw: dict[str, Any]) -> dict[str, Any]:
 
 
 def _callbacks(cfg: Config, info: DistInfo, total: int, metrics: RankMetrics,
-               num_samples: int, faults: fault_injection.FaultInjector) -> list[Callback]:
+               num_samples: int, faults: fault_injection.FaultInjector, goodput: Goodput
+               ) -> list[Callback]:
     """The reporting features that are on, in the order they see each event."""
     w = cfg.watchdog
     budgets = Budgets(w.hang_timeout_seconds, w.long_op_timeout_seconds,
                       cfg.metrics.heartbeat_timeout_seconds)
     out = runner_callbacks(metrics, budgets, info.rank, info.world_size, num_samples, total,
                            cfg.audit.trace_dir, w.dump_grace_seconds)
+    out.append(goodput)
     if info.is_main and cfg.logging.tensorboard_dir:
         out.append(TensorBoardScalars(cfg.logging.tensorboard_dir))
     if ProgressBar.wanted(info.is_main, cfg.logging.progress_bar):

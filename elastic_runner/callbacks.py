@@ -25,7 +25,8 @@ from .checkpointing import CheckpointEvent
 from .stop import StopReason
 
 # the phases of a rank, also the values of the metrics' ``phase`` label
-PHASES = ("starting", "loading", "training", "evaluating", "checkpointing", "finished")
+PHASES = ("starting", "loading", "training", "evaluating", "checkpointing", "recovering",
+          "finished")
 
 
 @dataclass(frozen=True)

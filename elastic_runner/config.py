@@ -337,13 +337,14 @@ class Config(_Section):
         return fingerprint(self.to_dict())
 
 
-_NOT_MODEL = ("checkpoint", "logging", "audit", "watchdog", "preemption", "faults", "metrics")
+_NOT_MODEL = ("checkpoint", "logging", "audit", "watchdog", "preemption", "recovery", "faults",
+              "metrics")
 
 
 def fingerprint(config: dict[str, Any]) -> str:
     """sha256 (hex, 16 chars) of what determines the trained model, from a config dict: excludes
-    the checkpoint, logging, audit, watchdog, preemption, fault-injection and metrics sections, so
-    moving the checkpoint dir keeps resume working."""
+    the checkpoint, logging, audit, watchdog, preemption, recovery, fault-injection and metrics
+    sections, so moving the checkpoint dir keeps resume working."""
     d = {k: v for k, v in config.items() if k not in _NOT_MODEL}
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 

@@ -29,10 +29,11 @@ from collections.abc import Callable
 from typing import Any
 
 from .callbacks import Callback, StepEnd
+from .metrics import GOODPUT_CAUSES
 
 log = logging.getLogger(__name__)
 
-CAUSES = ("productive", "startup", "recovery", "redone", "checkpoint", "evaluation", "other")
+CAUSES = GOODPUT_CAUSES
 _PHASE_CAUSE = {"starting": "startup", "loading": "startup", "evaluating": "evaluation",
                 "checkpointing": "checkpoint", "recovering": "recovery", "finished": "other"}
 

@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 
 from .config import ConfigError
+from .metrics import RECOVERY_PHASES
 
 if TYPE_CHECKING:
     from .loop import Trainer
@@ -57,7 +58,7 @@ log = logging.getLogger(__name__)
 ENV = "ELASTIC_RUNNER_INPLACE"  # "<host>:<port>/<prefix>": the agent's recovery store
 SPARE_ENV = "ELASTIC_RUNNER_SPARE"  # set on a spare only: its number
 GENERATION_ENV = "ELASTIC_RUNNER_GENERATION"  # set on a replacement: the group it joins
-PHASES = ("detection", "teardown", "group", "state", "first step")
+PHASES = RECOVERY_PHASES
 _POLL_S = 0.005
 
 

@@ -260,7 +260,12 @@ class Trainer:
         self.results.update(self.evaluate("test"))
         self.results.update(step=self.state.step, epoch=self.sampler.epoch,
                             stop_reason=self.stop.message)
+        goodput = self.checkpoints.state.get("goodput")
+        if goodput is not None:
+            self.results.update(ettr=goodput.ettr())
         log.info("finished: %s", _fmt(self.results))
+        if goodput is not None:
+            log.info("%s", goodput.summary())
         if self.info.is_main:
             self._write_json("results.json", self.results)
         # each rank records where it left the loop, so operators and tests can check that all

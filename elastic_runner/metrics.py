@@ -34,8 +34,12 @@ from .config import MetricsConfig
 
 PREFIX = "elastic_runner_"
 RANK_LABELS = ("job", "node", "rank", "local_rank")
-PHASES = ("starting", "loading", "training", "evaluating", "checkpointing", "finished")
+PHASES = ("starting", "loading", "training", "evaluating", "checkpointing", "recovering",
+          "finished")
 FINISH_REASONS = ("max_steps", "max_epochs", "early_stopping", "failed", "preempted")
+RECOVERY_PHASES = ("detection", "teardown", "group", "state", "first step")
+GOODPUT_CAUSES = ("productive", "startup", "recovery", "redone", "checkpoint", "evaluation",
+                  "other")
 # set by elastic-runner run for its workers: the agent serves the node's endpoint
 AGENT_ENV = "ELASTIC_RUNNER_METRICS_AGENT"
 
@@ -174,6 +178,19 @@ class RankMetrics:
                                       _CKPT_BUCKETS)
         self.ckpt_stall = histogram("checkpoint_stall_seconds", "Time the training loop was "
                                     "blocked by one checkpoint save.", _CKPT_BUCKETS)
+        self.recoveries = counter("in_place_recoveries_total", "In-place recoveries this "
+                                  "rank took part in (a peer died; this process went on).")
+        recovery = gauge("last_recovery_seconds", "Phases of the last in-place recovery: "
+                         "detection, teardown, group, state, first step (see inplace.py).",
+                         "mostrecent", extra=("phase",))
+        self._recovery = {p: recovery.labels(**labels, phase=p) for p in RECOVERY_PHASES}
+        goodput = gauge("goodput_seconds", "The job's wall time by cause: productive (committed "
+                        "steps) or badput (startup, recovery, redone, checkpoint, evaluation, "
+                        "other), as this rank accounts it (see goodput.py).", "mostrecent",
+                        extra=("cause",))
+        self._goodput = {c: goodput.labels(**labels, cause=c) for c in GOODPUT_CAUSES}
+        self.ettr = gauge("ettr", "Effective training time ratio: productive seconds over the "
+                          "job's wall seconds.", "mostrecent")
         self.ckpt_size = gauge("checkpoint_size_bytes", "Size of the last committed "
                                "checkpoint.", "mostrecent")
         self.ckpt_bytes = counter("checkpoint_written_bytes_total", "Checkpoint bytes written.")
@@ -287,6 +304,22 @@ class RankMetrics:
     def skipped_step(self) -> None:
         if self.enabled:
             self.skipped.inc()
+
+    def recovered(self, phases: dict[str, float]) -> None:
+        """An in-place recovery ended with its first committed step; ``phases`` in seconds."""
+        if not self.enabled:
+            return
+        self.recoveries.inc()
+        for phase, gauge in self._recovery.items():
+            gauge.set(phases.get(phase, 0.0))
+
+    def goodput(self, seconds: dict[str, float], ettr: float) -> None:
+        """The job's seconds by cause and its ETTR (:mod:`elastic_runner.goodput`)."""
+        if not self.enabled:
+            return
+        for cause, gauge in self._goodput.items():
+            gauge.set(seconds.get(cause, 0.0))
+        self.ettr.set(ettr)
 
     def rolled_back(self) -> None:
         if self.enabled:

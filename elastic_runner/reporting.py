@@ -63,6 +63,9 @@ class MetricsReporter(Callback):
     def on_rollback(self, step: int) -> None:
         self.metrics.rolled_back()
 
+    def on_recovery_report(self, report: Any) -> None:
+        self.metrics.recovered(report.phases)
+
     def on_eval(self, step: int, metrics: dict[str, float]) -> None:
         self._eval = metrics
 

@@ -17,7 +17,7 @@ import psutil
 import torch
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
-from .build import build_task, build_trainer
+from .build import build_optimizer, build_task, build_trainer
 from .checkpoint import CheckpointError
 from .compat import check_torch
 from .config import Config, ConfigError, MetricsConfig, load_config
@@ -110,6 +110,9 @@ def stand_by(cfg: Config, recovery: InPlaceRecovery, spare: str, verbose: bool
     reuse = cfg.model_copy(deep=True)
     reuse.checkpoint.resume = True
     task = build_task(reuse)
+    # what building the trainer imports lazily (an optimizer imports torch._dynamo: ~1 s) is
+    # imported now, not while the survivors wait
+    build_optimizer(cfg, task[0].model, task[0])
     t0 = time.time()
     env = recovery.wait_assignment(spare)
     os.environ.update(env)

@@ -11,6 +11,7 @@ import torch
 from elastic_runner.callbacks import Callback, Callbacks, LogEvent, StepEnd
 from elastic_runner.checkpoint import CheckpointInfo
 from elastic_runner.checkpointing import CheckpointEvent
+from elastic_runner.inplace import RecoveryReport
 from elastic_runner.stop import StopReason
 
 EVENT = StepEnd(step=3, epoch=0, seconds=0.1, data_seconds=0.01, samples=4, global_samples=8,
@@ -34,6 +35,8 @@ CALLS = {
     "on_early_stopping": ("val_loss", 0.4, 2),
     "on_resumed": (2,),
     "on_finish": (StopReason.MAX_STEPS, "max_steps reached"),
+    "on_recovered": (5, True, lambda: (0, [1, 2])),
+    "on_recovery_report": (RecoveryReport(1, [1], 5, {"detection": 0.01}),),
     "checkpoint_stall": (0.01,),
     "checkpoint_committed": (COMMITTED,),
     "checkpoint_loaded": (INFO,),

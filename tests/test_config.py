@@ -116,7 +116,7 @@ def test_errors_name_the_key_path(tmp_path, text, expected):
      "'sigkill', 'sigterm', 'raise', 'hang', 'nan', 'slow', got 'boom'"),
     ({"faults": {"inject": [{"knd": "nan"}]}}, "faults.inject[0].knd: unknown key; did you mean "
      "'faults.inject[0].kind'? (valid keys: kind, rank, step, after_steps, attempts, count, "
-     "repeat, seconds)"),
+     "repeat, seconds, during)"),
     ({"faults": {"inject": {"kind": "nan"}}}, "faults.inject: expected a list, got dict "
      "{'kind': 'nan'}"),
     ({"faults": {"planted_metric": ["a"]}},
@@ -131,7 +131,7 @@ def test_errors_name_the_key_path(tmp_path, text, expected):
     ({"task": 5}, "task: expected str, got int 5"),
     ({"zzz": 1}, "zzz: unknown key (valid keys: task, seed, data, model, optimizer, schedule, "
      "batch, training, eval, checkpoint, early_stopping, distributed, logging, audit, watchdog, "
-     "preemption, faults, metrics)"),
+     "preemption, recovery, faults, metrics)"),
 ])
 def test_error_lines_match_the_previous_validator(raw, expected):
     with pytest.raises(ConfigError) as e:
