@@ -29,11 +29,28 @@ Phases, read from the surviving agent's log (millisecond stamps; see ``worker.lo
 * ``first step``: -> the first committed optimizer step after the resume.
 
 ``steps redone`` = the last step finished before the fault minus the step the group resumed
-from. Times are medians over repeats (min-max in the JSON); every scenario runs in each repeat,
+from.
+
+The scenarios above run the restart path (``recovery.mode=restart``: torchrun's agent restarts
+every worker). Two more compare it with in-place recovery (``recovery.mode=in_place``, the
+default of ``elastic-runner run`` on one node):
+
+* ``kill``: one node, 2 workers, digits and char_lm (``--tasks``); rank 1 is SIGKILLed from
+  outside (in place: once the warm spare is ready). Total = the kill -> the first optimizer
+  step committed after the recovery. In-place phases come from the survivor's recovery line
+  (``inplace.RecoveryReport``): ``notice`` (kill -> the survivor's collective fails),
+  ``detection`` (-> the agent names the failed rank), ``teardown``, ``group`` (new process group
+  with the replacement), ``state`` (progress exchanged, the peer's state sent, DDP re-wrapped),
+  ``first step``.
+* ``ettr``: digits for ``--ettr-seconds`` (300) with a worker SIGKILLed every 30 s and every 10 s
+  (``--ettr-intervals``), restart path vs in place; the ETTR and the badput by cause are read
+  from the job's metrics endpoint (``elastic_runner_ettr``, ``elastic_runner_goodput_seconds``)
+  at the end. Times are medians over repeats (min-max in the JSON); every scenario runs in each repeat,
 so drift on this shared machine hits all alike.
 
-    python -m bench.recovery [--repeats 2] [--scenarios sigkill node-leave ...]
-                             [--backends c10d etcd-v2] [--json out.json]
+    python -m bench.recovery [--repeats 2] [--scenarios sigkill node-leave kill ettr ...]
+                             [--backends c10d etcd-v2] [--tasks digits char_lm]
+                             [--ettr-seconds 300] [--ettr-intervals 30 10] [--json out.json]
 """
 
 from __future__ import annotations
@@ -46,6 +63,7 @@ import shutil
 import sys
 import tempfile
 import time
+import urllib.request
 from datetime import datetime
 from pathlib import Path
 
@@ -54,7 +72,9 @@ from tests.procs import CONFIGS, Job, cli, wait_until
 
 from .common import etcd_server, free_port, spread
 
-SCENARIOS = ("sigkill", "sigterm", "node-leave", "node-join")
+SCENARIOS = ("sigkill", "sigterm", "node-leave", "node-join", "kill", "ettr")
+PATHS = ("restart", "in_place")
+INPLACE_PHASES = ("notice", "detection", "teardown", "group", "state", "first step")
 BACKENDS = ("c10d", "etcd-v2")
 PHASES = ("detection", "stop", "rendezvous", "start+import", "process group", "data+model",
           "ckpt load", "first step")
@@ -127,7 +147,7 @@ def _run_argv(backend: str, endpoint: str, rdzv_id: str, ck: Path, trace: Path, 
                "early_stopping.enabled=false", f"checkpoint.dir={ck}",
                "checkpoint.every_steps=10", "training.log_every_steps=1",
                f"training.max_steps={max_steps}", "training.max_epochs=1000",
-               f"metrics.port={free_port()}", *extra,
+               f"metrics.port={free_port()}", "recovery.mode=restart", *extra,
                "--nnodes", nnodes, "--nproc-per-node", str(nproc), "--rdzv-backend", backend,
                "--rdzv-endpoint", endpoint, "--rdzv-id", rdzv_id,
                "--rdzv-conf", conf, "--max-restarts", "3", "--monitor-interval", "0.1",
@@ -211,10 +231,132 @@ def node_leave_join(backend: str, endpoint: str, workdir: Path
     return leave, join
 
 
+# ---------------------------------------------------------------- restart vs in place
+
+KILL_AFTER_STEP = 30
+_SPARE_READY = re.compile(r"spare \d+ ready")
+_DONE = re.compile(rf"^{_STAMP} \[rank\d\] WARNING elastic_runner\.loop: in-place recovery \d+ "
+                   r"done: step (\d+) committed [\d.]+ s after the failure \((.*)\)$", re.M)
+
+
+def _task_argv(task: str, path: str, ck: Path, trace: Path, port: int, *extra: str
+               ) -> list[str]:
+    """One node, 2 workers, c10d, the task's config with a long run and frequent logging."""
+    return cli("run", str(CONFIGS / f"{task}.yaml"), "logging.tensorboard_dir=null",
+               "early_stopping.enabled=false", f"checkpoint.dir={ck}",
+               "training.log_every_steps=1", "training.max_steps=100000",
+               "training.max_epochs=1000", f"metrics.port={port}", f"recovery.mode={path}",
+               *extra, "--nproc-per-node", "2", "--max-restarts", "100",
+               "--monitor-interval", "0.1", "--trace-samples", str(trace))
+
+
+def _committed(trace: Path) -> dict[int, float]:
+    """step -> the earliest commit time (unix seconds) over the ranks' trace entries."""
+    out: dict[int, float] = {}
+    for t, step, _ in _trace_steps(trace):
+        out[step] = min(t, out.get(step, t))
+    return out
+
+
+def kill_one(task: str, path: str, workdir: Path) -> dict[str, float]:
+    """SIGKILL rank 1 (from outside) after step ``KILL_AFTER_STEP``, in place once the spare is
+    ready; the phases of the recovery, its total and the steps redone."""
+    ck, trace = workdir / "ck", workdir / "trace"
+    workdir.mkdir(parents=True)
+    extra = ["checkpoint.every_steps=10"] + (["eval.every_steps=0"] if task == "digits" else [])
+    job = Job(_task_argv(task, path, ck, trace, free_port(), *extra), workdir / "node.log")
+    try:
+        wait_until(lambda: max(_committed(trace), default=0) >= KILL_AFTER_STEP, RUN_TIMEOUT_S,
+                   f"{KILL_AFTER_STEP} steps")
+        if path == "in_place":
+            wait_until(lambda: _SPARE_READY.search(job.output) is not None, RUN_TIMEOUT_S,
+                       "the warm spare")
+        victim = job.workers()[1]
+        t_kill = time.time()
+        victim.kill()
+        before = max(s for s, t in _committed(trace).items() if t <= t_kill)
+        if path == "in_place":
+            wait_until(lambda: _DONE.search(job.output) is not None, RUN_TIMEOUT_S,
+                       "the in-place recovery")
+            out = _inplace_phases(job.output, trace, t_kill)
+            out["steps_redone"] = before - (out.pop("step") - 1)
+        else:
+            wait_until(lambda: "resumed from" in job.output and any(
+                t > _resumed(job.output, t_kill)[0] for t in _committed(trace).values()),
+                RUN_TIMEOUT_S, "the restarted group's first step")
+            out = _measure(job.output, t_kill, trace, before)
+    finally:
+        job.kill_all()
+    return out
+
+
+def _inplace_phases(log: str, trace: Path, t_kill: float) -> dict[str, float]:
+    m = next(m for ln in log.splitlines() if (m := _DONE.match(ln)))
+    step = int(m[2])
+    phases = {k.strip().rsplit(" ", 2)[0]: float(k.strip().rsplit(" ", 2)[1])
+              for k in m[3].split(",")}
+    total = _committed(trace)[step] - t_kill
+    out = {"notice": max(0.0, total - sum(phases.values())), **phases, "total": total}
+    out["step"] = step
+    return out
+
+
+def ettr_run(path: str, interval: float, seconds: float, workdir: Path) -> dict[str, float]:
+    """digits for ``seconds`` with a worker SIGKILLed every ``interval`` seconds (alternating
+    ranks); the ETTR and the seconds by cause from the metrics endpoint at the end."""
+    ck, trace, port = workdir / "ck", workdir / "trace", free_port()
+    workdir.mkdir(parents=True)
+    job = Job(_task_argv("digits", path, ck, trace, port, "checkpoint.every_steps=100",
+                         "eval.every_steps=500", "training.log_every_steps=20"),
+              workdir / "node.log")
+    kills = 0
+    try:
+        wait_until(lambda: bool(_committed(trace)), RUN_TIMEOUT_S, "the first step")
+        t0 = time.time()
+        next_kill = t0 + interval
+        while time.time() < t0 + seconds:
+            time.sleep(max(0.0, min(next_kill, t0 + seconds) - time.time()))
+            if time.time() >= next_kill:
+                workers = job.workers()
+                victim = workers.get(kills % 2) or workers.get(1 - kills % 2)
+                if victim is not None:
+                    victim.kill()
+                    kills += 1
+                next_kill += interval
+        figures = _scrape_goodput(port)
+    finally:
+        job.kill_all()
+    return {**figures, "kills": kills}
+
+
+def _scrape_goodput(port: int) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text.decode()):
+        for sample in family.samples:
+            if sample.labels.get("rank") != "0":
+                continue
+            if sample.name == "elastic_runner_ettr":
+                out["ettr"] = sample.value
+            elif sample.name == "elastic_runner_goodput_seconds":
+                out[sample.labels["cause"]] = sample.value
+    return out
+
+
 def run_repeat(scenarios: list[str], backends: list[str], etcd: str | None,
-               workdir: Path) -> dict[str, dict[str, float]]:
-    """One run of every (scenario, backend) pair; keyed ``"scenario/backend"``."""
+               workdir: Path, tasks: tuple[str, ...] = ("digits", "char_lm")
+               ) -> dict[str, dict[str, float]]:
+    """One run of every (scenario, backend) pair; keyed ``"scenario/backend"`` (``kill``:
+    ``"kill/task/path"``)."""
     out: dict[str, dict[str, float]] = {}
+    if "kill" in scenarios:
+        for task in tasks:
+            for path in PATHS:
+                out[f"kill/{task}/{path}"] = kill_one(task, path, workdir / f"kill-{task}-{path}")
+    backends = [b for b in backends if {"sigkill", "sigterm", "node-leave", "node-join"}
+                & set(scenarios)]
     for backend in backends:
         endpoint = etcd if backend == "etcd-v2" and etcd else f"127.0.0.1:{free_port()}"
         for kind in ("sigkill", "sigterm"):
@@ -230,20 +372,35 @@ def run_repeat(scenarios: list[str], backends: list[str], etcd: str | None,
 
 
 def summarize(repeats: list[dict[str, dict[str, float]]]) -> dict[str, dict]:
-    """Per ``scenario/backend``: median/min/max of each phase, the total and steps redone."""
-    keys = [*PHASES, "total", "steps_redone"]
-    return {case: {k: spread([r[case][k] for r in repeats]) for k in keys}
+    """Per case: median/min/max of each phase, the total and steps redone."""
+    return {case: {k: spread([r[case][k] for r in repeats]) for k in repeats[0][case]}
             for case in repeats[0]}
 
 
 def print_table(summary: dict[str, dict]) -> None:
-    cols = [*PHASES, "total"]
-    print(f"{'scenario/backend':<20}" + "".join(f"{c:>14}" for c in cols) + f"{'redone':>8}")
-    for case, s in summary.items():
-        print(f"{case:<20}" + "".join(f"{s[c]['median']:>14.2f}" for c in cols)
-              + f"{s['steps_redone']['median']:>8.0f}")
-    print("(seconds, medians; fault -> first committed step after the resume; see the module "
+    restart = {k: v for k, v in summary.items() if "in_place" not in k}
+    inplace = {k: v for k, v in summary.items() if "in_place" in k}
+    for rows, cols in ((restart, PHASES), (inplace, INPLACE_PHASES)):
+        if not rows:
+            continue
+        cols = [*cols, "total"]
+        print(f"{'case':<24}" + "".join(f"{c:>14}" for c in cols) + f"{'redone':>8}")
+        for case, s in rows.items():
+            print(f"{case:<24}" + "".join(f"{s[c]['median']:>14.3f}" for c in cols)
+                  + f"{s['steps_redone']['median']:>8.0f}")
+    print("(seconds, medians; fault -> first committed step after the recovery; see the module "
           "docstring for the phases)")
+
+
+def print_ettr(ettr: dict[str, dict[str, float]]) -> None:
+    causes = ("productive", "startup", "recovery", "redone", "checkpoint", "evaluation",
+              "other")
+    print(f"{'path, kill every':<26}{'ETTR':>7}{'kills':>7}" + "".join(f"{c:>12}"
+                                                                     for c in causes))
+    for case, r in ettr.items():
+        print(f"{case:<26}{r.get('ettr', float('nan')):>7.3f}{r['kills']:>7.0f}"
+              + "".join(f"{r.get(c, 0.0):>12.1f}" for c in causes))
+    print("(ETTR = productive seconds / job wall seconds; the rest in seconds, rank 0's account)")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -251,6 +408,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=SCENARIOS)
     p.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)
+    p.add_argument("--tasks", nargs="+", default=["digits", "char_lm"],
+                   choices=["digits", "char_lm"])
+    p.add_argument("--ettr-seconds", type=float, default=300.0)
+    p.add_argument("--ettr-intervals", nargs="+", type=float, default=[30.0, 10.0])
     p.add_argument("--dir", default=None, help="keep the runs' logs here (default: a temporary "
                    "directory, removed)")
     p.add_argument("--json", default=None)
@@ -263,12 +424,21 @@ def main(argv: list[str] | None = None) -> dict:
     with contextlib.ExitStack() as stack:
         d = args.dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="recovery-"))
         etcd = stack.enter_context(etcd_server()) if "etcd-v2" in backends else None
-        repeats = [run_repeat(args.scenarios, backends, etcd, Path(d) / str(i))
-                   for i in range(args.repeats)]
-    summary = summarize(repeats)
-    print_table(summary)
+        repeats = [run_repeat(args.scenarios, backends, etcd, Path(d) / str(i),
+                              tuple(args.tasks)) for i in range(args.repeats)]
+        ettr = {}
+        if "ettr" in args.scenarios:
+            for interval in args.ettr_intervals:
+                for path in PATHS:
+                    ettr[f"{path}, {interval:.0f} s"] = ettr_run(
+                        path, interval, args.ettr_seconds, Path(d) / f"ettr-{path}-{interval}")
+    summary = summarize(repeats) if repeats and repeats[0] else {}
+    if summary:
+        print_table(summary)
+    if ettr:
+        print_ettr(ettr)
     result = {"rdzv_conf": RDZV_CONF, "monitor_interval_s": 0.1, "repeats": repeats,
-              "summary": summary}
+              "summary": summary, "ettr": ettr, "ettr_seconds": args.ettr_seconds}
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     return result
