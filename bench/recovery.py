@@ -246,6 +246,7 @@ def _task_argv(task: str, path: str, ck: Path, trace: Path, port: int, *extra: s
                "early_stopping.enabled=false", f"checkpoint.dir={ck}",
                "training.log_every_steps=1", "training.max_steps=100000",
                "training.max_epochs=1000", f"metrics.port={port}", f"recovery.mode={path}",
+               "recovery.spare_delay_seconds=0",
                *extra, "--nproc-per-node", "2", "--max-restarts", "100",
                "--monitor-interval", "0.1", "--trace-samples", str(trace))
 

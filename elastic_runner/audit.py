@@ -70,6 +70,13 @@ def steps_recorded(directory: str | Path, rank: int) -> set[int]:
     return out
 
 
+def step_ran_at_another_size(directory: str | Path, step: int, world_size: int) -> bool:
+    """Whether some rank's entry of ``step`` has a world size other than ``world_size`` (the
+    step was trained before a regroup)."""
+    return any(e.get("step") == step and e.get("world_size") not in (None, world_size)
+               for e in read_entries(directory) if "epoch_end" not in e)
+
+
 def read_entries(directory: str | Path) -> list[dict[str, Any]]:
     """All complete entries of all ranks' files (a torn last line is skipped)."""
     entries = []

@@ -257,10 +257,15 @@ class RecoveryConfig(_Section):
 
     mode: Literal["in_place", "restart"] = "in_place"
     spare: StrictBool = True  # keep one warm replacement per node (imported, task built)
+    spare_delay_seconds: Float = Field(10.0, ge=0)  # start it this long after the workers
+    #   built the task: a short job never pays for one (a failure before gets a cold start)
     detect_timeout_seconds: Float = Field(10.0, gt=0)  # a rank whose collective failed waits
     #   this long for its agent to name a failed peer; then the error is a failure as before
     join_timeout_seconds: Float = Field(120.0, gt=0)  # re-forming the group with the
     #   replacement (covers a spare that is still starting)
+    continue_shrunk: StrictBool = False  # no warm spare at hand: the survivors go on at the
+    #   smaller world size at once (needs batch.global_batch_size) and the replacement joins at
+    #   a later step boundary; off: they wait for it (bitwise replay needs the world size)
 
 
 class PreemptionConfig(_Section):
@@ -328,6 +333,13 @@ class Config(_Section):
     recovery: RecoveryConfig = Field(default_factory=RecoveryConfig)
     faults: FaultConfig = Field(default_factory=FaultConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+
+    @model_validator(mode="after")
+    def _shrink_keeps_the_global_batch(self) -> Config:
+        if self.recovery.continue_shrunk and self.batch.global_batch_size is None:
+            raise _invalid("needs batch.global_batch_size (the global batch must stay the same "
+                           "at the smaller world size)", "recovery.continue_shrunk")
+        return self
 
     def to_dict(self) -> dict[str, Any]:
         """Plain YAML/JSON-able values (tuples as lists), sections in declaration order."""
@@ -614,7 +626,9 @@ def _message(err: ErrorDetails, sections: dict[str, Any]) -> str:
         valid = list(parent.model_fields) if parent else []
         return _unknown_key(_loc_path(loc[:-1]), str(loc[-1]), valid)
     if kind == "config":
-        return f"{_join(path, ctx['key']) if ctx['key'] else path}: {ctx['message']}"
+        key = ctx["key"]
+        path = (_join(path, key) if loc else key) if key else path
+        return f"{path}: {ctx['message']}"
     if kind == "literal_error":
         return _literal_message(path, _literal_args(tp), value, ctx)
     if kind == "missing" and loc and isinstance(loc[-1], int):  # a fixed-size tuple too short

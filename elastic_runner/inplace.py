@@ -39,7 +39,6 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -48,7 +47,6 @@ import torch
 import torch.distributed as dist
 
 from .config import ConfigError
-from .metrics import RECOVERY_PHASES
 
 if TYPE_CHECKING:
     from .loop import Trainer
@@ -58,8 +56,20 @@ log = logging.getLogger(__name__)
 ENV = "ELASTIC_RUNNER_INPLACE"  # "<host>:<port>/<prefix>": the agent's recovery store
 SPARE_ENV = "ELASTIC_RUNNER_SPARE"  # set on a spare only: its number
 GENERATION_ENV = "ELASTIC_RUNNER_GENERATION"  # set on a replacement: the group it joins
-PHASES = RECOVERY_PHASES
 _POLL_S = 0.005
+
+
+class Regroup(Exception):  # noqa: N818 - control flow: the worker rebuilds its trainer
+    """Continue shrunk (``recovery.continue_shrunk``): this process goes on as ``rank`` of
+    ``world_size`` in generation ``generation`` (fewer ranks after a failure, all of them again
+    once the replacement is ready); the worker rebuilds its trainer for that world size in
+    place (``worker.regroup``)."""
+
+    def __init__(self, rank: int, world_size: int, generation: int,
+                 report: RecoveryReport | None = None) -> None:
+        super().__init__(f"regroup as rank {rank} of {world_size} (generation {generation})")
+        self.rank, self.world_size, self.generation = rank, world_size, generation
+        self.report = report
 
 
 @dataclass
@@ -104,6 +114,9 @@ class NoRecovery:
     def recover(self, error: BaseException, trainer: Trainer) -> RecoveryReport | None:
         return None
 
+    def regroup_due(self, trainer: Trainer) -> None:
+        pass
+
 
 class InPlaceRecovery:
     """This worker's side of the protocol in the module docstring.
@@ -125,6 +138,8 @@ class InPlaceRecovery:
         self.store, self.prefix, self.generation = store, prefix, generation
         self.detect_timeout_s, self.join_timeout_s = detect_timeout_s, join_timeout_s
         self.backend = backend
+        self.grow_generation: int | None = None  # shrunk: the generation with every rank back
+        self.home: tuple[int, int] | None = None  # (rank, world size) at full size
 
     @classmethod
     def from_env(cls, cfg: Any) -> InPlaceRecovery | NoRecovery:
@@ -189,6 +204,8 @@ class InPlaceRecovery:
                       "(recovery.detect_timeout_seconds): %s", self.detect_timeout_s,
                       _first_line(error))
             return None
+        if announced.get("restart"):  # the agent restarts every worker
+            return None
         report = RecoveryReport(self.generation + 1, announced["failed"], trainer.state.step)
         log.warning("in-place recovery: rank(s) %s died (%s); generation %d, the rest keep "
                     "their process", announced["failed"], _first_line(error),
@@ -199,6 +216,14 @@ class InPlaceRecovery:
         dist.destroy_process_group()
         t2 = time.perf_counter()
         report.phases["teardown"] = t2 - t1
+        members = announced.get("members")
+        if members is not None:  # continue shrunk: no warm spare, go on without it
+            rank = trainer.info.rank
+            self.home = self.home or (rank, trainer.info.world_size)
+            self.grow_generation = report.generation + 1
+            log.warning("continuing at world size %d until the replacement is ready",
+                        len(members))
+            raise Regroup(members.index(rank), len(members), report.generation, report)
         self._form_group(trainer.info.rank, trainer.info.world_size, report.generation)
         report.generation = self.generation  # a later one if the replacement died too
         t3 = time.perf_counter()
@@ -236,15 +261,36 @@ class InPlaceRecovery:
                     dist.destroy_process_group()
                 self.generation += 1
 
+    def regroup_due(self, trainer: Trainer) -> None:
+        """At a step boundary while shrunk: when the replacement is ready (the agent announced
+        the full generation; rank 0 looks, one all-reduce tells everyone), every rank leaves
+        together.
+
+        Raises:
+            Regroup: to the full world size, this process's original rank.
+        """
+        if self.grow_generation is None:
+            return
+        ready = trainer.info.rank == 0 and self.store.check([self.key("gen",
+                                                                      self.grow_generation)])
+        flag = torch.tensor([1.0 if ready else 0.0], device=trainer.info.device
+                            if self.backend == "nccl" else torch.device("cpu"))
+        dist.all_reduce(flag)
+        if flag.item() == 0:
+            return
+        generation, self.grow_generation = self.grow_generation, None
+        rank, world_size = self.home or (trainer.info.rank, trainer.info.world_size)
+        log.warning("the replacement is ready: back to world size %d after step %d",
+                    world_size, trainer.state.step)
+        raise Regroup(rank, world_size, generation)
+
     # ------------------------------------------------------------ the spare
 
-    def wait_assignment(self, spare: str, ready: Callable[[], None] = lambda: None
-                        ) -> dict[str, str]:
+    def wait_assignment(self, spare: str) -> dict[str, str]:
         """A spare (after building the task) tells the agent it is ready and blocks until the
         agent hands it a failed worker's place; returns that worker's environment (RANK,
         LOCAL_RANK, ... and :data:`GENERATION_ENV`)."""
         self.store.set(self.key("spare", spare, "ready"), "1")
-        ready()
         key = self.key("spare", spare, "assign")
         while True:
             try:

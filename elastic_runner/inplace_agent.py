@@ -90,12 +90,15 @@ class InPlaceAgent(LocalElasticAgent):
         super().__init__(*args, **kwargs)
         self._cfg = recovery
         self._on_replacement = on_replacement or (lambda r: None)
-        self._recovery_store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                                    timeout=timedelta(seconds=recovery.join_timeout_seconds))
+        self._recovery_store = dist.TCPStore(
+            "127.0.0.1", 0, is_master=True, wait_for_workers=False,
+            timeout=timedelta(seconds=recovery.join_timeout_seconds))
         self._prefix = ""
         self._generation = 0
         self._spare: _Spare | None = None
         self._spares = 0
+        self._grow: tuple[int, list[_Spare]] | None = None  # shrunk: (generation, joiners)
+        self._built_since: float | None = None  # when the workers reported the task built
 
     def _key(self, *parts: object) -> str:
         return "/".join([self._prefix, *map(str, parts)])
@@ -104,6 +107,7 @@ class InPlaceAgent(LocalElasticAgent):
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         self._prefix, self._generation = f"attempt-{uuid.uuid4().hex[:12]}", 0
+        self._grow, self._built_since = None, None
         os.environ[ENV] = f"127.0.0.1:{self._recovery_store.port}/{self._prefix}"
         try:
             return super()._start_workers(worker_group)
@@ -125,7 +129,11 @@ class InPlaceAgent(LocalElasticAgent):
             if failed and self._replaceable(pc, failed):
                 self._replace(worker_group, pc, failed)
                 return RunResult(state=WorkerState.HEALTHY)
-            if not failed:
+            if failed:  # torch's restart path: release survivors waiting for an announcement
+                waited = self._grow[0] if self._grow else self._generation + 1
+                self._recovery_store.set(self._key("gen", waited), json.dumps({"restart": True}))
+            else:
+                self._announce_grow()
                 self._keep_spare(pc)
         return super()._monitor_workers(worker_group)
 
@@ -147,16 +155,21 @@ class InPlaceAgent(LocalElasticAgent):
         if any(code in (EXIT_BAD_INPUT, EXIT_PREEMPTED) for code in failed.values()):
             return False
         others = [h.proc.poll() for lr, h in pc.subprocess_handlers.items() if lr not in failed]
+        # a failure while shrunk takes the restart path
         return (bool(others) and all(code is None for code in others)
-                and self._remaining_restarts > 0)
+                and self._remaining_restarts > 0 and self._grow is None)
 
     def _replace(self, worker_group: WorkerGroup, pc: SubprocessContext,
                  failed: dict[int, int]) -> None:
         t0 = time.perf_counter()
-        self._generation += 1
         warm = (self._spare is not None and self._spare.ready
                 and self._spare.proc.poll() is None)
-        ranks, pids = [], []
+        # continue shrunk: the survivors go on alone (generation g+1) and the replacement
+        # joins them in g+2, announced once it is ready
+        shrink = self._cfg.continue_shrunk and not warm
+        announce = self._generation + 1
+        self._generation = announce + 1 if shrink else announce
+        ranks, pids, spares = [], [], []
         for local_rank in sorted(failed):
             spare = self._take_spare(pc)
             env = {**pc.envs[local_rank], GENERATION_ENV: str(self._generation)}
@@ -166,16 +179,36 @@ class InPlaceAgent(LocalElasticAgent):
             worker.id = spare.proc.pid
             ranks.append(worker.global_rank)
             pids.append(spare.proc.pid)
+            spares.append(spare)
         self._remaining_restarts -= 1
-        self._recovery_store.set(self._key("gen", self._generation),
-                        json.dumps({"failed": ranks, "exitcodes": list(failed.values())}))
-        replacement = Replacement(self._generation, tuple(ranks), tuple(failed.values()), warm,
+        news: dict[str, Any] = {"failed": ranks, "exitcodes": list(failed.values())}
+        if shrink:
+            members = sorted(w.global_rank for w in worker_group.workers
+                             if w.global_rank not in ranks)
+            news.update(members=members, world_size=len(members))
+            self._grow = (self._generation, spares)
+        self._recovery_store.set(self._key("gen", announce), json.dumps(news))
+        replacement = Replacement(announce, tuple(ranks), tuple(failed.values()), warm,
                                   time.perf_counter() - t0)
         log.warning("rank(s) %s exited with code(s) %s: replaced in place by %s spare(s) "
-                    "pid(s) %s (generation %d; %d restarts left)", ranks, list(failed.values()),
-                    "warm" if warm else "cold", pids, self._generation,
-                    self._remaining_restarts)
+                    "pid(s) %s (generation %d; %d restarts left)%s", ranks,
+                    list(failed.values()), "warm" if warm else "cold", pids, announce,
+                    self._remaining_restarts,
+                    "; the others go on without it until it is ready" if shrink else "")
         self._on_replacement(replacement)
+
+    def _announce_grow(self) -> None:
+        """Shrunk: once every replacement is ready, announce the generation with all ranks
+        (the survivors join it at their next step boundary)."""
+        if self._grow is None:
+            return
+        generation, spares = self._grow
+        if all(self._recovery_store.check([self._key("spare", s.number, "ready")])
+               for s in spares):
+            self._recovery_store.set(self._key("gen", generation), json.dumps({"grow": True}))
+            self._grow = None
+            log.info("replacement(s) ready: generation %d brings the group back to full size",
+                     generation)
 
     def _take_spare(self, pc: SubprocessContext) -> _Spare:
         spare = self._spare
@@ -185,9 +218,9 @@ class InPlaceAgent(LocalElasticAgent):
         return spare
 
     def _keep_spare(self, pc: SubprocessContext) -> None:
-        """Start a spare once the workers have built the task (so the spare neither competes
-        with their start-up nor makes a task artifact before rank 0 does); replace one that
-        died."""
+        """Start a spare ``recovery.spare_delay_seconds`` after the workers have built the task
+        (so it neither competes with their start-up nor makes a task artifact before rank 0
+        does, and a short job never starts one); replace one that died."""
         if not self._cfg.spare:
             return
         if self._spare is not None and self._spare.proc.poll() is not None:
@@ -195,7 +228,11 @@ class InPlaceAgent(LocalElasticAgent):
                         self._spare.proc.returncode)
             self._spare = None
         spare = self._spare
-        if spare is None and self._recovery_store.check([self._key("built")]):
+        if spare is None and self._built_since is None \
+                and self._recovery_store.check([self._key("built")]):
+            self._built_since = time.monotonic()
+        if spare is None and self._built_since is not None \
+                and time.monotonic() - self._built_since >= self._cfg.spare_delay_seconds:
             self._spare = self._start_spare(pc)
         elif (spare is not None and not spare.ready
               and self._recovery_store.check([self._key("spare", spare.number, "ready")])):

@@ -141,6 +141,10 @@ class Trainer:
         report = self.recovery.recover(error, self)
         if report is None:
             raise error
+        self.recovered_at(report)
+
+    def recovered_at(self, report: RecoveryReport) -> None:
+        """The group is re-formed: the first committed step completes ``report``."""
         self._recovering, self._t_recovered = report, time.perf_counter()
 
     def _run_epoch(self) -> None:
@@ -156,6 +160,7 @@ class Trainer:
                 self._recovered()
             if self._after_step(end_of_epoch=self.sampler.steps_left_in_epoch() == 0):
                 return
+            self.recovery.regroup_due(self)  # shrunk: back to full size once it can
         self._end_epoch()
 
     def _recovered(self) -> None:

@@ -138,7 +138,7 @@ class ProgressBar(Callback):
         self.bar = tqdm(total=self.total_steps, initial=step, unit="step", dynamic_ncols=True)
 
     def on_recovered(self, step: int, joining: bool, last_step: Any) -> None:
-        if joining:
+        if joining or self.bar is None:  # a replacement, or a trainer rebuilt in place
             self.on_resumed(step)
 
     def on_step_end(self, e: StepEnd) -> None:
@@ -182,10 +182,13 @@ class SampleTraceRecorder(Callback):
     def on_recovered(self, step: int, joining: bool,
                      last_step: Callable[[], tuple[int, list[int]]]) -> None:
         """In-place recovery at ``step``: the trace is rewound to it, and this rank's entry of
-        ``step`` is written if the step was committed but its entry was not (the peer died
-        in the step's loss collective, or this process replaces one that died there)."""
+        ``step`` is written if the step was committed at this world size but its entry was not
+        (the peer died in the step's loss collective, or this process replaces one that died
+        there)."""
         self.on_resumed(step)
-        if step > 0 and step not in audit.steps_recorded(self.directory, self.rank):
+        if step > 0 and not audit.step_ran_at_another_size(self.directory, step,
+                                                           self.world_size) \
+                and step not in audit.steps_recorded(self.directory, self.rank):
             epoch, indices = last_step()
             self.trace.record_step(epoch, step, self.world_size, None, indices)
             step_log.info("sample trace: wrote the entry of step %d for rank %d", step,

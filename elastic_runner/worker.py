@@ -8,6 +8,7 @@ name the failing rank's root cause.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -23,9 +24,9 @@ from .compat import check_torch
 from .config import Config, ConfigError, MetricsConfig, load_config
 from .dist import destroy_distributed, init_distributed
 from .health import MetricsServer
-from .inplace import SPARE_ENV, InPlaceRecovery, rejoin
+from .inplace import SPARE_ENV, InPlaceRecovery, NoRecovery, Regroup, rejoin
 from .logs import setup_logging
-from .loop import TrainingFailed
+from .loop import Trainer, TrainingFailed
 from .metrics import AGENT_ENV, RankMetrics
 from .preempt import EXIT_PREEMPTED, Preempted
 from .tasks.base import TaskBundle
@@ -89,7 +90,7 @@ def _train(config_path: str, overrides: list[str], resume: bool, entered: float,
         recovery.announce_built(info.rank)
         if info.rank == 0 and task is None:
             log_startup(marks)
-        trainer.fit(joined=task is not None)
+        trainer = fit(cfg, trainer, recovery, metrics, joined=task is not None)
         linger = cfg.metrics.linger_seconds  # a final scrape sees the ending (not on errors)
     finally:
         if trainer is not None:
@@ -100,6 +101,52 @@ def _train(config_path: str, overrides: list[str], resume: bool, entered: float,
             threading.Event().wait(linger)
             server.close()
     return 0
+
+
+def fit(cfg: Config, trainer: Trainer, recovery: InPlaceRecovery | NoRecovery,
+        metrics: RankMetrics, joined: bool) -> Trainer:
+    """Train to the end; each regroup (continue shrunk) rebuilds the trainer in this process.
+    Returns the trainer that finished."""
+    first = trainer
+    while True:
+        try:
+            trainer.fit(joined=joined)
+            return trainer
+        except Regroup as r:
+            trainer, joined = regroup(cfg, trainer, recovery, metrics, r), True
+        except BaseException:
+            if trainer is not first:  # the caller closes the first one
+                trainer.close()
+            raise
+
+
+def regroup(cfg: Config, old: Trainer, recovery: InPlaceRecovery | NoRecovery,
+            metrics: RankMetrics, r: Regroup) -> Trainer:
+    """Go on as rank ``r.rank`` of ``r.world_size``: the same task (data and model objects),
+    this process's state, a new process group, a trainer built for the new world size (the
+    sampler's global cursor keeps every sample exactly once; with ``batch.global_batch_size``
+    the accumulation is re-derived), then the group agrees on the state (``rejoin``)."""
+    state, after = old.checkpoints.state_dict(), old.after_done
+    destroy_distributed()
+    t0 = time.perf_counter()
+    recovery._form_group(r.rank, r.world_size, r.generation)
+    t1 = time.perf_counter()
+    os.environ.update(RANK=str(r.rank), WORLD_SIZE=str(r.world_size))
+    info = dataclasses.replace(old.info, rank=r.rank, world_size=r.world_size)
+    metrics.world(r.world_size)
+    trainer = build_trainer(cfg, info, metrics, (old.bundle, old.fingerprint), joining=True)
+    trainer.recovery = recovery
+    trainer.preempt.install()
+    trainer.checkpoints.load_from_peer(state, r.rank)
+    # the new trainer's clock goes on from the old one's account, not from the process start
+    trainer.checkpoints.state["goodput"].on_recovered(trainer.state.step, True,
+                                                      trainer.sampler.last_step)
+    trainer.after_done = after
+    rejoin(trainer, joining=False, report=r.report)
+    if r.report is not None:
+        r.report.phases.update(group=t1 - t0, state=time.perf_counter() - t1)
+        trainer.recovered_at(r.report)
+    return trainer
 
 
 def stand_by(cfg: Config, recovery: InPlaceRecovery, spare: str, verbose: bool

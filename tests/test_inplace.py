@@ -10,10 +10,12 @@ import signal
 
 import psutil
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from elastic_runner import audit
 
 from .procs import CONFIGS, cli, free_port, wait_until
+from .test_metrics import get, samples
 from .test_train_torchrun import assert_same_tensors, final_state
 
 pytestmark = pytest.mark.slow
@@ -59,6 +61,14 @@ def test_ten_kills_a_checkpoint_write_an_evaluation_and_a_joiner(launch, tmp_pat
     wait_until(lambda: len(done(job.output)) >= 2, 240, "the two injected faults' recoveries")
     assert [r[:2] for r in replacements(job.output)] == [(0, -9), (1, -9)]
     assert not (ck / "step-00000040").exists() or (ck / "step-00000040" / "MANIFEST").exists()
+    # one scrape shows the recoveries: the agent's count by mode, the ranks' count and phases
+    _, text = get(port)
+    assert samples(text, "elastic_runner_restarts_total", reason="in_place") == [2.0]
+    assert samples(text, "elastic_runner_restarts_total", reason="failure") == [0.0]
+    assert sum(samples(text, "elastic_runner_in_place_recoveries_total")) >= 1
+    phases = {s.labels["phase"] for f in text_string_to_metric_families(text)
+              for s in f.samples if s.name == "elastic_runner_last_recovery_seconds"}
+    assert phases == {"detection", "teardown", "group", "state", "first step"}
 
     pids = {rank: p.pid for rank, p in job.workers().items() if rank >= 0}
     for rank, _, _, pid, _ in replacements(job.output):  # the spares' RANK is set later
@@ -97,3 +107,38 @@ def test_ten_kills_a_checkpoint_write_an_evaluation_and_a_joiner(launch, tmp_pat
     assert_same_tensors(final_state(ref_ck)["model"], final_state(ck)["model"])
     assert_same_tensors(final_state(ref_ck)["optimizer"]["state"][0],
                         final_state(ck)["optimizer"]["state"][0])
+
+
+def test_continue_shrunk_keeps_every_sample_once_and_the_global_batch(launch, tmp_path):
+    """No warm spare (``recovery.spare=false``): rank 0 goes on alone at once with twice the
+    accumulation, and the group is whole again once the replacement has started."""
+    ck, trace = tmp_path / "ck", tmp_path / "trace"
+    job = launch(cli("run", DIGITS, "logging.tensorboard_dir=null", "early_stopping.enabled=false",
+                     "training.max_steps=500", "training.max_epochs=1000",
+                     "batch.micro_batch_size=16", "batch.global_batch_size=64",
+                     "recovery.continue_shrunk=true", "recovery.spare=false",
+                     "faults.inject=[{kind: slow, rank: 0, step: 1, count: 100000, "
+                     "seconds: 0.02}]", f"checkpoint.dir={ck}", "--trace-samples", str(trace),
+                     "--nproc-per-node", "2"), name="shrunk")
+    wait_until(lambda: max(audit.steps_recorded(trace, 0), default=0) >= 40, 240, "40 steps")
+    job.workers()[1].send_signal(signal.SIGKILL)
+    assert job.wait(timeout=400) == 0, job.output[-4000:]
+
+    log = job.output
+    assert "continuing at world size 1 until the replacement is ready" in log
+    assert "the replacement is ready: back to world size 2" in log
+    assert "resumed from" not in log
+    entries = [e for e in audit.read_entries(trace) if "indices" in e]
+    by_step: dict[int, list[dict]] = {}
+    for e in entries:
+        by_step.setdefault(e["step"], []).append(e)
+    assert sorted(by_step) == list(range(1, 501))
+    sizes = [by_step[s][0]["world_size"] for s in sorted(by_step)]
+    assert 1 in sizes and sizes[0] == sizes[-1] == 2
+    first, last = sizes.index(1), len(sizes) - 1 - sizes[::-1].index(1)
+    assert set(sizes[first:last + 1]) == {1}  # one shrunk stretch, then whole again
+    for step, es in by_step.items():  # every step: one global batch of 64, from each rank
+        assert sum(len(e["indices"]) for e in es) == 64, step
+        assert len(es) == es[0]["world_size"], step
+    for r in audit.audit(trace):
+        assert r.ok, r
