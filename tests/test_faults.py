@@ -31,17 +31,26 @@ def faults(spec: str) -> str:
     return f"faults.inject=[{spec}]"
 
 
-def test_worker_exception_restarts_and_resumes(launch, tmp_path):
+@pytest.mark.parametrize("mode", ["restart", "in_place"])
+def test_worker_exception_restarts_and_resumes(launch, tmp_path, mode):
+    """restart: every worker restarts from the checkpoint of step 4; in place: the raising
+    worker is replaced, the other goes on from step 6 without reading a checkpoint."""
     ck = tmp_path / "ck"
-    job = start(launch, "raise", f"checkpoint.dir={ck}",
+    job = start(launch, "raise", f"checkpoint.dir={ck}", f"recovery.mode={mode}",
                 faults("{kind: raise, rank: 1, step: 6}"))
     assert job.wait(timeout=240) == 0, job.output[-3000:]
-    assert f"resumed from {ck / 'step-00000004'}: step 4" in job.output
+    if mode == "restart":
+        assert f"resumed from {ck / 'step-00000004'}: step 4" in job.output
+    else:
+        assert "resumed from" not in job.output
+        assert "rank(s) [1] exited with code(s) [1]: replaced in place" in job.output
+        assert "in-place recovery 1 done: step 7 committed" in job.output
     assert final_state(ck)["train_state"]["step"] == 12
 
 
 def test_exhausted_restarts_end_with_one_line_root_cause(launch, tmp_path):
     job = start(launch, "raise-always", f"checkpoint.dir={tmp_path / 'ck'}",
+                "recovery.mode=restart",
                 faults("{kind: raise, rank: 1, after_steps: 2, attempts: 9}"), restarts=1)
     assert job.wait(timeout=240) == 1
     lines = [ln for ln in job.output.splitlines() if ln.startswith("elastic-runner: job failed")]

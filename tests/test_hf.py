@@ -42,6 +42,7 @@ def test_readme_transformers_task_resumes_exports_and_loads_without_the_runner(l
     job = launch(cli("run", "glosses.yaml", "logging.tensorboard_dir=null",
                      "training.max_epochs=1", "checkpoint.every_steps=50",
                      "faults.inject=[{kind: sigkill, rank: 1, after_steps: 100}]",
+                     "recovery.mode=restart",  # the restart path (in place: test_hf_tasks)
                      "--trace-samples", str(trace), "--monitor-interval", "0.2"),
                  name="glosses", cwd=tmp_path, env={"PYTHONPATH": str(tmp_path)})
     assert job.wait(timeout=400) == 0, job.output[-3000:]

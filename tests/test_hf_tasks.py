@@ -48,10 +48,13 @@ def test_causal_lm_quality_bitwise_resume_export_and_generate(launch, tmp_path):
               "checkpoint.every_steps=20"]
     ref_ck, ck = tmp_path / "ref", tmp_path / "ck"
     run_job(launch, "reference", *common, f"checkpoint.dir={ref_ck}")
+    # in place: the survivor keeps its process, the replacement gets GPT-2's state from it
     killed = run_job(launch, "killed", *common, f"checkpoint.dir={ck}",
-                     "faults.inject=[{kind: sigkill, rank: 1, after_steps: 40}]")
+                     "faults.inject=[{kind: sigkill, rank: 1, after_steps: 40}]",
+                     f"faults.once_dir={tmp_path / 'once'}")
     assert "fault injection: rank 1 sigkill after step 40" in killed.output
-    assert f"resumed from {ck}/step-00000040: step 40" in killed.output, killed.output[-3000:]
+    assert "in-place recovery 1 done: step 41 committed" in killed.output, killed.output[-3000:]
+    assert "resumed from" not in killed.output
     want, got = final_state(ref_ck), final_state(ck)
     assert got["train_state"]["step"] == want["train_state"]["step"] == 120
     assert_same_tensors(want["model"], got["model"])  # bitwise, with dropout on

@@ -200,7 +200,8 @@ def test_endpoint_answers_through_a_restart_and_reports_a_hung_rank(launch, tmp_
               " {kind: hang, rank: 1, step: 30, attempts: 2}]")
     job = launch(cli(*train_args(
         port, f"checkpoint.dir={tmp_path / 'ck'}", "checkpoint.every_steps=5", faults,
-        "watchdog.hang_timeout_seconds=null", "metrics.heartbeat_timeout_seconds=2"),
+        "watchdog.hang_timeout_seconds=null", "metrics.heartbeat_timeout_seconds=2",
+        "recovery.mode=restart"),  # the restart path (in place: test_inplace.py)
         "--max-restarts", "2"), name="restarted")
     wait_until(lambda: _answers(port), 60, "the node endpoint")
     poller = Poller(port)

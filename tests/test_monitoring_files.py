@@ -67,6 +67,10 @@ DOCUMENTED: dict[str, str] = {
     "elastic_runner_checkpoint_size_bytes": "gauge",
     "elastic_runner_checkpoint_written_bytes_total": "counter",
     "elastic_runner_checkpoint_last_success_timestamp_seconds": "gauge",
+    "elastic_runner_in_place_recoveries_total": "counter",
+    "elastic_runner_last_recovery_seconds": "gauge",
+    "elastic_runner_goodput_seconds": "gauge",
+    "elastic_runner_ettr": "gauge",
     # agent, per node
     "elastic_runner_restarts_total": "counter",
     "elastic_runner_rendezvous_total": "counter",

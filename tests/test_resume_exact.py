@@ -110,20 +110,29 @@ def test_corrupt_newest_checkpoints_fall_back_to_the_newest_valid(launch, tmp_pa
 
 
 def test_char_lm_kill_and_resume_is_bitwise_identical(launch, tmp_path):
+    """Both recovery paths: a restart of every worker from the checkpoint of step 10, and an
+    in-place recovery (the survivor keeps its process, the replacement gets its state)."""
     common = [str(CONFIGS / "char_lm.yaml"), *QUIET, "model.dropout=0.1",
-              "training.max_steps=40", "eval.every_steps=20", "checkpoint.every_steps=10"]
-    run_to_end(launch, "reference", *common, f"checkpoint.dir={tmp_path / 'ref'}")
-    job = run_to_end(launch, "killed", *common, f"checkpoint.dir={tmp_path / 'ck'}",
-                     "faults.inject=[{kind: sigkill, rank: 1, after_steps: 15}]",
-                     "--max-restarts", "1")
-    assert "fault injection: rank 1 sigkill after step 15" in job.output
-    assert "resumed from" in job.output and ": step 10," in job.output
-    want, got = final_state(tmp_path / "ref"), final_state(tmp_path / "ck")
-    assert want["train_state"]["step"] == got["train_state"]["step"] == 40
-    assert_same_tensors(want["model"], got["model"])
-    for a, b in zip(want["optimizer"]["state"].values(), got["optimizer"]["state"].values(),
-                    strict=True):
-        assert_same_tensors(a, b)
+              "training.max_steps=40", "eval.every_steps=20", "checkpoint.every_steps=10",
+              "faults.inject=[{kind: sigkill, rank: 1, after_steps: 15}]"]
+    run_to_end(launch, "reference", *common[:-1], f"checkpoint.dir={tmp_path / 'ref'}")
+    want = final_state(tmp_path / "ref")
+    for mode in ("restart", "in_place"):
+        job = run_to_end(launch, mode, *common, f"checkpoint.dir={tmp_path / mode}",
+                         f"recovery.mode={mode}", f"faults.once_dir={tmp_path / mode}-once",
+                         "--max-restarts", "1")
+        assert "fault injection: rank 1 sigkill after step 15" in job.output
+        if mode == "restart":
+            assert "resumed from" in job.output and ": step 10," in job.output
+        else:
+            assert "resumed from" not in job.output
+            assert "in-place recovery 1 done: step 16 committed" in job.output
+        got = final_state(tmp_path / mode)
+        assert want["train_state"]["step"] == got["train_state"]["step"] == 40
+        assert_same_tensors(want["model"], got["model"])
+        for a, b in zip(want["optimizer"]["state"].values(),
+                        got["optimizer"]["state"].values(), strict=True):
+            assert_same_tensors(a, b)
 
 
 def test_diverged_replicas_after_resume_fail_loudly(launch, tmp_path):

@@ -62,8 +62,8 @@ def test_sigkill_of_a_worker_mid_epoch_resumes_to_identical_result(launch, tmp_p
     ref = launch(cli("run", *base, f"checkpoint.dir={ref_ck}"), name="reference")
     assert ref.wait(timeout=300) == 0, ref.output[-3000:]
 
-    job = launch(cli("run", *base, f"checkpoint.dir={ck}", "--max-restarts", "3",
-                     "--monitor-interval", "0.2"), name="faulty")
+    job = launch(cli("run", *base, f"checkpoint.dir={ck}", "recovery.mode=restart",
+                     "--max-restarts", "3", "--monitor-interval", "0.2"), name="faulty")
     steps_per_epoch = final_state(ref_ck)["train_state"]["step"]
     # mid-epoch: after the step-20 checkpoint of epoch 0
     wait_until(lambda: (ck / "step-00000020").is_dir(), 200, "the step-20 checkpoint")
@@ -90,7 +90,7 @@ def test_repeated_worker_kills_always_reform_the_group(launch, tmp_path):
     job = launch(cli("run", DIGITS, *QUIET, f"checkpoint.dir={ck}", "checkpoint.every_steps=2",
                      "training.max_steps=30", "early_stopping.enabled=false",
                      f"faults.inject=[{{kind: sigkill, rank: 1, after_steps: 3, "
-                     f"attempts: {kills}}}]", "--max-restarts", str(kills),
+                     f"attempts: {kills}}}]", "recovery.mode=restart", "--max-restarts", str(kills),
                      "--monitor-interval", "0.2"), name="kills")
     assert job.wait(timeout=480) == 0, job.output[-4000:]
     out = job.output
