@@ -71,7 +71,8 @@ does when one is gone (required: exit code 2 with one line; optional: a warning,
    ``LocalElasticAgent``; ``elastic/multiprocessing/api.py``: ``SubprocessContext`` keeps one
    ``SubprocessHandler`` (``proc``, ``close``) per local rank in ``subprocess_handlers`` and
    its ``envs``/``args``/``entrypoint``; ``local_elastic_agent.py``: ``_start_workers``,
-   ``_stop_workers``, ``_shutdown``, ``_monitor_workers`` and ``self._pcontext``; optional,
+   ``_stop_workers``, ``_shutdown``, ``_monitor_workers``, ``self._pcontext`` and, when
+   configured, ``_check_uninterruptible_state_timeout``; optional,
    agent). :func:`agent_class` makes ``launch_agent`` build
    :class:`~elastic_runner.inplace_agent.InPlaceAgent`, which swaps a spare into a dead
    worker's slot. Without them ``run`` recovers by restarting every worker, as torchrun does.

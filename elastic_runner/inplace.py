@@ -321,8 +321,15 @@ def rejoin(trainer: Trainer, joining: bool, report: RecoveryReport | None = None
                           + "; ".join(f"rank {r}: {s['fingerprint']}"
                                       for r, s in enumerate(everyone)))
     candidates = [r for r, s in enumerate(everyone) if not s["joining"]]
-    if not candidates:
-        raise RuntimeError("in-place recovery: no survivor holds the state")
+    if not candidates:  # every member is a replacement: the checkpoint is the fallback
+        log.warning("in-place recovery: no survivor holds the state; resuming from the newest "
+                    "checkpoint")
+        trainer.resume()
+        trainer.after_done = trainer.state.step
+        trainer.rewrap()
+        trainer.session.callbacks.on_recovered(trainer.state.step, joining,
+                                               trainer.sampler.last_step)
+        return
     src = max(candidates, key=lambda r: (everyone[r]["step"], everyone[r]["after"], -r))
     best = everyone[src]
     receivers = [r for r, s in enumerate(everyone)

@@ -124,37 +124,37 @@ class InPlaceAgent(LocalElasticAgent):
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         pc = self._pcontext
-        if isinstance(pc, SubprocessContext):
-            failed = self._failed(pc)
-            if failed and self._replaceable(pc, failed):
-                self._replace(worker_group, pc, failed)
-                return RunResult(state=WorkerState.HEALTHY)
-            if failed:  # torch's restart path: release survivors waiting for an announcement
-                waited = self._grow[0] if self._grow else self._generation + 1
-                self._recovery_store.set(self._key("gen", waited), json.dumps({"restart": True}))
-            else:
-                self._announce_grow()
-                self._keep_spare(pc)
-        return super()._monitor_workers(worker_group)
+        if not isinstance(pc, SubprocessContext):
+            return super()._monitor_workers(worker_group)
+        # one look at every worker decides; torch's own poll, which stops every worker at the
+        # first failure it sees, runs only when this look leaves it nothing to recover
+        codes = {lr: h.proc.poll() for lr, h in pc.subprocess_handlers.items()}
+        failed = {lr: c for lr, c in codes.items() if c not in (None, 0)}
+        if failed and self._replaceable(codes, failed):
+            self._replace(worker_group, pc, failed)
+            return RunResult(state=WorkerState.HEALTHY)
+        if failed:  # torch's restart path: release survivors waiting for an announcement
+            waited = self._grow[0] if self._grow else self._generation + 1
+            self._recovery_store.set(self._key("gen", waited), json.dumps({"restart": True}))
+            return super()._monitor_workers(worker_group)
+        self._announce_grow()
+        self._keep_spare(pc)
+        if any(code is None for code in codes.values()):
+            # torch's optional check for workers stuck in the kernel (off unless configured)
+            timeout = getattr(self, "_uninterruptible_state_timeout", 0.0)
+            stuck = (self._check_uninterruptible_state_timeout(worker_group, timeout)
+                     if timeout > 0 else None)
+            return stuck or RunResult(state=WorkerState.HEALTHY)
+        return super()._monitor_workers(worker_group)  # all succeeded
 
     # ------------------------------------------------------------ replacement
 
-    @staticmethod
-    def _failed(pc: SubprocessContext) -> dict[int, int]:
-        """{local_rank: exit code} of the workers that ended with a non-zero code."""
-        out = {}
-        for local_rank, handler in pc.subprocess_handlers.items():
-            code = handler.proc.poll()
-            if code is not None and code != 0:
-                out[local_rank] = code
-        return out
-
-    def _replaceable(self, pc: SubprocessContext, failed: dict[int, int]) -> bool:
+    def _replaceable(self, codes: dict[int, int | None], failed: dict[int, int]) -> bool:
         """A failure (not bad input, not preemption), some worker still running and none
-        finished, and restarts left."""
+        finished, and restarts left (``codes``: every local rank's exit code or None)."""
         if any(code in (EXIT_BAD_INPUT, EXIT_PREEMPTED) for code in failed.values()):
             return False
-        others = [h.proc.poll() for lr, h in pc.subprocess_handlers.items() if lr not in failed]
+        others = [code for lr, code in codes.items() if lr not in failed]
         # a failure while shrunk takes the restart path
         return (bool(others) and all(code is None for code in others)
                 and self._remaining_restarts > 0 and self._grow is None)
@@ -169,10 +169,14 @@ class InPlaceAgent(LocalElasticAgent):
         shrink = self._cfg.continue_shrunk and not warm
         announce = self._generation + 1
         self._generation = announce + 1 if shrink else announce
+        self._remaining_restarts -= 1
+        # the replacement is the rank's next attempt: restarts used so far, as torch counts them
+        attempt = worker_group.spec.max_restarts - self._remaining_restarts
         ranks, pids, spares = [], [], []
         for local_rank in sorted(failed):
             spare = self._take_spare(pc)
-            env = {**pc.envs[local_rank], GENERATION_ENV: str(self._generation)}
+            env = {**pc.envs[local_rank], GENERATION_ENV: str(self._generation),
+                   "TORCHELASTIC_RESTART_COUNT": str(attempt)}
             self._recovery_store.set(self._key("spare", spare.number, "assign"), json.dumps(env))
             pc.subprocess_handlers[local_rank] = _Adopted(spare.proc, local_rank)  # type: ignore
             worker = worker_group.workers[local_rank]
@@ -180,7 +184,6 @@ class InPlaceAgent(LocalElasticAgent):
             ranks.append(worker.global_rank)
             pids.append(spare.proc.pid)
             spares.append(spare)
-        self._remaining_restarts -= 1
         news: dict[str, Any] = {"failed": ranks, "exitcodes": list(failed.values())}
         if shrink:
             members = sorted(w.global_rank for w in worker_group.workers
