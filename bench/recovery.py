@@ -67,6 +67,8 @@ import urllib.request
 from datetime import datetime
 from pathlib import Path
 
+import psutil
+
 from elastic_runner.audit import read_entries
 from tests.procs import CONFIGS, Job, cli, wait_until
 
@@ -244,8 +246,8 @@ def _task_argv(task: str, path: str, ck: Path, trace: Path, port: int, *extra: s
     """One node, 2 workers, c10d, the task's config with a long run and frequent logging."""
     return cli("run", str(CONFIGS / f"{task}.yaml"), "logging.tensorboard_dir=null",
                "early_stopping.enabled=false", f"checkpoint.dir={ck}",
-               "training.log_every_steps=1", "training.max_steps=100000",
-               "training.max_epochs=1000", f"metrics.port={port}", f"recovery.mode={path}",
+               "training.log_every_steps=1", "training.max_steps=10000000",
+               "training.max_epochs=10000000", f"metrics.port={port}", f"recovery.mode={path}",
                "recovery.spare_delay_seconds=0",
                *extra, "--nproc-per-node", "2", "--max-restarts", "100",
                "--monitor-interval", "0.1", "--trace-samples", str(trace))
@@ -280,7 +282,8 @@ def kill_one(task: str, path: str, workdir: Path) -> dict[str, float]:
             wait_until(lambda: _DONE.search(job.output) is not None, RUN_TIMEOUT_S,
                        "the in-place recovery")
             out = _inplace_phases(job.output, trace, t_kill)
-            out["steps_redone"] = before - (out.pop("step") - 1)
+            # a step whose all-reduce completed before the kill still commits: none redone
+            out["steps_redone"] = max(0, before - (out.pop("step") - 1))
         else:
             wait_until(lambda: "resumed from" in job.output and any(
                 t > _resumed(job.output, t_kill)[0] for t in _committed(trace).values()),
@@ -318,16 +321,37 @@ def ettr_run(path: str, interval: float, seconds: float, workdir: Path) -> dict[
         while time.time() < t0 + seconds:
             time.sleep(max(0.0, min(next_kill, t0 + seconds) - time.time()))
             if time.time() >= next_kill:
-                workers = job.workers()
+                workers = _workers(job)
                 victim = workers.get(kills % 2) or workers.get(1 - kills % 2)
                 if victim is not None:
-                    victim.kill()
-                    kills += 1
+                    with contextlib.suppress(psutil.NoSuchProcess):
+                        victim.kill()
+                        kills += 1
                 next_kill += interval
+        if job.proc.poll() is not None:
+            raise RuntimeError(f"ettr/{path}: the job ended before {seconds:.0f} s:\n"
+                               f"{job.output[-3000:]}")
         figures = _scrape_goodput(port)
     finally:
         job.kill_all()
     return {**figures, "kills": kills}
+
+
+_REPLACED = re.compile(r"rank\(s\) \[(\d+)\] exited with code\(s\) \[-?\d+\]: replaced in place "
+                       r"by \w+ spare\(s\) pid\(s\) \[(\d+)\]")
+
+
+def _workers(job: Job) -> dict[int, psutil.Process]:
+    """Live workers by rank: torch's (RANK in their environment) and the spares the agent
+    put in a dead worker's place (their environment says RANK=-1; the agent's log says which
+    rank they took)."""
+    out = {r: p for r, p in job.workers().items() if r >= 0}
+    for m in _REPLACED.finditer(job.output):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc = psutil.Process(int(m[2]))
+            if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
+                out[int(m[1])] = proc
+    return out
 
 
 def _scrape_goodput(port: int) -> dict[str, float]:
@@ -413,6 +437,8 @@ def main(argv: list[str] | None = None) -> dict:
                    choices=["digits", "char_lm"])
     p.add_argument("--ettr-seconds", type=float, default=300.0)
     p.add_argument("--ettr-intervals", nargs="+", type=float, default=[30.0, 10.0])
+    p.add_argument("--paths", nargs="+", default=list(PATHS), choices=PATHS,
+                   help="recovery paths of the ettr runs")
     p.add_argument("--dir", default=None, help="keep the runs' logs here (default: a temporary "
                    "directory, removed)")
     p.add_argument("--json", default=None)
@@ -425,14 +451,25 @@ def main(argv: list[str] | None = None) -> dict:
     with contextlib.ExitStack() as stack:
         d = args.dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="recovery-"))
         etcd = stack.enter_context(etcd_server()) if "etcd-v2" in backends else None
-        repeats = [run_repeat(args.scenarios, backends, etcd, Path(d) / str(i),
-                              tuple(args.tasks)) for i in range(args.repeats)]
-        ettr = {}
+        repeats: list[dict[str, dict[str, float]]] = []
+        ettr: dict[str, dict[str, float]] = {}
+
+        def save() -> None:  # after every run: a late failure keeps what was measured
+            if args.json:
+                Path(args.json).write_text(json.dumps(
+                    {"repeats": repeats, "ettr": ettr, "ettr_seconds": args.ettr_seconds},
+                    indent=1))
+
+        for i in range(args.repeats):
+            repeats.append(run_repeat(args.scenarios, backends, etcd, Path(d) / str(i),
+                                      tuple(args.tasks)))
+            save()
         if "ettr" in args.scenarios:
             for interval in args.ettr_intervals:
-                for path in PATHS:
+                for path in args.paths:
                     ettr[f"{path}, {interval:.0f} s"] = ettr_run(
                         path, interval, args.ettr_seconds, Path(d) / f"ettr-{path}-{interval}")
+                    save()
     summary = summarize(repeats) if repeats and repeats[0] else {}
     if summary:
         print_table(summary)
