@@ -364,8 +364,8 @@ def _pack(state: dict[str, Any]) -> torch.Tensor:
 
 
 def _unpack(payload: torch.Tensor, device: torch.device) -> dict[str, Any]:
-    return torch.load(io.BytesIO(payload.cpu().numpy().tobytes()), map_location=device,
-                      weights_only=True)
+    data = io.BytesIO(payload.cpu().numpy().tobytes())
+    return torch.load(data, weights_only=True, map_location=device)
 
 
 def _first_line(e: BaseException) -> str:
