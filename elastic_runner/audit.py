@@ -37,11 +37,13 @@ class SampleTrace:
         self._file.write(json.dumps(entry, separators=(",", ":")) + "\n")
         self._file.flush()
 
-    def record_step(self, epoch: int, step: int, world_size: int, loss: float,
-                    indices: list[int], skipped: bool = False) -> None:
+    def record_step(self, epoch: int, step: int, world_size: int, loss: float | None,
+                    indices: list[int], skipped: bool = False, rank: int | None = None) -> None:
         """``skipped``: the update of this step was skipped (non-finite loss or gradient); its
-        samples were consumed but did not change the model."""
-        entry = {"epoch": epoch, "step": step, "rank": self.rank, "world_size": world_size,
+        samples were consumed but did not change the model. ``rank``: the rank that trained
+        ``indices`` when it is not this one (an entry repaired for a rank that died)."""
+        entry = {"epoch": epoch, "step": step, "rank": self.rank if rank is None else rank,
+                 "world_size": world_size,
                  "loss": loss, "time": round(time.time(), 3), "indices": indices}
         if skipped:
             entry["skipped"] = True
@@ -70,11 +72,11 @@ def steps_recorded(directory: str | Path, rank: int) -> set[int]:
     return out
 
 
-def step_ran_at_another_size(directory: str | Path, step: int, world_size: int) -> bool:
-    """Whether some rank's entry of ``step`` has a world size other than ``world_size`` (the
-    step was trained before a regroup)."""
-    return any(e.get("step") == step and e.get("world_size") not in (None, world_size)
-               for e in read_entries(directory) if "epoch_end" not in e)
+def ranks_recorded(directory: str | Path, step: int) -> set[int]:
+    """The ranks that have a complete entry of ``step`` (in any rank's file: a survivor writes
+    the entries of the ranks that died after committing it)."""
+    return {e["rank"] for e in read_entries(directory)
+            if "epoch_end" not in e and e.get("step") == step}
 
 
 def read_entries(directory: str | Path) -> list[dict[str, Any]]:

@@ -126,10 +126,10 @@ class Callback:
         pass
 
     def on_recovered(self, step: int, joining: bool,
-                     last_step: Callable[[], tuple[int, list[int]]]) -> None:
+                     last_step: Callable[[int], tuple[int, int, list[int]]]) -> None:
         """An in-place recovery re-formed the group at ``step`` (``joining``: this process is
-        the replacement); training goes on from there. ``last_step()``: (epoch, this rank's
-        sample indices) of step ``step``."""
+        the replacement); training goes on from there. ``last_step(rank)``: (epoch, world
+        size, sample indices of ``rank``) of step ``step``, in the group that committed it."""
 
     def on_recovery_report(self, report: Any) -> None:
         """The first step after an in-place recovery is committed; ``report``:
@@ -203,7 +203,7 @@ class Callbacks(Callback):
         self._each("on_finish", reason, message)
 
     def on_recovered(self, step: int, joining: bool,
-                     last_step: Callable[[], tuple[int, list[int]]]) -> None:
+                     last_step: Callable[[int], tuple[int, int, list[int]]]) -> None:
         self._each("on_recovered", step, joining, last_step)
 
     def on_recovery_report(self, report: Any) -> None:

@@ -180,19 +180,21 @@ class SampleTraceRecorder(Callback):
     on_rollback = on_resumed
 
     def on_recovered(self, step: int, joining: bool,
-                     last_step: Callable[[], tuple[int, list[int]]]) -> None:
-        """In-place recovery at ``step``: the trace is rewound to it, and this rank's entry of
-        ``step`` is written if the step was committed at this world size but its entry was not
-        (the peer died in the step's loss collective, or this process replaces one that died
-        there)."""
+                     last_step: Callable[[int], tuple[int, int, list[int]]]) -> None:
+        """In-place recovery at ``step``: the trace is rewound to it, and rank 0 writes every
+        entry of ``step`` that is missing for a rank of the group that committed it (that rank
+        died after the step's gradient all-reduce, or in its loss collective). Every rank is
+        here, past the step, so no entry of ``step`` can still be on its way."""
         self.on_resumed(step)
-        if step > 0 and not audit.step_ran_at_another_size(self.directory, step,
-                                                           self.world_size) \
-                and step not in audit.steps_recorded(self.directory, self.rank):
-            epoch, indices = last_step()
-            self.trace.record_step(epoch, step, self.world_size, None, indices)
-            step_log.info("sample trace: wrote the entry of step %d for rank %d", step,
-                          self.rank)
+        if self.rank != 0 or step == 0:
+            return
+        have = audit.ranks_recorded(self.directory, step)
+        for rank in range(last_step(0)[1]):
+            if rank not in have:
+                epoch, world_size, indices = last_step(rank)
+                self.trace.record_step(epoch, step, world_size, None, indices, rank=rank)
+                step_log.info("sample trace: wrote the entry of step %d for rank %d", step,
+                              rank)
 
     def on_step_end(self, e: StepEnd) -> None:
         self.trace.record_step(e.epoch, e.step, self.world_size, e.mean_loss, e.indices(),

@@ -46,6 +46,9 @@ class ElasticSampler:
         self.shuffle = shuffle
         self.epoch = 0
         self.cursor = 0
+        # (world_size, micro_batch_size, grad_accum_steps) of the step that reached the cursor:
+        # after a regroup it is the old group's, until this sampler's first step
+        self.committed_geometry = (world_size, micro_batch_size, grad_accum_steps)
         self._perm: tuple[tuple[int, int], np.ndarray] | None = None
         if self.steps_per_epoch() == 0:
             raise ValueError(
@@ -80,15 +83,24 @@ class ElasticSampler:
     def advance(self) -> None:
         """Mark one optimizer step's global batch as trained."""
         self.cursor += self.global_batch_size
+        self.committed_geometry = (self.world_size, self.micro_batch_size, self.grad_accum_steps)
 
-    def last_step(self) -> tuple[int, list[int]]:
-        """(epoch, this rank's indices) of the step that ended at the current position (the
-        cursor, or the end of the previous epoch at an epoch's start)."""
-        if self.cursor >= self.global_batch_size:
-            epoch, start = self.epoch, self.cursor - self.global_batch_size
+    def last_step(self, rank: int | None = None) -> tuple[int, int, list[int]]:
+        """(epoch, world_size, indices of ``rank``) of the step that ended at the current
+        position (the cursor, or the end of the previous epoch at an epoch's start), split as
+        that step was: at the world size and accumulation it was committed with, which differ
+        from this sampler's after a regroup. ``rank`` defaults to this rank."""
+        world_size, b, accum = self.committed_geometry
+        size = world_size * b * accum
+        if self.cursor >= size:
+            epoch, start = self.epoch, self.cursor - size
         else:
-            epoch, start = self.epoch - 1, (self.steps_per_epoch() - 1) * self.global_batch_size
-        return epoch, [i for mb in self.step_indices(start, epoch) for i in mb]
+            epoch, start = self.epoch - 1, (self.num_samples // size - 1) * size
+        perm = self.permutation(epoch)
+        r = self.rank if rank is None else rank
+        return epoch, world_size, [i for m in range(accum)
+                                   for i in perm[start + m * world_size * b + r * b:
+                                                 start + m * world_size * b + (r + 1) * b].tolist()]
 
     def step_indices(self, cursor: int, epoch: int | None = None) -> list[list[int]]:
         """This rank's micro-batches of the optimizer step that starts at ``cursor`` of
@@ -114,10 +126,12 @@ class ElasticSampler:
         return self.steps_left_in_epoch() * self.grad_accum_steps
 
     def state_dict(self) -> dict[str, Any]:
-        # world_size and global_batch_size are informational: the cursor alone is the position
+        # the cursor alone is the position; the geometry of the step that reached it lets a
+        # peer-fed replacement or a regrouped trainer name that step's samples (last_step)
+        world_size, b, accum = self.committed_geometry
         return {"seed": self.seed, "epoch": self.epoch, "cursor": self.cursor,
-                "num_samples": self.num_samples, "world_size": self.world_size,
-                "global_batch_size": self.global_batch_size}
+                "num_samples": self.num_samples, "world_size": world_size,
+                "micro_batch_size": b, "global_batch_size": world_size * b * accum}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state["num_samples"] != self.num_samples:
@@ -126,6 +140,12 @@ class ElasticSampler:
                 f"this one has {self.num_samples}"
             )
         self.seed, self.epoch, self.cursor = state["seed"], state["epoch"], state["cursor"]
+        # checkpoints before the micro-batch size was stored: the per-rank share as one
+        world_size = state.get("world_size", self.world_size)
+        share = state.get("global_batch_size", self.global_batch_size) // world_size
+        b = state.get("micro_batch_size",
+                      self.micro_batch_size if share % self.micro_batch_size == 0 else share)
+        self.committed_geometry = (world_size, b, share // b)
 
 
 def shard_indices(num_samples: int, rank: int, world_size: int) -> list[int]:

@@ -41,3 +41,32 @@ def test_rewind_drops_lost_steps_and_torn_lines(tmp_path):
     (r,) = audit(tmp_path)
     assert not r.complete and r.seen_once == 8
     assert loss_curve(tmp_path) == {1: 0.5, 2: 0.5}
+
+
+def test_recovery_writes_the_entries_of_ranks_that_died_after_committing(tmp_path):
+    """Continue-shrunk after rank 1 died between step 3's all-reduce and its trace entry: rank 0
+    (now alone, twice the accumulation) writes rank 1's entry of step 3 as the 2-rank group
+    trained it, so the audit covers every sample of that step once."""
+    from elastic_runner.reporting import SampleTraceRecorder
+    from elastic_runner.sampler import ElasticSampler
+
+    n = 64
+    old = [ElasticSampler(n, 7, 4, 2, r, 2) for r in range(2)]
+    trace = SampleTrace(tmp_path, 0)
+    for step in (1, 2, 3):
+        for r, s in enumerate(old):
+            if (step, r) != (3, 1):
+                trace.record_step(0, step, 2, 0.5, [i for mb in s.step_indices(s.cursor)
+                                                    for i in mb], rank=r)
+        for s in old:
+            s.advance()
+    trace.close()
+    new = ElasticSampler(n, 7, 4, 4, 0, 1)
+    new.load_state_dict(old[0].state_dict())
+    recorder = SampleTraceRecorder(str(tmp_path), 0, 1, n)
+    recorder.on_recovered(3, False, new.last_step)
+    recorder.close()
+    step3 = [e for e in read_entries(tmp_path) if e["step"] == 3]
+    assert sorted((e["rank"], e["world_size"]) for e in step3) == [(0, 2), (1, 2)]
+    (r,) = audit(tmp_path)
+    assert r.ok and r.seen_once == 3 * 16

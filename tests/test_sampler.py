@@ -83,3 +83,28 @@ def test_dataset_smaller_than_global_batch_is_an_error():
 def test_eval_shards_partition_without_padding():
     shards = [shard_indices(11, r, 3) for r in range(3)]
     assert sorted(i for s in shards for i in s) == list(range(11))
+
+
+@pytest.mark.parametrize("steps", [3, 5])  # mid-epoch, and the epoch's last step (cursor wraps)
+def test_last_step_names_each_rank_of_the_group_that_committed_it(steps):
+    """After a regroup from 2 ranks to 1 (same global batch, twice the accumulation), the step
+    that reached the cursor is still split as the 2-rank group trained it."""
+    n = 80  # 5 steps of 16
+    old = samplers(n, 2, b=4, a=2)
+    trained = [[] for _ in old]
+    for _ in range(steps):
+        for r, s in enumerate(old):
+            trained[r] = list(itertools.chain.from_iterable(s.step_indices(s.cursor)))
+        for s in old:
+            s.advance()
+    if steps == 5:
+        for s in old:
+            s.set_epoch(1)
+    (new,) = samplers(n, 1, b=4, a=4)
+    new.load_state_dict(old[0].state_dict())
+    for r in range(2):
+        assert new.last_step(r) == (0, 2, trained[r])
+    if steps < 5:  # after a step at the new size: that step's geometry
+        mine = list(itertools.chain.from_iterable(new.step_indices(new.cursor)))
+        new.advance()
+        assert new.last_step() == (0, 1, mine)
