@@ -39,11 +39,14 @@ import fsspec
 import torch
 from fsspec.implementations.local import LocalFileSystem
 
+from .fencing import Fence, FencedOut, NoFence
+
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 STATE_FILE = "state.pt"
 MANIFEST = "manifest.json"
+UNFENCED = NoFence()
 _NAME = re.compile(r"^(?P<kind>step|best-step)-(?P<step>\d{8})$")
 
 
@@ -70,6 +73,13 @@ class CheckpointInfo:
     valid: bool
     reason: str = ""
     config_hash: str | None = None
+    fence: int = 0  # the writer's fencing token (fencing.py); 0 before fencing existed
+
+    @property
+    def order(self) -> tuple[int, int]:
+        """Newest first by this key, descending: a newer group's checkpoints win over a stale
+        group's whatever their step (fencing.py)."""
+        return (self.fence, self.step)
 
     @property
     def name(self) -> str:
@@ -133,25 +143,30 @@ def _manifest(meta: dict[str, Any], files: dict[str, Any]) -> bytes:
 
 
 def write_checkpoint(directory: str | Path, names: str | list[str], state: dict[str, Any],
-                     meta: dict[str, Any]) -> list[str]:
+                     meta: dict[str, Any], fence: Fence | NoFence = UNFENCED) -> list[str]:
     """Write ``state`` once and commit it under each of ``names`` (e.g. a step and a best
     checkpoint of the same step; later names hard-link, or copy, the first one's file).
 
-    ``meta`` (step, epoch, world_size, config_hash, ...) goes into the manifest. An existing
-    checkpoint of the same name is replaced (its step was redone after a restart).
+    ``meta`` (step, epoch, world_size, config_hash, ...) goes into the manifest, with
+    ``fence``'s token. An existing checkpoint of the same name is replaced (its step was redone
+    after a restart).
 
     Returns:
         The committed checkpoints' paths (local) or URLs.
+
+    Raises:
+        FencedOut: a newer group claimed ``directory`` (``fence``); nothing was published.
     """
     names = [names] if isinstance(names, str) else names
+    meta = {**meta, "fence": fence.token}
     fs, root = _resolve(directory)
     if _is_local(fs):
-        return [str(p) for p in _write_local(Path(root), names, state, meta)]
-    return [_display(fs, p) for p in _write_object_store(fs, root, names, state, meta)]
+        return [str(p) for p in _write_local(Path(root), names, state, meta, fence)]
+    return [_display(fs, p) for p in _write_object_store(fs, root, names, state, meta, fence)]
 
 
 def _write_local(directory: Path, names: list[str], state: dict[str, Any],
-                 meta: dict[str, Any]) -> list[Path]:
+                 meta: dict[str, Any], fence: Fence | NoFence) -> list[Path]:
     directory.mkdir(parents=True, exist_ok=True)
     staged: list[Path] = []
     files: dict[str, Any] = {}
@@ -173,15 +188,21 @@ def _write_local(directory: Path, names: list[str], state: dict[str, Any],
         _fsync_dir(tmp)
         staged.append(tmp)
     finals = []
-    for tmp, name in zip(staged, names, strict=True):
-        final = directory / name
-        if final.exists():  # same step written again after a restart: retire the old one first
-            old = directory / f".tmp-old-{name}-{os.getpid()}"
-            os.replace(final, old)
-            shutil.rmtree(old)
-        os.replace(tmp, final)
-        finals.append(final)
-    _fsync_dir(directory)
+    try:
+        with fence.guard(", ".join(names)):
+            for tmp, name in zip(staged, names, strict=True):
+                final = directory / name
+                if final.exists():  # same step written again after a restart: retire the old
+                    old = directory / f".tmp-old-{name}-{os.getpid()}"
+                    os.replace(final, old)
+                    shutil.rmtree(old)
+                os.replace(tmp, final)
+                finals.append(final)
+            _fsync_dir(directory)
+    except FencedOut:
+        for tmp in staged:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return finals
 
 
@@ -195,8 +216,11 @@ def _link_or_copy(src: Path, dst: Path) -> None:
 
 
 def _write_object_store(fs: fsspec.AbstractFileSystem, root: str, names: list[str],
-                        state: dict[str, Any], meta: dict[str, Any]) -> list[str]:
+                        state: dict[str, Any], meta: dict[str, Any],
+                        fence: Fence | NoFence) -> list[str]:
     finals = [f"{root}/{name}" for name in names]
+    with fence.guard(", ".join(names)):  # fail early: a stale writer overwrites nothing
+        pass
     for final in finals:  # invalidate before overwriting: no manifest, no trust
         if fs.exists(final):
             fs.rm(final, recursive=True)
@@ -205,8 +229,9 @@ def _write_object_store(fs: fsspec.AbstractFileSystem, root: str, names: list[st
         files = {STATE_FILE: _save_hashed(f, state)}
     for final in finals[1:]:
         fs.copy(f"{finals[0]}/{STATE_FILE}", f"{final}/{STATE_FILE}")
-    for final in finals:
-        fs.pipe_file(f"{final}/{MANIFEST}", _manifest(meta, files))
+    with fence.guard(", ".join(names)):
+        for final in finals:
+            fs.pipe_file(f"{final}/{MANIFEST}", _manifest(meta, files))
     return finals
 
 
@@ -224,20 +249,58 @@ def inspect(path: str | Path, verify: bool = False) -> CheckpointInfo:
         entries = []
     sizes = {e["name"].rstrip("/").rsplit("/", 1)[-1]: e["size"] for e in entries
              if e["type"] == "file"}
+    # a link is refused, never followed: nothing outside the checkpoint directory is read
+    links = sorted(e["name"].rstrip("/").rsplit("/", 1)[-1] for e in entries if e.get("islink"))
     size = sum(sizes.values())
 
     def bad(reason: str) -> CheckpointInfo:
         return CheckpointInfo(display, kind, step, None, None, None, size, False, reason)
 
+    def manifest_problem(manifest: Any) -> str:
+        """Why a parsed manifest cannot be trusted ('' when it can): it names only this format's
+        files, by plain name (a hostile one could point outside the directory, or leave
+        state.pt unverified), each with an int size and a sha256, and its fields are typed."""
+        if not isinstance(manifest, dict):
+            return f"manifest is a JSON {type(manifest).__name__}, not an object"
+        if manifest.get("format_version") != FORMAT_VERSION:
+            return f"format version {str(manifest.get('format_version'))[:40]} != {FORMAT_VERSION}"
+        files = manifest.get("files")
+        if not isinstance(files, dict):
+            return "manifest has no 'files' object"
+        for fname in files:
+            shown = repr(fname[:200]) + ("..." if len(fname) > 200 else "")
+            if "/" in fname or "\\" in fname or fname in ("", ".", ".."):
+                return (f"manifest names file {shown}: a path outside the checkpoint directory "
+                        f"(only plain names: {STATE_FILE})")
+            if fname != STATE_FILE:
+                return f"manifest names file {shown}, not one of this format ({STATE_FILE})"
+        desc = files.get(STATE_FILE)
+        if not isinstance(desc, dict):
+            return f"manifest does not list {STATE_FILE} (its size and sha256 are unknown)"
+        if type(desc.get("bytes")) is not int or not isinstance(desc.get("sha256"), str):
+            return f"manifest entry of {STATE_FILE} lacks an int 'bytes' or a 'sha256'"
+        typed = {"step": (int,), "epoch": (int, type(None)), "world_size": (int, type(None)),
+                 "time": (int, float, type(None))}
+        wrong = [k for k, ok in typed.items() if type(manifest.get(k)) not in ok]
+        if type(manifest.get("fence", 0)) is not int:
+            wrong.append("fence")
+        return f"manifest field {wrong[0]!r} has the wrong type" if wrong else ""
+
+    if links:
+        return bad(f"{links[0][:80]!r} is a symbolic link (refused: a checkpoint's files must "
+                   "lie in its directory)")
     if MANIFEST not in sizes:
         return bad("no manifest (incomplete write)")
+    if sizes[MANIFEST] > 1 << 20:  # a few hundred bytes when written here: never read a huge one
+        return bad(f"{MANIFEST} has {sizes[MANIFEST]} bytes, more than a manifest's 1 MiB")
     try:
         manifest = json.loads(fs.cat_file(f"{p}/{MANIFEST}"))
     except (OSError, ValueError) as e:
         return bad(f"unreadable manifest: {e}")
-    if manifest.get("format_version") != FORMAT_VERSION:
-        return bad(f"format version {manifest.get('format_version')} != {FORMAT_VERSION}")
-    for fname, desc in manifest.get("files", {}).items():
+    problem = manifest_problem(manifest)
+    if problem:
+        return bad(problem)
+    for fname, desc in manifest["files"].items():
         if fname not in sizes:
             return bad(f"{fname} missing")
         if sizes[fname] != desc["bytes"]:
@@ -246,7 +309,7 @@ def inspect(path: str | Path, verify: bool = False) -> CheckpointInfo:
             return bad(f"{fname} sha256 mismatch (corrupt)")
     return CheckpointInfo(display, kind, manifest["step"], manifest.get("epoch"),
                           manifest.get("world_size"), manifest.get("time"), size, True, "",
-                          manifest.get("config_hash"))
+                          manifest.get("config_hash"), int(manifest.get("fence", 0)))
 
 
 def list_checkpoints(directory: str | Path) -> list[CheckpointInfo]:
@@ -262,9 +325,11 @@ def list_checkpoints(directory: str | Path) -> list[CheckpointInfo]:
 
 
 def latest_valid(directory: str | Path, kind: str = "step") -> CheckpointInfo | None:
-    """The newest checkpoint of ``kind`` whose files verify (sha256); invalid newer ones are
-    skipped with a warning naming the reason."""
-    for info in reversed([c for c in list_checkpoints(directory) if c.kind == kind]):
+    """The newest checkpoint of ``kind`` whose files verify (sha256): the highest step of the
+    highest fencing token (a stale group's checkpoints lose to a newer group's whatever their
+    step); invalid newer ones are skipped with a warning naming the reason."""
+    found = [c for c in list_checkpoints(directory) if c.kind == kind]
+    for info in sorted(found, key=lambda c: c.order, reverse=True):
         checked = inspect(info.path, verify=True) if info.valid else info
         if checked.valid:
             return checked
@@ -299,8 +364,8 @@ def prune(directory: str | Path, keep_last: int, protect: str | Path | None = No
     fs, root = _resolve(directory)
     keep = str(protect) if protect is not None else None
     infos = [c for c in list_checkpoints(directory) if c.valid and c.path != keep]
-    steps = [c for c in infos if c.kind == "step"]
-    bests = [c for c in infos if c.kind == "best"]
+    steps = sorted((c for c in infos if c.kind == "step"), key=lambda c: c.order)
+    bests = sorted((c for c in infos if c.kind == "best"), key=lambda c: c.order)
     doomed = [c.path for c in steps[:-keep_last]] + [c.path for c in bests[:-1]]
     for path in doomed:
         fs.rm(_resolve(path)[1], recursive=True)

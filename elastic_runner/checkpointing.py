@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from . import checkpoint as ckpt
 from .async_save import AsyncCheckpointer
 from .dist import assert_same_across_ranks, broadcast_object, current_rank
+from .fencing import Fence, NoFence
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +102,10 @@ class CheckpointManager:
         migrate: rewrites a loaded raw state before it is applied (checkpoints of older
             releases); identity by default.
         rank: this process's rank (default: the process group's, 0 without one).
+        fencing: rank 0 claims a fencing token in ``directory`` (``fencing.py``) before it
+            chooses the checkpoint to resume from (or before its first save), and every commit
+            is refused with :class:`~elastic_runner.fencing.FencedOut` once a newer group has
+            claimed the directory. False: commits are not fenced (one writer by construction).
 
     Raises:
         TypeError: a value of ``state`` does not implement ``Stateful``.
@@ -113,7 +118,8 @@ class CheckpointManager:
                  meta: Callable[[], dict[str, Any]] = dict,
                  listener: CheckpointListener | None = None,
                  after_load: Callable[[dict[str, Any]], None] = lambda raw: None,
-                 migrate: Callable[[dict[str, Any]], dict[str, Any]] = lambda raw: raw, rank: int | None = None) -> None:
+                 migrate: Callable[[dict[str, Any]], dict[str, Any]] = lambda raw: raw,
+                 rank: int | None = None, fencing: bool = True) -> None:
         for key, value in state.items():
             if not isinstance(value, Stateful):
                 raise TypeError(f"checkpoint state {key!r}: {type(value).__name__} does not "
@@ -130,6 +136,14 @@ class CheckpointManager:
         self._writer = AsyncCheckpointer() if async_save and self.rank == 0 else _SyncWriter()
         self._async = async_save
         self._last_save = time.monotonic()
+        self._fencing = fencing and self.rank == 0
+        self.fence: Fence | NoFence = ckpt.UNFENCED
+
+    def claim(self) -> None:
+        """Rank 0: claim a fencing token for this group (once; :meth:`load_latest` and the
+        first :meth:`save` call it). Other ranks and ``fencing=False``: nothing."""
+        if self._fencing and isinstance(self.fence, NoFence):
+            self.fence = Fence.claim(self.directory)
 
     # ------------------------------------------------------------ saving
 
@@ -155,6 +169,7 @@ class CheckpointManager:
 
         Raises:
             OSError / CheckpointError: a synchronous write failed (or the previous async one).
+            FencedOut: a newer group claimed the directory (this save or the previous one).
         """
         names = [f"step-{step:08d}"] if step_checkpoint else []
         if best and self.keep_best:
@@ -162,6 +177,7 @@ class CheckpointManager:
         if not names or self.rank != 0:
             return
         self._last_save = time.monotonic()
+        self.claim()
         meta = {"step": step, **self.meta()}
         stall = self._writer.save(self.state_dict(), lambda s: self._write(names, s, meta))
         self.listener.checkpoint_stall(stall)
@@ -170,7 +186,7 @@ class CheckpointManager:
 
     def _write(self, names: list[str], state: dict[str, Any], meta: dict[str, Any]) -> None:
         t0 = time.perf_counter()
-        paths = ckpt.write_checkpoint(self.directory, names, state, meta)
+        paths = ckpt.write_checkpoint(self.directory, names, state, meta, self.fence)
         seconds = time.perf_counter() - t0
         size = ckpt.inspect(paths[0]).size_bytes
         ckpt.prune(self.directory, self.keep_last, protect=self.resumed_from)
@@ -207,6 +223,7 @@ class CheckpointManager:
         """
         choice = None
         if self.rank == 0:
+            self.claim()  # before choosing: no older group's later commit can go unseen
             found = ckpt.latest_valid(self.directory)
             if found is not None:
                 choice = found.path

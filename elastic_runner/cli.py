@@ -20,8 +20,9 @@ from typing import Any
 
 from .checkpoint import CheckpointError
 from .config import ConfigError
+from .restart_budget import EXIT_BAD_INPUT, RestartBudget, newest_checkpoint_step
 
-EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+EXIT_OK, EXIT_FAILED = 0, 1
 
 
 class _IntermixedParser(argparse.ArgumentParser):
@@ -193,6 +194,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     args.shutdown_timeout = cfg.preemption.grace_seconds
     args.metrics = cfg.metrics
     args.recovery = cfg.recovery
+    args.restarts = RestartBudget(cfg.restarts.preemption, cfg.restarts.peer_lost,
+                                  cfg.restarts.crash_loop,
+                                  newest_checkpoint_step(cfg.checkpoint.dir))
     return launch(args)
 
 

@@ -58,14 +58,16 @@ does when one is gone (required: exit code 2 with one line; optional: a warning,
    command line with torchrun's own parser. ``config_from_args`` sets ``OMP_NUM_THREADS=1`` with a
    banner when the variable is unset; ``elastic-runner run`` sets it first.
 
-8. **Bad input is not restarted** (``elastic/agent/server/local_elastic_agent.py``:
+8. **Restart budget by cause** (``elastic/agent/server/local_elastic_agent.py``:
    ``LocalElasticAgent._monitor_workers`` returning a ``RunResult`` whose ``failures`` hold each
-   failed rank's ``ProcessFailure.exitcode``; ``api.py``: ``SimpleElasticAgent._invoke_run``
-   restarting while ``self._remaining_restarts > 0``; optional, agent).
-   :func:`apply_agent_fixes` wraps ``_monitor_workers`` so that a worker exit code 2 (bad input:
-   config, task, checkpoint) sets the remaining restarts to 0: a restart would fail the same
-   way. Torch has no switch for it (``--max-restarts`` counts every failure alike). Without it
-   such a job burns its restarts first, as under plain torchrun.
+   failed rank's ``ProcessFailure.exitcode`` and ``message``; ``api.py``:
+   ``SimpleElasticAgent._invoke_run`` restarting while ``self._remaining_restarts > 0`` and
+   subtracting one; optional, agent). :func:`apply_agent_fixes` wraps ``_monitor_workers`` so
+   that ``restart_budget.RestartBudget`` sets the remaining restarts after each failed attempt:
+   0 after bad input (exit 2), a fenced-out writer (exit 3) or a crash loop; one more (refunding
+   torch's subtraction) after a preemption (143) or a lost peer (4). Torch has no switch for it
+   (``--max-restarts`` counts every failure alike). Without it every failure spends a restart,
+   as under plain torchrun.
 
 9. **In-place recovery** (``launcher/api.py``: ``launch_agent`` constructs the module global
    ``LocalElasticAgent``; ``elastic/multiprocessing/api.py``: ``SubprocessContext`` keeps one
@@ -112,6 +114,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.torch_version import TorchVersion
 
 from .config import ConfigError
+from .restart_budget import EXIT_BAD_INPUT, RestartBudget, failures_of
 
 __all__ = [
     "AGENT_STORE_ENV", "BELOW_TORCH", "DEFAULT_JOIN_TIMEOUT_S", "ETCD_OPTION_SPELLINGS",
@@ -311,7 +314,7 @@ DEFAULT_JOIN_TIMEOUT_S = 600  # both backends' default join timeout, seconds
 
 # --- 8. bad input is not restarted ---
 
-EXIT_BAD_INPUT = 2  # the worker's and the CLI's exit code for bad input (config, task, checkpoint)
+_BUDGET = [RestartBudget()]  # the agent process's restart budget (apply_agent_fixes sets it)
 
 
 def _check_monitor_workers() -> str | None:
@@ -323,29 +326,31 @@ def _check_monitor_workers() -> str | None:
     return None
 
 
-def apply_agent_fixes(cls: type = LocalElasticAgent) -> bool:
-    """Patch ``cls`` (torch's ``LocalElasticAgent``) in this process with fix 8: no restart
-    after a worker exits with :data:`EXIT_BAD_INPUT` (idempotent). Returns False, without
-    patching, when the methods no longer look as expected (:func:`check_torch` has said so)."""
+def apply_agent_fixes(cls: type = LocalElasticAgent, budget: RestartBudget | None = None
+                      ) -> bool:
+    """Patch ``cls`` (torch's ``LocalElasticAgent``) in this process with fix 8: each failed
+    attempt's remaining restarts are judged by ``budget`` (``restart_budget.py``: no restart
+    after bad input or a fenced-out writer or in a crash loop; preemptions and lost peers do
+    not spend ``--max-restarts``). Idempotent; a later call replaces the budget. Returns False,
+    without patching, when the methods no longer look as expected (:func:`check_torch` has
+    said so)."""
+    if budget is not None:
+        _BUDGET[0] = budget
     if getattr(cls.__dict__.get("_monitor_workers"), _MARK, False):
         return True
     if _check_monitor_workers() is not None:
         return False
-    cls._monitor_workers = _no_restart_on_bad_input(cls._monitor_workers)  # type: ignore
+    cls._monitor_workers = _restart_budget_by_cause(cls._monitor_workers)  # type: ignore
     return True
 
 
-def _no_restart_on_bad_input(monitor: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+def _restart_budget_by_cause(monitor: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
     @functools.wraps(monitor)
     def wrapper(self: SimpleElasticAgent, worker_group: Any) -> Any:
         result = monitor(self, worker_group)
-        bad = sorted(rank for rank, f in (getattr(result, "failures", None) or {}).items()
-                     if f.exitcode == EXIT_BAD_INPUT)
-        if bad and self._remaining_restarts > 0:
-            log.error("rank %s exited with code %d (bad input: config, task or checkpoint): "
-                      "not restarting, a restart would fail the same way", bad[0],
-                      EXIT_BAD_INPUT)
-            self._remaining_restarts = 0
+        failures = failures_of(result)
+        if failures:
+            self._remaining_restarts = _BUDGET[0].judge(failures, self._remaining_restarts)
         return result
 
     setattr(wrapper, _MARK, True)
@@ -406,8 +411,9 @@ FIXES = (
          "a node whose rank changes between rounds may hang the restarted group"),
     _Fix("the rendezvous outage tolerance", ("agent",), False, _check_outage_patch,
          "an unreachable rendezvous backend fails the job, as under plain torchrun"),
-    _Fix("no restart after bad input", ("agent",), False, _check_monitor_workers,
-         "a worker's bad-input exit (code 2) is restarted until --max-restarts runs out"),
+    _Fix("the restart budget by cause", ("agent",), False, _check_monitor_workers,
+         "every failure spends one of --max-restarts: bad input (exit 2), preemptions (143) "
+         "and crash loops alike"),
     _Fix("in-place recovery", ("agent",), False, _check_inplace_agent,
          "a failed worker makes the agent restart every worker"),
     _Fix("the agent metrics", ("agent",), False, _check_metric_names,

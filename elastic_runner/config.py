@@ -244,6 +244,8 @@ class FaultConfig(_Section):
     once_dir: str | None = None  # marker files here make each fault fire once per job
     planted_metric: list[Float] | None = None  # replaces the early-stopping metric, one per eval
     perturb_rank: StrictInt | None = None  # this rank's weights diverge after loading a checkpoint
+    trigger_file: str | None = None  # watched each step (one stat): a line "nan rank=R" written
+    #   from outside makes rank R's next loss NaN once, then is removed (see faults.py)
 
 
 class RecoveryConfig(_Section):
@@ -266,6 +268,18 @@ class RecoveryConfig(_Section):
     continue_shrunk: StrictBool = False  # no warm spare at hand: the survivors go on at the
     #   smaller world size at once (needs batch.global_batch_size) and the replacement joins at
     #   a later step boundary; off: they wait for it (bitwise replay needs the world size)
+
+
+class RestartsConfig(_Section):
+    """Which failures spend torchrun's ``--max-restarts`` under ``elastic-runner run`` (the
+    rules: ``restart_budget.py`` and the README's "Restart budget"). Bad input (exit 2) and a
+    fenced-out writer (exit 3) are never restarted; a crash spends one restart."""
+
+    preemption: StrictInt = Field(100, ge=0)  # restarts after exit 143 that spend none of it
+    peer_lost: StrictInt = Field(100, ge=0)  # restarts after a peer died or hung (exit 4: a
+    #   membership change seen from this node) that spend none of it
+    crash_loop: StrictInt = Field(3, ge=0)  # this many identical failures in a row without a
+    #   newer checkpoint stop the job at once (0: off)
 
 
 class PreemptionConfig(_Section):
@@ -331,6 +345,7 @@ class Config(_Section):
     watchdog: WatchdogConfig = Field(default_factory=WatchdogConfig)
     preemption: PreemptionConfig = Field(default_factory=PreemptionConfig)
     recovery: RecoveryConfig = Field(default_factory=RecoveryConfig)
+    restarts: RestartsConfig = Field(default_factory=RestartsConfig)
     faults: FaultConfig = Field(default_factory=FaultConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
 
@@ -349,14 +364,14 @@ class Config(_Section):
         return fingerprint(self.to_dict())
 
 
-_NOT_MODEL = ("checkpoint", "logging", "audit", "watchdog", "preemption", "recovery", "faults",
-              "metrics")
+_NOT_MODEL = ("checkpoint", "logging", "audit", "watchdog", "preemption", "recovery", "restarts",
+              "faults", "metrics")
 
 
 def fingerprint(config: dict[str, Any]) -> str:
     """sha256 (hex, 16 chars) of what determines the trained model, from a config dict: excludes
-    the checkpoint, logging, audit, watchdog, preemption, recovery, fault-injection and metrics
-    sections, so moving the checkpoint dir keeps resume working."""
+    the checkpoint, logging, audit, watchdog, preemption, recovery, restarts, fault-injection
+    and metrics sections, so moving the checkpoint dir keeps resume working."""
     d = {k: v for k, v in config.items() if k not in _NOT_MODEL}
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -475,34 +490,174 @@ def section_types(module: types.ModuleType) -> tuple[type[DataConfig], type[Mode
 
 # ---------------------------------------------------------------- loading
 
+# Bounds on hostile input (a config is a few KiB; these are far above any real one), so a bad
+# file or override is refused fast, in bounded memory, with a short message.
+MAX_FILE_BYTES = 1 << 20  # a config file, in bytes (1 MiB)
+MAX_STRING_CHARS = 64 << 10  # one string key or value, and one override's value (64 Ki chars)
+MAX_ALIAS_NODES = 10_000  # YAML nodes that aliases (*name) may add, in all, per document
+MAX_DEPTH = 32  # nesting of mappings and lists
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses, as a YAML error naming the line, what a small document
+    could blow up into: aliases adding more than :data:`MAX_ALIAS_NODES` nodes (a "billion
+    laughs" bomb; refused at the alias that crosses the bound, before anything is built), an
+    alias inside its own anchor (a recursive value), nesting deeper than :data:`MAX_DEPTH`, and
+    a scalar that Python cannot convert (an integer of more than 4300 digits, a date 2001-13-45).
+    Anchors and aliases stay usable within the bound."""
+
+    def __init__(self, stream: str | bytes) -> None:
+        super().__init__(stream)
+        self._alias_nodes = 0
+        self._open: list[str | None] = []  # anchors of the nodes being composed, outermost first
+        self._sizes: dict[int, int] = {}  # id(node) -> its node count with aliases expanded
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        event = self.peek_event()
+        if isinstance(event, yaml.AliasEvent):
+            self._count_alias(event)
+            return super().compose_node(parent, index)
+        if len(self._open) >= MAX_DEPTH:
+            raise yaml.composer.ComposerError(
+                None, None, f"nested deeper than {MAX_DEPTH} levels", event.start_mark)
+        self._open.append(event.anchor)
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._open.pop()
+
+    def _count_alias(self, event: Any) -> None:
+        node = self.anchors.get(event.anchor)
+        if node is None:
+            return  # undefined: the composer raises its own error
+        if event.anchor in self._open:
+            raise yaml.composer.ComposerError(
+                None, None, f"alias *{event.anchor} inside its own anchor (a recursive value)",
+                event.start_mark)
+        self._alias_nodes += self._size(node)
+        if self._alias_nodes > MAX_ALIAS_NODES:
+            raise yaml.composer.ComposerError(
+                None, None, f"aliases expand to more than {MAX_ALIAS_NODES} nodes (an alias "
+                "bomb?); write the values out", event.start_mark)
+
+    def _size(self, node: yaml.Node) -> int:
+        """Nodes in ``node`` with aliases expanded (memoised: linear in the distinct nodes)."""
+        if id(node) not in self._sizes:
+            children: list[Any] = []
+            if isinstance(node, yaml.SequenceNode):
+                children = node.value
+            elif isinstance(node, yaml.MappingNode):
+                children = [n for pair in node.value for n in pair]
+            self._sizes[id(node)] = 1 + sum(self._size(c) for c in children)
+        return self._sizes[id(node)]
+
+    def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
+        try:
+            return super().construct_object(node, deep)
+        except (ValueError, OverflowError) as e:  # int("9" * 5000), date(2001, 13, 45)
+            shown = _clip(node.value) if isinstance(node, yaml.ScalarNode) else node.tag
+            raise yaml.constructor.ConstructorError(
+                None, None, f"cannot convert {shown}: {_clip(str(e), 120)}",
+                node.start_mark) from e
+
+
+def _clip(text: str | bytes, limit: int = 40) -> str:
+    """The ``repr`` of ``text``'s first ``limit`` characters, ``...`` when it is longer: what an
+    error message shows of a value (one line, short)."""
+    return repr(text[:limit]) + ("..." if len(text) > limit else "")
+
+
+def _clip_path(path: str, limit: int = 100) -> str:
+    """A key path cut to ``limit`` characters for an error message."""
+    return path if len(path) <= limit else path[:limit] + "..."
+
+
+def _parse_yaml(text: str | bytes) -> Any:
+    """One YAML document through :class:`_BoundedLoader`.
+
+    Raises:
+        ConfigError: invalid or refused YAML; one line naming the line and column.
+    """
+    try:
+        return yaml.load(text, Loader=_BoundedLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as e:
+        raise ConfigError(_yaml_problem(e)) from e
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """``line L, column C: problem (context)``: a YAML error on one line, without the snippet."""
+    if isinstance(e, yaml.MarkedYAMLError) and e.problem_mark is not None:
+        context = f" ({e.context})" if e.context else ""
+        mark = e.problem_mark
+        return f"line {mark.line + 1}, column {mark.column + 1}: {e.problem}{context}"
+    return " ".join(str(e).split())
+
 
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
     """Load ``path`` (YAML), apply ``key.path=value`` overrides, validate.
 
+    Hostile input is bounded: a file of more than :data:`MAX_FILE_BYTES` bytes (1 MiB), a
+    string key or value (or an override's value) of more than :data:`MAX_STRING_CHARS`
+    characters (64 Ki), nesting deeper than :data:`MAX_DEPTH` and YAML aliases adding more than
+    :data:`MAX_ALIAS_NODES` nodes are errors; messages show at most the first 40 characters of
+    a value.
+
     Raises:
-        ConfigError: unreadable file, bad YAML, empty file, unknown key, wrong type or invalid
-            value, missing ``task``.
+        ConfigError: unreadable file, bad YAML, empty file, a bound above exceeded (naming the
+            key path or line and the limit), unknown key, wrong type or invalid value, missing
+            ``task``.
     """
     raw = _read_yaml(path) if path is not None else {}
     for item in [*(overrides or []), *_env_faults()]:
         apply_override(raw, item)
+    _check_bounds(raw, "")
     return from_dict(raw)
 
 
 def _read_yaml(path: str | Path) -> dict[str, Any]:
     try:
-        text = Path(path).read_text()
+        with open(path, "rb") as f:
+            data = f.read(MAX_FILE_BYTES + 1)  # never more: a huge file is refused unread
     except OSError as e:
         raise ConfigError(f"cannot read config file {path}: {e.strerror}") from e
+    if len(data) > MAX_FILE_BYTES:
+        raise ConfigError(f"{path}: config file larger than the limit of {MAX_FILE_BYTES} "
+                          "bytes (1 MiB)")
     try:
-        raw = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: invalid YAML: {e}") from e
+        raw = _parse_yaml(data)  # bytes: the YAML reader checks the encoding (UTF-8/16)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: invalid YAML at {e}") from e
     if raw is None:
         raise ConfigError(f"{path}: the config file is empty; 'task' is required")
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: top level must be a mapping, got {type(raw).__name__}")
     return raw
+
+
+def _check_bounds(value: Any, path: str, depth: int = 0) -> None:
+    """Refuse a string (or bytes) key or value of more than :data:`MAX_STRING_CHARS`, and nesting
+    deeper than :data:`MAX_DEPTH` (overrides such as ``a.a.a...=1`` nest too).
+
+    Raises:
+        ConfigError: naming the key path and the limit; the value is shown cut to 40 chars.
+    """
+    where = _clip_path(path or "config")
+    if isinstance(value, str | bytes) and len(value) > MAX_STRING_CHARS:
+        raise ConfigError(f"{where}: value of {len(value)} characters, more than the limit of "
+                          f"{MAX_STRING_CHARS}: {_clip(value)}")
+    if not isinstance(value, dict | list):
+        return
+    if depth >= MAX_DEPTH:
+        raise ConfigError(f"{where}: nested deeper than {MAX_DEPTH} levels")
+    if isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_bounds(item, f"{path}[{i}]", depth + 1)
+        return
+    for key, item in value.items():
+        if isinstance(key, str) and len(key) > MAX_STRING_CHARS:
+            raise ConfigError(f"{where}: key of {len(key)} characters, more than the limit of "
+                              f"{MAX_STRING_CHARS}: {_clip(key)}")
+        _check_bounds(item, _join(path, str(key)), depth + 1)
 
 
 def _env_faults() -> list[str]:
@@ -518,8 +673,12 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
         ConfigError: no ``=``, a parent key that is not a section, bad YAML, ``+=`` without a list.
     """
     key, sep, value = item.partition("=")
+    if len(key) > MAX_STRING_CHARS or len(value) > MAX_STRING_CHARS:  # before echoing or parsing
+        what, text = ("key", key) if len(key) > MAX_STRING_CHARS else ("value", value)
+        raise ConfigError(f"{_clip_path(key.rstrip('+'))}: override {what} of {len(text)} "
+                          f"characters, more than the limit of {MAX_STRING_CHARS}: {_clip(text)}")
     if not sep or not key:
-        raise ConfigError(f"override {item!r}: expected key.path=value")
+        raise ConfigError(f"override {_clip(item, 80)}: expected key.path=value")
     append = key.endswith("+")
     key = key.rstrip("+")
     parts = key.split(".")
@@ -527,15 +686,16 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
     for i, part in enumerate(parts[:-1]):
         child = node.setdefault(part, {})
         if not isinstance(child, dict):
-            raise ConfigError(f"override {item!r}: {'.'.join(parts[: i + 1])} is not a section")
+            raise ConfigError(f"override {_clip(item, 80)}: "
+                              f"{_clip_path('.'.join(parts[: i + 1]))} is not a section")
         node = child
     try:
-        parsed = yaml.safe_load(value)
-    except yaml.YAMLError as e:
-        raise ConfigError(f"override {item!r}: invalid value: {e}") from e
+        parsed = _parse_yaml(value)
+    except ConfigError as e:
+        raise ConfigError(f"override {_clip(item, 80)}: invalid value at {e}") from e
     if append:  # key+=[...] extends a list
         if not isinstance(parsed, list):
-            raise ConfigError(f"override {item!r}: += needs a YAML list")
+            raise ConfigError(f"override {_clip(item, 80)}: += needs a YAML list")
         parsed = [*(node.get(parts[-1]) or []), *parsed]
     node[parts[-1]] = parsed
 

@@ -233,3 +233,23 @@ def assert_same_across_ranks(value: str, what: str) -> None:
 def current_rank() -> int:
     """This process's rank in the default process group (0 without one)."""
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+# what gloo's TCP transport says when the other end of a collective died or stopped answering
+# (it raises a plain RuntimeError); NCCL and the stores raise torch.distributed.DistError
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "gloo/transport",
+              "Socket Timeout", "Timed out waiting")
+
+
+def is_peer_failure(error: BaseException) -> bool:
+    """Whether ``error`` (or an error it was raised from) is a collective or store operation
+    that failed because another rank died or hung: the worker exits
+    ``restart_budget.EXIT_PEER_LOST`` then, which does not spend ``--max-restarts``."""
+    e: BaseException | None = error
+    seen = 0
+    while e is not None and seen < 8:
+        if isinstance(e, dist.DistError) or (
+                isinstance(e, RuntimeError) and any(s in str(e) for s in _PEER_GONE)):
+            return True
+        e, seen = e.__cause__ or e.__context__, seen + 1
+    return False

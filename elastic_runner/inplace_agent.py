@@ -40,6 +40,7 @@ from torch.distributed.elastic.multiprocessing.api import SubprocessContext
 
 from .compat import EXIT_BAD_INPUT
 from .config import RecoveryConfig
+from .fencing import EXIT_FENCED
 from .inplace import ENV, GENERATION_ENV, SPARE_ENV
 from .preempt import EXIT_PREEMPTED
 
@@ -150,9 +151,9 @@ class InPlaceAgent(LocalElasticAgent):
     # ------------------------------------------------------------ replacement
 
     def _replaceable(self, codes: dict[int, int | None], failed: dict[int, int]) -> bool:
-        """A failure (not bad input, not preemption), some worker still running and none
+        """A failure (not bad input, not fenced out, not preemption), some worker still running and none
         finished, and restarts left (``codes``: every local rank's exit code or None)."""
-        if any(code in (EXIT_BAD_INPUT, EXIT_PREEMPTED) for code in failed.values()):
+        if any(code in (EXIT_BAD_INPUT, EXIT_FENCED, EXIT_PREEMPTED) for code in failed.values()):
             return False
         others = [code for lr, code in codes.items() if lr not in failed]
         # a failure while shrunk takes the restart path

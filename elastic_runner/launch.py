@@ -52,6 +52,7 @@ from .etcd_check import (
     wait_seconds,
     with_aliases,
 )
+from .fencing import EXIT_FENCED
 from .inplace_agent import InPlaceAgent
 from .preempt import EXIT_PREEMPTED
 
@@ -172,7 +173,7 @@ def launch(args: argparse.Namespace) -> int:
         print(f"elastic-runner: error: {e}", file=sys.stderr, flush=True)
         return 2
     compat.apply_rendezvous_fixes()
-    compat.apply_agent_fixes()
+    compat.apply_agent_fixes(budget=getattr(args, "restarts", None))
     if targs.rdzv_backend in ETCD_BACKENDS:
         conf = parse_conf(targs.rdzv_conf)
         try:
@@ -227,9 +228,11 @@ def _run_agent(targs: argparse.Namespace, config: Any, cmd: Any, cmd_args: list[
         elastic_launch(config, cmd)(*cmd_args)
     except ChildFailedError as e:
         print(f"elastic-runner: job failed: {root_cause_line(e)}", flush=True)
-        _, first = e.get_first_failure()
-        # preempted (143) and bad input (2: config, task, checkpoint) keep their meaning
-        return first.exitcode if first.exitcode in (EXIT_PREEMPTED, compat.EXIT_BAD_INPUT) else 1
+        # fenced out (3), bad input (2: config, task, checkpoint) and preempted (143) keep
+        # their meaning, whichever rank failed first
+        codes = {f.exitcode for f in e.failures.values()}
+        return next((c for c in (EXIT_FENCED, compat.EXIT_BAD_INPUT, EXIT_PREEMPTED)
+                     if c in codes), 1)
     except SignalException as e:
         # the agent got SIGTERM/SIGINT (eviction) and stopped the workers, which checkpointed
         print(f"elastic-runner: stopped by {e.sigval.name}; workers checkpointed at their last "

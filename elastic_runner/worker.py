@@ -22,19 +22,21 @@ from .build import build_optimizer, build_task, build_trainer
 from .checkpoint import CheckpointError
 from .compat import check_torch
 from .config import Config, ConfigError, MetricsConfig, load_config
-from .dist import destroy_distributed, init_distributed
+from .dist import destroy_distributed, init_distributed, is_peer_failure
+from .fencing import EXIT_FENCED, FencedOut
 from .health import MetricsServer
 from .inplace import SPARE_ENV, InPlaceRecovery, NoRecovery, Regroup, rejoin
 from .logs import setup_logging
 from .loop import Trainer, TrainingFailed
 from .metrics import AGENT_ENV, RankMetrics
 from .preempt import EXIT_PREEMPTED, Preempted
+from .restart_budget import EXIT_BAD_INPUT, EXIT_PEER_LOST
 from .tasks.base import TaskBundle
 
 log = logging.getLogger("elastic_runner.worker")
 
-EXIT_BAD_INPUT = 2
 _EXPECTED: dict[type[BaseException], tuple[int, int, str]] = {
+    FencedOut: (EXIT_FENCED, logging.ERROR, "fenced out: "),
     ConfigError: (EXIT_BAD_INPUT, logging.ERROR, ""),
     CheckpointError: (EXIT_BAD_INPUT, logging.ERROR, ""),
     Preempted: (EXIT_PREEMPTED, logging.WARNING, ""),
@@ -44,7 +46,9 @@ _EXPECTED: dict[type[BaseException], tuple[int, int, str]] = {
 
 def main(config_path: str, overrides: list[str], resume: bool = True, verbose: bool = False
          ) -> int:
-    """Train one rank; returns the process exit code (2 for bad config or checkpoint)."""
+    """Train one rank; returns the process exit code (2 for bad config or checkpoint, 143
+    preempted, 3 fenced out: a newer group claimed the checkpoint directory, 4 a peer died or
+    hung: see ``restart_budget.py``)."""
     entered = time.time()
     setup_logging(int(os.environ.get("RANK", 0)), verbose)
     try:
@@ -56,6 +60,12 @@ def main(config_path: str, overrides: list[str], resume: bool = True, verbose: b
         ErrorHandler().record_exception(e)
         log.log(level, "%s%s", prefix, e)
         return code
+    except Exception as e:
+        if not is_peer_failure(e):
+            raise
+        # another rank died or hung: a membership change for the agent's restart budget
+        log.error("lost a peer: %s", str(e).strip().splitlines()[0] if str(e).strip() else e)
+        return EXIT_PEER_LOST
 
 
 @record

@@ -78,7 +78,8 @@ def advance(state: dict, step: int) -> None:
 
 
 def names(directory) -> list[str]:
-    return sorted(n for n in os.listdir(directory) if not n.startswith("."))
+    """The checkpoints in ``directory`` (not the fencing tokens' ``fence/``)."""
+    return sorted(n for n in os.listdir(directory) if not n.startswith(".") and n != "fence")
 
 
 def test_non_stateful_value_is_a_type_error_naming_the_key(tmp_path):

@@ -95,7 +95,7 @@ def test_a_check_that_cannot_inspect_torch_reports_instead_of_crashing(monkeypat
     monkeypatch.delattr(SimpleElasticAgent, "_invoke_run")
     warnings = compat.check_torch("agent")
     assert len(warnings) == 2 and all(" is off (AttributeError" in w for w in warnings)
-    assert "agent metrics is off" in warnings[1] and "bad input is off" in warnings[0]
+    assert "agent metrics is off" in warnings[1] and "restart budget by cause is off" in warnings[0]
 
 
 # --- 1. the rendezvous store switch (replaces the stale-bootstrap-store patch) ---

@@ -131,7 +131,7 @@ def test_errors_name_the_key_path(tmp_path, text, expected):
     ({"task": 5}, "task: expected str, got int 5"),
     ({"zzz": 1}, "zzz: unknown key (valid keys: task, seed, data, model, optimizer, schedule, "
      "batch, training, eval, checkpoint, early_stopping, distributed, logging, audit, watchdog, "
-     "preemption, recovery, faults, metrics)"),
+     "preemption, recovery, restarts, faults, metrics)"),
 ])
 def test_error_lines_match_the_previous_validator(raw, expected):
     with pytest.raises(ConfigError) as e:

@@ -60,7 +60,7 @@ def test_ten_kills_a_checkpoint_write_an_evaluation_and_a_joiner(launch, tmp_pat
     # snapshot, in the background write), rank 1 as step 76's evaluation begins
     wait_until(lambda: len(done(job.output)) >= 2, 240, "the two injected faults' recoveries")
     assert [r[:2] for r in replacements(job.output)] == [(0, -9), (1, -9)]
-    assert not (ck / "step-00000040").exists() or (ck / "step-00000040" / "MANIFEST").exists()
+    assert not (ck / "step-00000040").exists() or (ck / "step-00000040" / "manifest.json").exists()
     # one scrape shows the recoveries: the agent's count by mode, the ranks' count and phases
     _, text = get(port)
     assert samples(text, "elastic_runner_restarts_total", reason="in_place") == [2.0]

@@ -1,0 +1,101 @@
+"""Fencing tokens (unit tier): a stale group's commit never lands, resume prefers the newest
+group, claims are unique under concurrency, on a filesystem and on an fsspec object store."""
+
+import os
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from elastic_runner import checkpoint as ckpt
+from elastic_runner.checkpointing import CheckpointManager
+from elastic_runner.fencing import Fence, FencedOut
+
+
+class Box:
+    """A minimal Stateful."""
+
+    def __init__(self, value: float) -> None:
+        self.value = torch.tensor([value])
+
+    def state_dict(self):
+        return {"value": self.value.clone()}
+
+    def load_state_dict(self, state):
+        self.value = state["value"].clone()
+
+
+@pytest.fixture(params=["local", "memory"])
+def directory(request, tmp_path):
+    if request.param == "local":
+        yield str(tmp_path / "ck")
+        return
+    url = f"memory://fencing-{uuid.uuid4().hex}/ck"
+    yield url
+    import fsspec
+    fsspec.filesystem("memory").rm(url.split("://")[1].split("/")[0], recursive=True)
+
+
+def test_tokens_grow_and_a_stale_commit_is_refused(directory):
+    old = Fence.claim(directory)
+    ckpt.write_checkpoint(directory, "step-00000010", {"x": 1}, {"step": 10}, old)
+    new = Fence.claim(directory)
+    assert new.token == old.token + 1
+    with pytest.raises(FencedOut) as e:
+        ckpt.write_checkpoint(directory, "step-00000020", {"x": 2}, {"step": 20}, old)
+    assert f"fencing token {new.token}" in str(e.value) and f"holds token {old.token}" in str(e.value)
+    assert [c.name for c in ckpt.list_checkpoints(directory)] == ["step-00000010"]
+    if "://" not in directory:  # nothing staged is left behind either
+        assert not [p for p in os.listdir(directory) if p.startswith(".tmp")]
+    ckpt.write_checkpoint(directory, "step-00000015", {"x": 3}, {"step": 15}, new)
+    assert ckpt.latest_valid(directory).fence == new.token
+
+
+def test_resume_prefers_the_newest_token_over_a_higher_step(directory):
+    """An object store cannot close every window: a stale commit of a higher step that slipped
+    in loses to the newer group's checkpoint."""
+    old, new = Fence.claim(directory), Fence.claim(directory)
+    ckpt.write_checkpoint(directory, "step-00000030", {"x": 30}, {"step": 30}, new)
+    ckpt.write_checkpoint(directory, "step-00000050", {"x": 50}, {"step": 50})  # token 0
+    assert old.token < new.token
+    chosen = ckpt.latest_valid(directory)
+    assert (chosen.step, chosen.fence) == (30, new.token)
+    ckpt.prune(directory, keep_last=1)
+    assert [c.step for c in ckpt.list_checkpoints(directory)] == [30]
+
+
+def test_the_manager_claims_before_it_chooses_and_a_stale_manager_stops(directory):
+    first = CheckpointManager(directory, {"box": Box(1.0)}, async_save=False)
+    assert first.load_latest() is None
+    first.save(5)
+    second = CheckpointManager(directory, {"box": Box(0.0)}, async_save=True)
+    assert second.load_latest() is not None and second.state["box"].value.item() == 1.0
+    assert second.fence.token == first.fence.token + 1
+    with pytest.raises(FencedOut):
+        first.save(6)
+    second.save(6)
+    second.close()
+    assert [(c.step, c.fence) for c in ckpt.list_checkpoints(directory)] == \
+        [(5, first.fence.token), (6, second.fence.token)]
+
+
+def test_an_async_stale_save_raises_at_the_next_call(tmp_path):
+    directory = str(tmp_path / "ck")
+    stale = CheckpointManager(directory, {"box": Box(1.0)}, async_save=True)
+    stale.save(1)
+    stale.wait()
+    Fence.claim(directory)
+    stale.save(2)  # the refusal happens in the writer thread
+    with pytest.raises(FencedOut):
+        stale.wait()
+    assert [c.step for c in ckpt.list_checkpoints(directory)] == [1]
+
+
+def test_concurrent_claims_are_unique(tmp_path):
+    """Threads, each with its own open file description of the lock: flock excludes them as it
+    excludes processes on other hosts of a shared filesystem."""
+    directory = str(tmp_path / "ck")
+    with ThreadPoolExecutor(4) as pool:
+        tokens = list(pool.map(lambda _: Fence.claim(directory).token, range(60)))
+    assert sorted(tokens) == list(range(1, 61))

@@ -1,0 +1,87 @@
+"""Restart budget by cause (unit tier): which failed attempts spend torchrun's --max-restarts."""
+
+import pytest
+
+from elastic_runner.restart_budget import (
+    EXIT_BAD_INPUT,
+    EXIT_FENCED,
+    EXIT_PEER_LOST,
+    EXIT_PREEMPTED,
+    Failure,
+    RestartBudget,
+    newest_checkpoint_step,
+)
+
+
+def spend(budget: RestartBudget, failures: dict[int, Failure], remaining: int) -> int:
+    """What torch's _invoke_run leaves after the agent fix judged the attempt: it restarts and
+    subtracts one while the judged value is positive."""
+    judged = budget.judge(failures, remaining)
+    return judged - 1 if judged > 0 else -1  # -1: the job stops
+
+
+CRASH = {0: Failure(1, "RuntimeError: boom")}
+
+
+def test_a_crash_spends_one_restart_and_the_budget_runs_out():
+    budget, remaining, restarts = RestartBudget(crash_loop=0), 2, 0
+    while remaining >= 0:
+        remaining = spend(budget, CRASH, remaining)
+        restarts += remaining >= 0
+    assert restarts == 2
+
+
+@pytest.mark.parametrize("code", [EXIT_PREEMPTED, EXIT_PEER_LOST])
+def test_preemptions_and_lost_peers_spend_nothing_until_their_own_budget(code):
+    budget = RestartBudget(preemption=3, peer_lost=3, crash_loop=0)
+    failures = {0: Failure(code, ""), 1: Failure(code, "")}
+    remaining = 1
+    for _ in range(3):
+        remaining = spend(budget, failures, remaining)
+        assert remaining == 1
+    assert spend(budget, failures, remaining) == 0  # its own budget is spent: a crash's rule
+
+
+def test_a_crash_beside_a_preemption_is_a_crash():
+    budget = RestartBudget(crash_loop=0)
+    assert spend(budget, {0: Failure(EXIT_PREEMPTED, ""), 1: Failure(-11, "SIGSEGV")}, 2) == 1
+
+
+@pytest.mark.parametrize("code", [EXIT_BAD_INPUT, EXIT_FENCED])
+def test_bad_input_and_fenced_out_are_never_restarted(code, caplog):
+    budget = RestartBudget()
+    assert budget.judge({1: Failure(code, "x"), 0: Failure(EXIT_PEER_LOST, "")}, 5) == 0
+    assert f"rank 1 exited with code {code}" in caplog.text
+
+
+def test_the_same_failure_without_checkpoint_progress_is_a_crash_loop(caplog):
+    step = [10]
+    budget = RestartBudget(crash_loop=3, progress=lambda: step[0])
+    assert spend(budget, CRASH, 9) == 8
+    assert spend(budget, CRASH, 8) == 7
+    assert spend(budget, CRASH, 7) == -1  # the third identical failure at step 10 stops
+    assert "crash loop: rank 0 failed the same way 3 times in a row (exit code 1: " \
+           "RuntimeError: boom)" in caplog.text
+
+
+def test_progress_or_another_failure_breaks_the_loop():
+    step = [10]
+    budget = RestartBudget(crash_loop=2, progress=lambda: step[0])
+    assert spend(budget, CRASH, 9) == 8
+    step[0] = 20  # a newer checkpoint was committed in between: not a loop
+    assert spend(budget, CRASH, 8) == 7
+    assert spend(budget, {0: Failure(-9, "Signal 9 (SIGKILL)")}, 7) == 6  # another failure
+    assert spend(budget, {0: Failure(EXIT_PREEMPTED, "")}, 6) == 6  # from outside: resets
+    assert spend(budget, {0: Failure(-9, "Signal 9 (SIGKILL)")}, 6) == 5
+    assert spend(budget, {0: Failure(-9, "Signal 9 (SIGKILL)")}, 5) == -1
+
+
+def test_progress_reads_the_newest_complete_checkpoint(tmp_path):
+    from elastic_runner.checkpoint import write_checkpoint
+
+    progress = newest_checkpoint_step(str(tmp_path / "none"))
+    assert progress() == -1
+    for step in (3, 7):
+        write_checkpoint(tmp_path, f"step-{step:08d}", {"x": step}, {"step": step})
+    (tmp_path / "step-00000009").mkdir()  # no manifest: an incomplete write is no progress
+    assert newest_checkpoint_step(str(tmp_path))() == 7
