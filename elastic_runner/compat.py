@@ -114,7 +114,13 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.torch_version import TorchVersion
 
 from .config import ConfigError
-from .restart_budget import EXIT_BAD_INPUT, RestartBudget, failures_of
+from .restart_budget import (
+    EXIT_BAD_INPUT,
+    EXIT_PEER_LOST,
+    PEER_SETTLE_SECONDS,
+    RestartBudget,
+    failures_of,
+)
 
 __all__ = [
     "AGENT_STORE_ENV", "BELOW_TORCH", "DEFAULT_JOIN_TIMEOUT_S", "ETCD_OPTION_SPELLINGS",
@@ -344,13 +350,31 @@ def apply_agent_fixes(cls: type = LocalElasticAgent, budget: RestartBudget | Non
     return True
 
 
+def _let_peers_settle(handlers: Mapping[int, Any]) -> None:
+    """When a worker exited because it lost a peer (exit 4) and the others still run, wait up
+    to ``PEER_SETTLE_SECONDS`` for them to exit on their own: torch's poll stops them all at
+    the first failure it sees, and the crash that caused it would be recorded as a SIGTERM."""
+    codes = {lr: h.proc.poll() for lr, h in handlers.items()}
+    if EXIT_PEER_LOST not in codes.values() or None not in codes.values() \
+            or set(codes.values()) - {None, 0, EXIT_PEER_LOST}:
+        return
+    deadline = time.monotonic() + PEER_SETTLE_SECONDS
+    while time.monotonic() < deadline and any(h.proc.poll() is None for h in handlers.values()):
+        time.sleep(0.05)
+
+
 def _restart_budget_by_cause(monitor: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
     @functools.wraps(monitor)
     def wrapper(self: SimpleElasticAgent, worker_group: Any) -> Any:
+        _let_peers_settle(getattr(getattr(self, "_pcontext", None), "subprocess_handlers", {}))
         result = monitor(self, worker_group)
         failures = failures_of(result)
         if failures:
-            self._remaining_restarts = _BUDGET[0].judge(failures, self._remaining_restarts)
+            before = self._remaining_restarts
+            self._remaining_restarts = _BUDGET[0].judge(failures, before)
+            # a refunded restart still counts as one in TORCHELASTIC_RESTART_COUNT
+            # (max_restarts - remaining): the limit grows with the refund
+            worker_group.spec.max_restarts += max(0, self._remaining_restarts - before)
         return result
 
     setattr(wrapper, _MARK, True)

@@ -15,14 +15,17 @@ preempted (all exit 143)  restarted without spending ``--max-restarts``, up to
 peer lost (all exit 4)    a rank's collective failed because another node's rank died or hung (a
                           membership change): restarted without spending ``--max-restarts``, up
                           to ``restarts.peer_lost`` times
-crash loop                the same failure (exit codes and first error lines) ``restarts.crash_loop``
-                          times in a row with no newer checkpoint committed in between: no
-                          restart, one line naming it
+crash loop                the same failure (exit codes and first error lines of the ranks that
+                          failed on their own) ``restarts.crash_loop`` times in a row with no
+                          newer checkpoint committed in between: no restart, one line naming it
 anything else             a crash: spends one of ``--max-restarts``, as in torch
 ========================  ======================================================================
 
 torch itself already restarts without spending the budget when nodes join (a healthy group with
-nodes waiting at the rendezvous).
+nodes waiting at the rendezvous). A rank that exits 4 while its local peers still run may have
+lost a *local* peer that is still dying: the agent gives those :data:`PEER_SETTLE_SECONDS` to
+exit on their own before torch stops them, so a local crash is judged a crash.
+A refunded restart still counts in ``TORCHELASTIC_RESTART_COUNT``.
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ log = logging.getLogger("elastic_runner.restarts")
 
 EXIT_BAD_INPUT = 2  # the worker's and the CLI's exit code for bad input (config, task, checkpoint)
 EXIT_PEER_LOST = 4  # a rank's collective failed because a peer died or hung (worker.py)
+STOPPED = -15  # SIGTERM: how torch's agent stops the workers left after the first failure
+PEER_SETTLE_SECONDS = 3.0  # a rank that lost a peer waits this long for its local peers
 
 
 @dataclass(frozen=True)
@@ -72,7 +77,9 @@ class RestartBudget:
         """The restarts that remain after this failed attempt, *before* torch spends one on
         it (torch subtracts one from the returned value when it is positive)."""
         codes = {f.exitcode for f in failures.values()}
-        first = min(failures)
+        # the rank that failed on its own, before those that lost it or were stopped
+        first = min(failures, key=lambda r: ({EXIT_PEER_LOST: 1, STOPPED: 2}.get(
+            failures[r].exitcode, 0), r))
         if codes & {EXIT_BAD_INPUT, EXIT_FENCED}:
             code = EXIT_FENCED if EXIT_FENCED in codes else EXIT_BAD_INPUT
             rank = min(r for r, f in failures.items() if f.exitcode == code)
@@ -88,7 +95,7 @@ class RestartBudget:
                       failures[first].message or "no error recorded")
             return 0
         cause = {frozenset({EXIT_PREEMPTED}): "preempted",
-                 frozenset({EXIT_PEER_LOST}): "peer lost"}.get(frozenset(codes))
+                 frozenset({EXIT_PEER_LOST}): "peer lost"}.get(frozenset(codes - {STOPPED}))
         if cause is not None and self.left[cause] > 0:
             self.left[cause] -= 1
             log.warning("restart after %s (exit code %d): not counted against --max-restarts "
@@ -100,9 +107,11 @@ class RestartBudget:
     def _looping(self, failures: dict[int, Failure]) -> bool:
         if self.crash_loop <= 0:
             return False
-        # preemptions and lost peers come from outside: never a loop of this node's own
-        signature = tuple(failures[r] for r in sorted(failures))
-        if {f.exitcode for f in signature} <= {EXIT_PREEMPTED, EXIT_PEER_LOST}:
+        # preemptions and lost peers come from outside: never a loop of this node's own; the
+        # workers the agent stopped after the first failure say nothing about it either
+        signature = tuple(failures[r] for r in sorted(failures)
+                          if failures[r].exitcode not in (EXIT_PEER_LOST, STOPPED))
+        if not signature or {f.exitcode for f in signature} == {EXIT_PREEMPTED}:
             self._last, self._repeats = None, 0
             return False
         now = (signature, self.progress())
@@ -113,12 +122,17 @@ class RestartBudget:
 
 def failures_of(result: Any) -> dict[int, Failure]:
     """The failed ranks of torch's ``RunResult`` (``failures``: rank -> ``ProcessFailure`` with
-    ``exitcode`` and ``message``: the error file's dict, or a string for a signal)."""
+    ``exitcode`` and ``message``: the error file's dict, or a string for a signal). A rank the
+    agent stopped (SIGTERM) after it had recorded an error of its own counts as exit 1: it was
+    still exiting from that error."""
     out = {}
     for rank, f in (getattr(result, "failures", None) or {}).items():
         message = f.message.get("message", "") if isinstance(f.message, dict) else f.message
         lines = str(message or "").strip().splitlines()
-        out[rank] = Failure(f.exitcode, lines[0][:300] if lines else "")
+        code = f.exitcode
+        if code == STOPPED and lines:  # it recorded an error of its own, then was stopped
+            code = 1
+        out[rank] = Failure(code, lines[0][:300] if lines else "")
     return out
 
 

@@ -1,7 +1,10 @@
 """Restart budget by cause (unit tier): which failed attempts spend torchrun's --max-restarts."""
 
+import re
+
 import pytest
 
+from elastic_runner import checkpoint as ckpt
 from elastic_runner.restart_budget import (
     EXIT_BAD_INPUT,
     EXIT_FENCED,
@@ -11,6 +14,8 @@ from elastic_runner.restart_budget import (
     RestartBudget,
     newest_checkpoint_step,
 )
+
+from .procs import CONFIGS, cli
 
 
 def spend(budget: RestartBudget, failures: dict[int, Failure], remaining: int) -> int:
@@ -45,6 +50,19 @@ def test_preemptions_and_lost_peers_spend_nothing_until_their_own_budget(code):
 def test_a_crash_beside_a_preemption_is_a_crash():
     budget = RestartBudget(crash_loop=0)
     assert spend(budget, {0: Failure(EXIT_PREEMPTED, ""), 1: Failure(-11, "SIGSEGV")}, 2) == 1
+
+
+def test_the_rank_that_crashed_decides_not_those_that_lost_it_or_were_stopped(caplog):
+    """One node: rank 1 raised, rank 0 lost it (exit 4, its message names a random port),
+    rank 2 was stopped by the agent (SIGTERM): a crash, and the loop signature is rank 1's."""
+    budget = RestartBudget(crash_loop=2, progress=lambda: 10)
+    for port in (41000, 42000):
+        failures = {0: Failure(EXIT_PEER_LOST, f"Connection closed by peer [127.0.0.1]:{port}"),
+                    1: Failure(1, "InjectedFault: rank 1 raises"), 2: Failure(-15, "")}
+        remaining = spend(budget, failures, 5)
+    assert remaining == -1 and "crash loop: rank 1 failed the same way 2 times" in caplog.text
+    lost = {0: Failure(EXIT_PEER_LOST, "x"), 1: Failure(-15, "")}
+    assert spend(RestartBudget(), lost, 5) == 5  # a peer on another node: refunded
 
 
 @pytest.mark.parametrize("code", [EXIT_BAD_INPUT, EXIT_FENCED])
@@ -85,3 +103,36 @@ def test_progress_reads_the_newest_complete_checkpoint(tmp_path):
         write_checkpoint(tmp_path, f"step-{step:08d}", {"x": step}, {"step": step})
     (tmp_path / "step-00000009").mkdir()  # no manifest: an incomplete write is no progress
     assert newest_checkpoint_step(str(tmp_path))() == 7
+
+
+# ---- end to end: elastic-runner run's agent applies the rules (restart path, real workers)
+
+DIGITS = [str(CONFIGS / "digits.yaml"), "logging.tensorboard_dir=null",
+          "early_stopping.enabled=false", "training.max_epochs=1000", "eval.every_steps=0",
+          "checkpoint.every_steps=10", "recovery.mode=restart", "--nproc-per-node", "2"]
+
+
+@pytest.mark.slow
+def test_preemptions_do_not_spend_max_restarts_and_a_crash_loop_stops_early(launch, tmp_path):
+    """--max-restarts 0 survives two preemptions (exit 143, refunded); --max-restarts 9 with
+    the same exception at step 15 in every attempt stops after 3 identical failures."""
+    preempted = launch(cli("run", *DIGITS, "training.max_steps=40",
+                           f"checkpoint.dir={tmp_path / 'p'}", "--max-restarts", "0",
+                           "faults.inject=[{kind: sigterm, rank: 1, step: 12},"
+                           " {kind: sigterm, rank: 0, step: 25, attempts: 2}]"), name="preempted")
+    looping = launch(cli("run", *DIGITS, "training.max_steps=40",
+                         f"checkpoint.dir={tmp_path / 'l'}", "--max-restarts", "9",
+                         "faults.inject=[{kind: raise, rank: 1, step: 15, attempts: 100}]"),
+                     name="looping")
+    assert preempted.wait(timeout=400) == 0, preempted.output[-3000:]
+    log = preempted.output
+    assert log.count("restart after preempted (exit code 143): not counted against "
+                     "--max-restarts") == 2, log[-3000:]
+    assert ckpt.latest_valid(tmp_path / "p").step == 40
+
+    assert looping.wait(timeout=400) == 1, looping.output[-3000:]
+    log = looping.output
+    assert re.search(r"crash loop: rank 1 failed the same way 3 times in a row \(exit code 1: "
+                     r"InjectedFault", log), log[-3000:]
+    assert log.count("resumed from") == 2  # 3 attempts, not 10
+    assert ckpt.latest_valid(tmp_path / "l").step == 10
