@@ -99,6 +99,14 @@ def _display(fs: fsspec.AbstractFileSystem, path: str) -> str:
     return path if _is_local(fs) else fs.unstrip_protocol(path)
 
 
+def _ls(fs: fsspec.AbstractFileSystem, path: str) -> list[dict[str, Any]]:
+    """``fs.ls(path, detail=True)`` past the listing cache: object-store clients (s3fs, gcsfs)
+    cache listings per process and never expire them, so other processes' commits and deletions
+    would stay invisible to a reader that listed before (a no-op on local filesystems)."""
+    fs.invalidate_cache(path)
+    return fs.ls(path, detail=True)
+
+
 class _HashingWriter:
     """File wrapper that counts and hashes what ``torch.save`` writes (no second read)."""
 
@@ -222,6 +230,7 @@ def _write_object_store(fs: fsspec.AbstractFileSystem, root: str, names: list[st
     with fence.guard(", ".join(names)):  # fail early: a stale writer overwrites nothing
         pass
     for final in finals:  # invalidate before overwriting: no manifest, no trust
+        fs.invalidate_cache(final)  # another process may have written it since we listed
         if fs.exists(final):
             fs.rm(final, recursive=True)
         fs.makedirs(final, exist_ok=True)
@@ -244,7 +253,7 @@ def inspect(path: str | Path, verify: bool = False) -> CheckpointInfo:
     kind = "best" if m and m["kind"] == "best-step" else "step"
     step = int(m["step"]) if m else -1
     try:
-        entries = fs.ls(p, detail=True)
+        entries = _ls(fs, p)
     except FileNotFoundError:
         entries = []
     sizes = {e["name"].rstrip("/").rsplit("/", 1)[-1]: e["size"] for e in entries
@@ -316,7 +325,7 @@ def list_checkpoints(directory: str | Path) -> list[CheckpointInfo]:
     """All checkpoints in ``directory`` (valid or not), oldest step first."""
     fs, root = _resolve(directory)
     try:
-        entries = fs.ls(root, detail=True)
+        entries = _ls(fs, root)
     except FileNotFoundError:
         return []
     found = [inspect(_display(fs, e["name"].rstrip("/"))) for e in entries
