@@ -362,7 +362,20 @@ def load_state(path: str | Path, map_location: str | torch.device = "cpu") -> di
     except FileNotFoundError as e:
         raise CheckpointError(f"checkpoint {path}: {STATE_FILE} not found") from e
     except Exception as e:  # torch raises UnpicklingError/RuntimeError for damaged files
-        raise CheckpointError(f"checkpoint {path}: cannot load {STATE_FILE}: {e}") from e
+        raise CheckpointError(f"checkpoint {path}: cannot load {STATE_FILE}: {_load_problem(e)}"
+                              ) from e
+
+
+def _load_problem(e: Exception) -> str:
+    """torch.load's error on one line. A weights_only refusal spans many lines and advises
+    ``weights_only=False``: keep only what was refused (never advise running the file's code)."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(e))  # torch's message carries terminal bold
+    refused = re.search(r"WeightsUnpickler error:\s*([^\n]*)", text)
+    if refused:
+        what = refused.group(1).split(". ")[0].rstrip(".")
+        return f"Weights only load failed (torch.load(weights_only=True) refused it): {what}"
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return (lines[0] if lines else type(e).__name__)[:300]
 
 
 def prune(directory: str | Path, keep_last: int, protect: str | Path | None = None) -> list[str]:
