@@ -1,8 +1,8 @@
 """Checkpoint commit, verification, fallback on corruption, pruning, model-mismatch errors."""
 
+import hashlib
 import json
 import os
-import pickle
 from pathlib import Path
 
 import pytest
@@ -111,17 +111,38 @@ def test_prune_keeps_last_k_and_newest_best(tmp_path):
     assert names == ["best-step-00000004", "step-00000004", "step-00000005"]
 
 
-def test_load_refuses_arbitrary_pickles(tmp_path):
-    class Evil:
-        def __reduce__(self):
-            return (os.system, ("echo pwned",))
+class _TouchOnUnpickle:
+    """Unpickling this runs code: ``pathlib.Path.touch(marker)``."""
 
-    d = tmp_path / "step-00000001"
-    d.mkdir()
-    with open(d / "state.pt", "wb") as f:
-        pickle.dump({"x": Evil()}, f)
-    with pytest.raises(ckpt.CheckpointError, match="cannot load state.pt"):
-        ckpt.load_state(d)
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def test_load_refuses_a_pickle_that_runs_code(tmp_path):
+    """A committed checkpoint whose state.pt (manifest matching) holds an object whose
+    unpickling would create a file: load_state refuses it and nothing runs."""
+    p = save(tmp_path / "ck", 1)
+    marker = tmp_path / "pwned"
+    with open(p / "state.pt", "wb") as f:
+        torch.save({**state(1.0), "x": _TouchOnUnpickle(marker)}, f)
+    data = (p / "state.pt").read_bytes()
+    manifest = json.loads((p / "manifest.json").read_text())
+    manifest["files"]["state.pt"] = {"bytes": len(data),
+                                     "sha256": hashlib.sha256(data).hexdigest()}
+    (p / "manifest.json").write_text(json.dumps(manifest))
+    assert ckpt.latest_valid(tmp_path / "ck").path == str(p)  # it verifies: a resume loads it
+    try:
+        ckpt.load_state(p)
+        error = ""
+    except ckpt.CheckpointError as e:
+        error = str(e)
+    assert not marker.exists(), "unpickling the checkpoint ran code"
+    # torch's weights_only unpickler names the global it refused
+    assert "cannot load state.pt: Weights only load failed" in error, error
+    assert "Unsupported global" in error, error
 
 
 def test_mismatch_names_tensors():

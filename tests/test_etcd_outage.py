@@ -8,6 +8,7 @@ import signal
 import pytest
 
 from elastic_runner import audit
+from elastic_runner import checkpoint as ckpt
 
 from .procs import CONFIGS, cli, wait_until
 
@@ -35,6 +36,9 @@ def test_training_survives_an_etcd_outage_and_restarts_after_it(launch, etcd_ser
     wait_until(lambda: steps(trace) >= before + 40, 120, "40 more steps while etcd is down")
     wait_until(lambda: "training continues" in job.output, 30, "the agent's outage warning")
 
+    # kill between two checkpoints (every 10 steps): the restart redoes the steps after the
+    # last one, and the trace must be rewound to it (checked by the audit at the end)
+    wait_until(lambda: 3 <= steps(trace) % 10 <= 5, 30, "a step between two checkpoints")
     job.workers()[1].kill()  # a restart while etcd is down
     wait_until(lambda: "rendezvous backend unreachable" in job.output
                and "retrying for up to" in job.output, 60, "the rendezvous to wait for etcd")
@@ -45,3 +49,31 @@ def test_training_survives_an_etcd_outage_and_restarts_after_it(launch, etcd_ser
     wait_until(lambda: steps(trace) >= resumed + 10, 120, "10 steps after the restart")
     job.proc.send_signal(signal.SIGTERM)
     assert job.wait(timeout=60) == 143, job.output[-3000:]
+    assert "sample trace: dropped" in job.output  # the killed attempt's lost steps
+    assert_trace_exact(trace, ck)
+
+
+def assert_trace_exact(trace, ck) -> None:
+    """Every step from 1 to the last once, from both ranks, 64 samples (the global batch);
+    every completed epoch trained on each sample exactly once; the last traced step is the
+    one the SIGTERM committed. The restart's rewind must have dropped the steps after the
+    checkpoint it resumed from."""
+    by_step: dict[int, list[dict]] = {}
+    for e in audit.read_entries(trace):
+        if "indices" in e:
+            by_step.setdefault(e["step"], []).append(e)
+    last = max(by_step)
+    assert sorted(by_step) == list(range(1, last + 1))
+    for step, es in by_step.items():
+        assert sorted(e["rank"] for e in es) == [0, 1], (step, es)
+        assert sum(len(e["indices"]) for e in es) == 64, step
+    assert ckpt.latest_valid(ck).step == last
+    reports = audit.audit(trace)  # 19 steps of 64 samples per epoch (1257 train samples)
+    assert [r.epoch for r in reports] == list(range(len(reports)))
+    assert all(r.complete for r in reports[:-1]) and len(reports) >= 4, reports
+    for r in reports:
+        assert not r.duplicated, r
+        if r.complete:
+            assert r.ok and r.steps == 19 and r.seen_once == r.expected == 1257 - 41, r
+        else:
+            assert r.seen_once == r.steps * 64, r

@@ -45,8 +45,19 @@ def test_gradient_accumulation_matches_one_large_micro_batch(tmp_path):
 def test_bf16_constant_schedule_and_finished_run_is_not_resumed(tmp_path):
     t = trainer(tmp_path, "training.precision=bf16", "schedule.name=constant",
                 "schedule.warmup_steps=0", "training.max_steps=4")
+    # the dtype each linear layer computed in, training forwards and evaluation forwards apart:
+    # fp32 parameters give bf16 outputs only under autocast
+    seen: dict[bool, list[torch.dtype]] = {True: [], False: []}
+    hooks = [m.register_forward_hook(lambda m, i, out: seen[m.training].append(out.dtype))
+             for m in t.model.modules() if isinstance(m, torch.nn.Linear)]
     res = t.fit()
+    for h in hooks:
+        h.remove()
     assert t.state.step == 4 and math.isfinite(res["test_loss"])
+    # 4 steps x 2 micro-batches x 2 linear layers, all under autocast
+    assert seen[True] == [torch.bfloat16] * 16, seen[True]
+    assert seen[False] and set(seen[False]) == {torch.bfloat16}  # evaluation too
+    assert all(p.dtype == torch.float32 for p in t.model.parameters())  # fp32 master weights
     assert t.scheduler.get_last_lr()[0] == pytest.approx(t.cfg.optimizer.lr)
     again = trainer(tmp_path, "training.precision=bf16", "training.max_steps=4")
     assert again.resume() and again.stop.stopped
