@@ -224,7 +224,7 @@ def test_preemption_discards_the_step_in_flight_and_commits_the_last_one(tmp_pat
     with pytest.raises(Preempted, match="after step 2; checkpoint step-00000002 committed"):
         run_step(session, model, opt, loader)
     # committed when end_step raises, without waiting here
-    assert sorted(os.listdir(tmp_path)) == ["step-00000002"]
+    assert sorted(os.listdir(tmp_path)) == ["fence", "step-00000002"]
     assert ckpt.latest_valid(tmp_path).step == 2
     raw = ckpt.load_state(tmp_path / "step-00000002")
     assert raw["train_state"]["step"] == 2 and raw["sampler"]["cursor"] == 2 * MB
