@@ -43,6 +43,7 @@ from .config import RecoveryConfig
 from .fencing import EXIT_FENCED
 from .inplace import ENV, GENERATION_ENV, SPARE_ENV
 from .preempt import EXIT_PREEMPTED
+from .watchdog import EXIT_HANG
 
 log = logging.getLogger(__name__)
 
@@ -151,9 +152,12 @@ class InPlaceAgent(LocalElasticAgent):
     # ------------------------------------------------------------ replacement
 
     def _replaceable(self, codes: dict[int, int | None], failed: dict[int, int]) -> bool:
-        """A failure (not bad input, not fenced out, not preemption), some worker still running and none
+        """A failure (not bad input, not fenced out, not preemption, not a hang), some worker still running and none
         finished, and restarts left (``codes``: every local rank's exit code or None)."""
-        if any(code in (EXIT_BAD_INPUT, EXIT_FENCED, EXIT_PREEMPTED) for code in failed.values()):
+        # a hang: the rank whose watchdog fired may only be waiting for the hung one, which
+        # has not exited; replacing the waiter would wait for the hung rank forever
+        if any(code in (EXIT_BAD_INPUT, EXIT_FENCED, EXIT_PREEMPTED, EXIT_HANG)
+               for code in failed.values()):
             return False
         others = [code for lr, code in codes.items() if lr not in failed]
         # a failure while shrunk takes the restart path

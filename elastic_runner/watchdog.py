@@ -30,7 +30,7 @@ from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
 log = logging.getLogger(__name__)
 
-EXIT_HANG = 1
+EXIT_HANG = 124  # as coreutils' timeout: the agent tells a hang from a crash by it
 
 
 class HangDetected(RuntimeError):

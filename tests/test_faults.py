@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 
 import pytest
@@ -13,6 +14,7 @@ from elastic_runner import audit
 from elastic_runner import checkpoint as ckpt
 
 from .procs import CONFIGS, cli, wait_until
+from .test_outside_faults import trainers
 from .test_train_torchrun import assert_same_tensors, final_state, rank_summaries
 
 pytestmark = pytest.mark.slow
@@ -20,6 +22,17 @@ pytestmark = pytest.mark.slow
 DIGITS = str(CONFIGS / "digits.yaml")
 BASE = [DIGITS, "logging.tensorboard_dir=null", "early_stopping.enabled=false",
         "training.max_steps=12", "checkpoint.every_steps=4"]
+
+
+# rank 0's log lines of a preemption and of the next attempt's resume (see session.py)
+_PREEMPTING = re.compile(r"\[rank0\] WARNING elastic_runner\.session: preemption: checkpointing "
+                         r"step (\d+), then stopping")
+_SAVED = re.compile(r"\[rank0\] INFO elastic_runner\.checkpointing: checkpoint of step (\d+): ")
+_LEFT = re.compile(r"\[rank(\d)\] WARNING elastic_runner\.worker: preempted by signal after step "
+                   r"(\d+); checkpoint step-\d{8} committed")
+_EXITCODE = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: \d+ \(pid: (\d+)\)")
+_RESUMED = re.compile(r"\[rank0\] INFO elastic_runner\.session: resumed from (\S+): step (\d+), "
+                      r"epoch (\d+), (\d+) samples into the epoch")
 
 
 def start(launch, name, *args, restarts=1):
@@ -101,12 +114,25 @@ def test_sigterm_to_a_workers_process_group_with_dataloader_workers(launch, tmp_
                 "training.max_steps=100000", "training.max_epochs=1000",
                 "checkpoint.every_steps=5")
     wait_until(lambda: (ck / "step-00000005").is_dir(), 200, "the step-5 checkpoint")
-    os.killpg(os.getpgid(job.workers()[1].pid), signal.SIGTERM)
-    wait_until(lambda: "resumed from" in job.output, 120, "the restarted group to resume")
+    workers = trainers(job)  # job.workers() may name a DataLoader worker
+    pids = {p.pid for p in workers.values()}
+    os.killpg(os.getpgid(workers[1].pid), signal.SIGTERM)
+    wait_until(lambda: _RESUMED.search(job.output), 120, "the restarted group to resume")
     out = job.output
-    assert "preemption: checkpointing step" in out and "DataLoader worker" not in out
-    resumed = int(out.split("resumed from", 1)[1].split(": step ", 1)[1].split(",")[0])
-    assert resumed > 5
+    assert "DataLoader worker" not in out
+    (preempted,) = [int(s) for s in _PREEMPTING.findall(out)]
+    # rank 0's first checkpoint after the preemption line is the preemption checkpoint
+    saved = int(_SAVED.search(out, out.index("preemption: checkpointing step")).group(1))
+    assert saved == preempted > 5
+    assert f"committed checkpoint {ck / f'step-{saved:08d}'} " in out
+    # every rank leaves with 143 (128 + SIGTERM) after that commit; torchrun logs the first
+    assert sorted(_LEFT.findall(out)) == [("0", str(saved)), ("1", str(saved))], _LEFT.findall(out)
+    exits = [(int(code), int(pid)) for code, pid in _EXITCODE.findall(out)]
+    assert exits and all(code == 143 and pid in pids for code, pid in exits), (exits, pids)
+    (resumed,) = _RESUMED.findall(out)
+    steps_per_epoch = 19  # digits: 1257 training samples, global batch 64
+    assert resumed == (str(ck / f"step-{saved:08d}"), str(saved), str(saved // steps_per_epoch),
+                       str(saved % steps_per_epoch * 64)), resumed
 
 
 def test_nan_step_is_skipped_on_all_ranks(launch, tmp_path):
@@ -147,15 +173,18 @@ def test_recurring_nan_after_rollback_stops_with_clear_error(launch, tmp_path):
     assert final_state(ck)["train_state"]["step"] == 7
 
 
-def test_hung_rank_is_detected_dumped_and_restarted(launch, tmp_path):
+def test_hung_rank_is_detected_dumped_and_restarted(launch, tmp_path, startup_seconds):
     ck = tmp_path / "ck"
-    job = start(launch, "hang", f"checkpoint.dir={ck}", "watchdog.hang_timeout_seconds=3",
-                "watchdog.long_op_timeout_seconds=120", "watchdog.dump_grace_seconds=1",
+    # 3 s and 1 s on an idle machine; under load a healthy step must not exceed the budget, and
+    # rank 0's watchdog must fire within the grace of rank 1's (the agent then kills the rest)
+    hang, grace = max(3, round(2 * startup_seconds)), max(1.0, round(startup_seconds, 1))
+    job = start(launch, "hang", f"checkpoint.dir={ck}", f"watchdog.hang_timeout_seconds={hang}",
+                "watchdog.long_op_timeout_seconds=120", f"watchdog.dump_grace_seconds={grace}",
                 faults("{kind: hang, rank: 1, step: 6}"))
     assert job.wait(timeout=240) == 0, job.output[-3000:]
     out = job.output
     for rank in (0, 1):
-        assert f"rank {rank}: step 6 exceeded its 3 s budget (hang)" in out
+        assert f"rank {rank}: step 6 exceeded its {hang} s budget (hang)" in out
     assert "_hang_forever" in out and "Thread 0x" in out  # rank 1's stack, from faulthandler
     assert f"resumed from {ck / 'step-00000004'}: step 4" in out
     summaries = rank_summaries(ck)
