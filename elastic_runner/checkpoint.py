@@ -338,7 +338,11 @@ def latest_valid(directory: str | Path, kind: str = "step") -> CheckpointInfo | 
     highest fencing token (a stale group's checkpoints lose to a newer group's whatever their
     step); invalid newer ones are skipped with a warning naming the reason."""
     found = [c for c in list_checkpoints(directory) if c.kind == kind]
-    for info in sorted(found, key=lambda c: c.order, reverse=True):
+    # an invalid one's token is unknown (its manifest may be what is broken): rank it as the
+    # newest group's, so a damaged newer checkpoint is still named when it is skipped
+    newest = max((c.fence for c in found if c.valid), default=0)
+    for info in sorted(found, key=lambda c: c.order if c.valid else (newest, c.step),
+                       reverse=True):
         checked = inspect(info.path, verify=True) if info.valid else info
         if checked.valid:
             return checked
