@@ -13,12 +13,25 @@ Kinds (each a real event, not a simulation of the runner's reaction):
 * ``nan``: the rank's loss becomes NaN for ``count`` steps;
 * ``slow``: each of ``count`` steps takes ``seconds`` longer on the rank (a straggler: a slow
   disk, a throttled device, a noisy neighbour).
+
+Faults requested from outside while the job runs (``faults.trigger_file: PATH``, off by
+default): before each step every rank ``stat``-s PATH (nothing more while it is missing or
+empty; no trigger configured: a null object, not even the ``stat``). Each line is a request; the
+one kind so far is ``nan rank=R``: rank R's next loss becomes NaN, once (so every rank skips that
+update, see ``consensus.py``), and R removes the line. A rank reads and rewrites the file under
+an exclusive ``flock`` of PATH, so writers must take it too, e.g.
+``flock PATH -c 'echo "nan rank=1" >> PATH'`` (``bench/soak.py`` does this from Python). A line
+that does not parse is removed with a warning naming it; a line for a rank outside the group
+stays (every rank then reads the file at each step until it is removed). The rank logs
+``fault injection: rank R poisons its loss at step S (trigger file PATH)``.
 """
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
+import re
 import signal
 import threading
 import time
@@ -40,8 +53,11 @@ class FaultInjector:
 
     def __init__(self, cfg: FaultConfig, rank: int, restart_count: int) -> None:
         # (index in cfg.inject, spec): the index names the fault identically on every node
-        self.specs = [(i, f) for i, f in enumerate(cfg.inject)
-                      if f.rank == rank and restart_count < f.attempts]
+        self.trigger: TriggerFile | NoTrigger = (
+            TriggerFile(Path(cfg.trigger_file), rank) if cfg.trigger_file else NoTrigger())
+        self.specs = _Specs([(i, f) for i, f in enumerate(cfg.inject)
+                             if f.rank == rank and restart_count < f.attempts],
+                            watched=cfg.trigger_file is not None)
         self.rank, self.restart_count = rank, restart_count
         self.once_dir = Path(cfg.once_dir) if cfg.once_dir else None
         self._fired: set[tuple[int, int]] = set()  # (spec index, step) already fired
@@ -66,9 +82,16 @@ class FaultInjector:
         return True
 
     def poison_loss(self, step: int, steps_this_attempt: int) -> bool:
-        """True if the step about to run (global ``step``, 1-based) must produce a NaN loss."""
-        return any(spec.kind == "nan" and self._due(spec, step, steps_this_attempt, spec.count)
-                   and self._take(i, spec, step) for i, spec in self.specs)
+        """True if the step about to run (global ``step``, 1-based) must produce a NaN loss: a
+        configured ``nan`` fault is due, or the trigger file asks for one (consumed here)."""
+        if any(spec.kind == "nan" and self._due(spec, step, steps_this_attempt, spec.count)
+               and self._take(i, spec, step) for i, spec in self.specs):
+            return True
+        if not self.trigger.take_nan():
+            return False
+        log.warning("fault injection: rank %d poisons its loss at step %d (trigger file %s)",
+                    self.rank, step, self.trigger.path)
+        return True
 
     def slow_now(self, step: int, steps_this_attempt: int) -> None:
         """Sleep before the step about to run if a ``slow`` fault covers it."""
@@ -103,6 +126,75 @@ class FaultInjector:
             for handler in logging.getLogger("elastic_runner").handlers:
                 handler.flush()
             os.kill(os.getpid(), signal.SIGKILL if spec.kind == "sigkill" else signal.SIGTERM)
+
+
+class _Specs(list):
+    """The configured (index, spec) pairs; also true when only a trigger file is watched, since
+    the trainer installs the fault callbacks when ``FaultInjector.specs`` is true."""
+
+    def __init__(self, items: list[tuple[int, FaultSpec]], watched: bool) -> None:
+        super().__init__(items)
+        self.watched = watched
+
+    def __bool__(self) -> bool:
+        return self.watched or len(self) > 0
+
+
+class NoTrigger:
+    """No trigger file configured: nothing is ever requested (no file system access)."""
+
+    path = None
+
+    def take_nan(self) -> bool:
+        return False
+
+
+class TriggerFile:
+    """``faults.trigger_file`` as seen by one rank (see the module docstring)."""
+
+    LINE = re.compile(r"^nan\s+rank=(\d+)$")
+
+    def __init__(self, path: Path, rank: int) -> None:
+        self.path, self.rank = path, rank
+        self._warned = False
+
+    def take_nan(self) -> bool:
+        """True (once per line) if a ``nan rank=<this rank>`` line is in the file; that line,
+        and any line that does not parse, is removed. Never raises: an unreadable file is
+        logged once and counts as empty."""
+        try:
+            if os.stat(self.path).st_size == 0:
+                return False
+            with open(self.path, "r+") as f:
+                fcntl.flock(f, fcntl.LOCK_EX)  # released by close(): writers lock it too
+                lines = [ln.strip() for ln in f.read().splitlines() if ln.strip()]
+                keep, hit = self._consume(lines)
+                if len(keep) != len(lines):
+                    f.seek(0)
+                    f.truncate()
+                    f.write("".join(f"{ln}\n" for ln in keep))
+            return hit
+        except FileNotFoundError:
+            return False
+        except OSError as e:
+            if not self._warned:
+                self._warned = True
+                log.warning("faults.trigger_file %s: cannot read it (%s); no faults from it",
+                            self.path, e)
+            return False
+
+    def _consume(self, lines: list[str]) -> tuple[list[str], bool]:
+        keep, hit = [], False
+        for ln in lines:
+            m = self.LINE.match(ln)
+            if m is None:
+                log.warning("faults.trigger_file %s: removed the line %r (allowed: 'nan rank=R', "
+                            "R a global rank)", self.path, ln)
+            elif not hit and int(m[1]) == self.rank:
+                hit = True
+            else:
+                keep.append(ln)
+        return keep, hit
 
 
 def _hang_forever() -> None:

@@ -1,0 +1,91 @@
+"""The soak (``bench/soak.py``) in small: 10 faults covering every class, injected from outside
+into one 2-node x 2-worker job around a real etcd; plus the pieces it relies on without
+processes: the seeded plan and the fault trigger file (``faults.trigger_file``)."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+
+import pytest
+
+from bench import soak
+from elastic_runner.config import FaultConfig, load_config
+from elastic_runner.faults import FaultInjector, NoTrigger, TriggerFile
+
+from .procs import CONFIGS
+
+# its 3 faults beyond one per class are cheap ones (nan, etcd-outage, worker-sigkill)
+SEED = 6
+
+
+def test_plan_is_seeded_and_holds_every_class():
+    plan = soak.make_plan(SEED, 10)
+    assert plan == soak.make_plan(SEED, 10)
+    assert plan != soak.make_plan(SEED + 1, 10)
+    kinds = [f.kind for f in plan]
+    assert set(kinds) == set(soak.CLASSES) and len(kinds) == 10
+    big = [f.kind for f in soak.make_plan(SEED, 100)]
+    assert all(14 <= big.count(k) <= 15 for k in soak.CLASSES), big
+    with pytest.raises(ValueError, match="at least 7"):
+        soak.make_plan(SEED, 6)
+
+
+def test_trigger_file_poisons_the_named_rank_once(tmp_path, caplog):
+    path = tmp_path / "trigger"
+    cfg = FaultConfig(trigger_file=str(path))
+    rank0, rank1 = FaultInjector(cfg, 0, 0), FaultInjector(cfg, 1, 0)
+    assert rank1.specs and len(rank1.specs) == 0  # the callbacks go in; no configured spec
+    assert not rank1.poison_loss(3, 3)  # no file yet
+    path.write_text("nan rank=1\nbogus line\nnan rank=1\n")
+    with caplog.at_level(logging.WARNING, logger="elastic_runner.faults"):
+        assert not rank0.poison_loss(4, 4)  # not its line; the bad one goes
+        assert path.read_text() == "nan rank=1\nnan rank=1\n"
+        assert rank1.poison_loss(5, 5)
+        assert path.read_text() == "nan rank=1\n"  # one line, one NaN
+        assert rank1.poison_loss(6, 6) and not rank1.poison_loss(7, 7)
+    assert path.read_text() == ""
+    text = caplog.text
+    assert "removed the line 'bogus line' (allowed: 'nan rank=R'" in text
+    assert f"rank 1 poisons its loss at step 5 (trigger file {path})" in text
+
+
+def test_no_trigger_file_is_a_null_object_and_the_key_loads():
+    injector = FaultInjector(FaultConfig(), 0, 0)
+    assert isinstance(injector.trigger, NoTrigger) and not injector.specs
+    cfg = load_config(CONFIGS / "digits.yaml", ["faults.trigger_file=/tmp/x"])
+    assert cfg.faults.trigger_file == "/tmp/x"
+    assert isinstance(FaultInjector(cfg.faults, 0, 0).trigger, TriggerFile)
+
+
+@pytest.mark.slow
+def test_ten_faults_of_every_class_on_two_nodes(tmp_path):
+    if shutil.which("etcd") is None:
+        pytest.skip("etcd not on PATH (Debian: apt-get install etcd-server)")
+    plan = soak.make_plan(SEED, 10, hold_s=(1.0, 3.0))
+    settings = soak.Settings(steps=soak.default_steps(plan), fault_timeout_s=150, timeout_s=420)
+    result = soak.soak(plan, SEED, settings, tmp_path)
+    faults, job = result["faults"], result["job"]
+    brief = [(f["kind"], f.get("error", "")[:300]) for f in faults if not f["survived"]]
+    assert len(faults) == 10 and not brief, (brief, result.get("error"))
+    assert {f["kind"] for f in faults} == set(soak.CLASSES)
+    assert job["completed"] and job["final_step"] == settings.steps, job
+    assert job["world_sizes"] == [4]
+    complete = [e for e in job["epochs"] if e["complete"]]
+    assert len(complete) >= 10
+    for e in complete:
+        assert e["lost"] == e["duplicated"] == 0 and e["seen_once"] == e["expected"], e
+    assert job["corrupt_resumes"] == []
+    for f in faults:
+        if f["kind"] == "ckpt-corrupt":  # resumed from an older checkpoint, past the bad one
+            assert f["resumed_step"] < f["corrupted_step"], f
+        if f["kind"] == "nan":
+            assert f["skipped_on_all_ranks"] and f["restarts"] == 0, f
+        if f["kind"] == "etcd-outage":
+            assert f["steps_during_outage"] >= soak.OUTAGE_STEPS and f["restarts"] == 0, f
+        if f["kind"] in ("worker-sigkill", "worker-sigterm", "worker-hang", "node-kill",
+                         "ckpt-corrupt"):
+            assert f["restarts"] == 1, f
+    weights = job["final_weights"]
+    assert weights["unexplained_skips"] == [] and weights["bitwise"], weights
+    assert soak.passed(result), soak.table(result)
