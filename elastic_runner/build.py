@@ -191,8 +191,7 @@ def _session(cfg: Config, info: DistInfo, net: nn.Module, stateful: dict[str, An
                       EarlyStopping(cfg.early_stopping))
     faults = fault_injection.FaultInjector(cfg.faults, info.rank, info.restart_count)
     goodput = Goodput(psutil.Process().create_time(), metrics.goodput)
-    callbacks = Callbacks(_callbacks(cfg, info, total, metrics, sampler.num_samples, faults,
-                                     goodput))
+    callbacks = Callbacks(_callbacks(cfg, info, total, metrics, sampler, faults, goodput))
     injection = next((c for c in callbacks.items if isinstance(c, FaultInjection)), None)
     model = stateful["model"]
 
@@ -251,19 +250,19 @@ def legacy_stop_state(raw: dict[str, Any]) -> dict[str, Any]:
 
 
 def _callbacks(cfg: Config, info: DistInfo, total: int, metrics: RankMetrics,
-               num_samples: int, faults: fault_injection.FaultInjector, goodput: Goodput
+               sampler: ElasticSampler, faults: fault_injection.FaultInjector, goodput: Goodput
                ) -> list[Callback]:
     """The reporting features that are on, in the order they see each event."""
     w = cfg.watchdog
     budgets = Budgets(w.hang_timeout_seconds, w.long_op_timeout_seconds,
                       cfg.metrics.heartbeat_timeout_seconds)
-    out = runner_callbacks(metrics, budgets, info.rank, info.world_size, num_samples, total,
-                           cfg.audit.trace_dir, w.dump_grace_seconds)
+    out = runner_callbacks(metrics, budgets, info.rank, info.world_size, sampler.num_samples,
+                           total, cfg.audit.trace_dir, w.dump_grace_seconds, sampler.last_step)
     out.append(goodput)
     if info.is_main and cfg.logging.tensorboard_dir:
         out.append(TensorBoardScalars(cfg.logging.tensorboard_dir))
     if ProgressBar.wanted(info.is_main, cfg.logging.progress_bar):
         out.append(ProgressBar(total))
-    if faults.specs:
+    if faults.active:
         out.append(FaultInjection(faults))  # last: a kill after the step is reported
     return out

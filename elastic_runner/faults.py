@@ -55,9 +55,8 @@ class FaultInjector:
         # (index in cfg.inject, spec): the index names the fault identically on every node
         self.trigger: TriggerFile | NoTrigger = (
             TriggerFile(Path(cfg.trigger_file), rank) if cfg.trigger_file else NoTrigger())
-        self.specs = _Specs([(i, f) for i, f in enumerate(cfg.inject)
-                             if f.rank == rank and restart_count < f.attempts],
-                            watched=cfg.trigger_file is not None)
+        self.specs = [(i, f) for i, f in enumerate(cfg.inject)
+                      if f.rank == rank and restart_count < f.attempts]
         self.rank, self.restart_count = rank, restart_count
         self.once_dir = Path(cfg.once_dir) if cfg.once_dir else None
         self._fired: set[tuple[int, int]] = set()  # (spec index, step) already fired
@@ -80,6 +79,12 @@ class FaultInjector:
             except FileExistsError:
                 return False
         return True
+
+    @property
+    def active(self) -> bool:
+        """Whether this rank has anything to inject: a configured fault or a watched trigger
+        file (the trainer installs the fault callbacks only then)."""
+        return bool(self.specs) or not isinstance(self.trigger, NoTrigger)
 
     def poison_loss(self, step: int, steps_this_attempt: int) -> bool:
         """True if the step about to run (global ``step``, 1-based) must produce a NaN loss: a
@@ -126,18 +131,6 @@ class FaultInjector:
             for handler in logging.getLogger("elastic_runner").handlers:
                 handler.flush()
             os.kill(os.getpid(), signal.SIGKILL if spec.kind == "sigkill" else signal.SIGTERM)
-
-
-class _Specs(list):
-    """The configured (index, spec) pairs; also true when only a trigger file is watched, since
-    the trainer installs the fault callbacks when ``FaultInjector.specs`` is true."""
-
-    def __init__(self, items: list[tuple[int, FaultSpec]], watched: bool) -> None:
-        super().__init__(items)
-        self.watched = watched
-
-    def __bool__(self) -> bool:
-        return self.watched or len(self) > 0
 
 
 class NoTrigger:

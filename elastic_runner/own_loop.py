@@ -209,7 +209,8 @@ def fault_tolerant(model: nn.Module, optimizer: torch.optim.Optimizer,
     injection = _faults(rank)
     reporting = Callbacks([
         *runner_callbacks(rank_metrics, Budgets(hang_timeout_seconds, long_op_timeout_seconds),
-                          rank, sampler.world_size, sampler.num_samples, 0, trace_dir),
+                          rank, sampler.world_size, sampler.num_samples, 0, trace_dir,
+                          last_step=sampler.last_step),
         *(callbacks or []), *([injection] if injection else [])])
     train_state = TrainState()
     checkpoints = CheckpointManager(

@@ -157,17 +157,36 @@ class ProgressBar(Callback):
 
 class SampleTraceRecorder(Callback):
     """The sample audit trace (``audit.py``): every step's indices on every rank, rewound to
-    the resumed step on each (re)start and rollback."""
+    the resumed step on each (re)start, rollback and in-place recovery.
+
+    ``last_step(rank)``: (epoch, world size, indices of ``rank``) of the step the sampler's
+    cursor reached, as the group that committed it split it (``ElasticSampler.last_step``);
+    rank 0 uses it to write the entries of that step that ranks which died after committing it
+    never wrote (the default knows of no step: nothing is repaired)."""
 
     needs_mean_loss = True
 
-    def __init__(self, directory: str, rank: int, world_size: int, num_samples: int) -> None:
+    def __init__(self, directory: str, rank: int, world_size: int, num_samples: int,
+                 last_step: Callable[[int], tuple[int, int, list[int]]] = lambda rank: (0, 0, [])
+                 ) -> None:
         self.directory, self.rank, self.world_size = directory, rank, world_size
-        self.num_samples = num_samples
+        self.num_samples, self.last_step = num_samples, last_step
         self.trace: audit.SampleTrace | None = None
 
     def on_resumed(self, step: int) -> None:
-        """Rank 0 rewinds the trace to ``step`` before any rank appends."""
+        """Rank 0 rewinds the trace to ``step`` before any rank appends, then repairs it."""
+        self._reopen(step, self.last_step)
+
+    on_rollback = on_resumed
+
+    def on_recovered(self, step: int, joining: bool,
+                     last_step: Callable[[int], tuple[int, int, list[int]]]) -> None:
+        """In-place recovery at ``step``: as :meth:`on_resumed`, with the recovered trainer's
+        sampler."""
+        self._reopen(step, last_step)
+
+    def _reopen(self, step: int, last_step: Callable[[int], tuple[int, int, list[int]]]
+                ) -> None:
         self.close()
         if self.rank == 0:
             dropped = audit.rewind(self.directory, step)
@@ -176,18 +195,15 @@ class SampleTraceRecorder(Callback):
                               dropped, step)
         barrier()
         self.trace = audit.SampleTrace(self.directory, self.rank)
+        if self.rank == 0 and step > 0:
+            self._repair(step, last_step)
 
-    on_rollback = on_resumed
-
-    def on_recovered(self, step: int, joining: bool,
-                     last_step: Callable[[int], tuple[int, int, list[int]]]) -> None:
-        """In-place recovery at ``step``: the trace is rewound to it, and rank 0 writes every
-        entry of ``step`` that is missing for a rank of the group that committed it (that rank
-        died after the step's gradient all-reduce, or in its loss collective). Every rank is
-        here, past the step, so no entry of ``step`` can still be on its way."""
-        self.on_resumed(step)
-        if self.rank != 0 or step == 0:
-            return
+    def _repair(self, step: int, last_step: Callable[[int], tuple[int, int, list[int]]]
+                ) -> None:
+        """Write every entry of ``step`` missing for a rank of the group that committed it (that
+        rank died after the step's gradient all-reduce, or in its loss collective). Every rank
+        of the new attempt or group is past the barrier, and the old processes that could still
+        write an entry of ``step`` are gone or stopped past it."""
         have = audit.ranks_recorded(self.directory, step)
         for rank in range(last_step(0)[1]):
             if rank not in have:
@@ -268,14 +284,17 @@ class FaultInjection(Callback):
 
 def runner_callbacks(metrics: RankMetrics, budgets: Budgets, rank: int, world_size: int,
                      num_samples: int, total_steps: int, trace_dir: str | None,
-                     dump_grace_seconds: float = 2.0) -> list[Callback]:
+                     dump_grace_seconds: float = 2.0,
+                     last_step: Callable[[int], tuple[int, int, list[int]]] = lambda rank: (0, 0, [])
+                     ) -> list[Callback]:
     """The callbacks every loop of the runner has, in the order they see each event: the
     watchdog heartbeat, metrics (when enabled), the step log and the sample trace (when
-    ``trace_dir``); the built-in trainer adds TensorBoard, the progress bar and faults."""
+    ``trace_dir``; ``last_step``: the sampler's, see :class:`SampleTraceRecorder`); the
+    built-in trainer adds TensorBoard, the progress bar and faults."""
     out: list[Callback] = [WatchdogHeartbeat(HangWatchdog(rank, dump_grace_seconds), budgets)]
     if metrics.enabled:
         out.append(MetricsReporter(metrics, budgets, rank == 0))
     out.append(StepLog(total_steps))
     if trace_dir:
-        out.append(SampleTraceRecorder(trace_dir, rank, world_size, num_samples))
+        out.append(SampleTraceRecorder(trace_dir, rank, world_size, num_samples, last_step))
     return out

@@ -1,5 +1,7 @@
 """Sample trace bookkeeping: rewind to the resumed step, torn lines, per-epoch audit."""
 
+import pytest
+
 from elastic_runner.audit import SampleTrace, audit, loss_curve, read_entries, rewind
 
 
@@ -43,10 +45,12 @@ def test_rewind_drops_lost_steps_and_torn_lines(tmp_path):
     assert loss_curve(tmp_path) == {1: 0.5, 2: 0.5}
 
 
-def test_recovery_writes_the_entries_of_ranks_that_died_after_committing(tmp_path):
-    """Continue-shrunk after rank 1 died between step 3's all-reduce and its trace entry: rank 0
-    (now alone, twice the accumulation) writes rank 1's entry of step 3 as the 2-rank group
-    trained it, so the audit covers every sample of that step once."""
+@pytest.mark.parametrize("hook", ["recovered", "resumed"])
+def test_recovery_writes_the_entries_of_ranks_that_died_after_committing(tmp_path, hook):
+    """Rank 1 died between step 3's all-reduce and its trace entry. Continue-shrunk (rank 0 now
+    alone, twice the accumulation) or a restart that resumes from step 3's checkpoint: rank 0
+    writes rank 1's entry of step 3 as the 2-rank group trained it, so the audit covers every
+    sample of that step once."""
     from elastic_runner.reporting import SampleTraceRecorder
     from elastic_runner.sampler import ElasticSampler
 
@@ -63,8 +67,12 @@ def test_recovery_writes_the_entries_of_ranks_that_died_after_committing(tmp_pat
     trace.close()
     new = ElasticSampler(n, 7, 4, 4, 0, 1)
     new.load_state_dict(old[0].state_dict())
-    recorder = SampleTraceRecorder(str(tmp_path), 0, 1, n)
-    recorder.on_recovered(3, False, new.last_step)
+    if hook == "recovered":
+        recorder = SampleTraceRecorder(str(tmp_path), 0, 1, n)
+        recorder.on_recovered(3, False, new.last_step)
+    else:
+        recorder = SampleTraceRecorder(str(tmp_path), 0, 1, n, new.last_step)
+        recorder.on_resumed(3)
     recorder.close()
     step3 = [e for e in read_entries(tmp_path) if e["step"] == 3]
     assert sorted((e["rank"], e["world_size"]) for e in step3) == [(0, 2), (1, 2)]

@@ -35,7 +35,7 @@ def test_trigger_file_poisons_the_named_rank_once(tmp_path, caplog):
     path = tmp_path / "trigger"
     cfg = FaultConfig(trigger_file=str(path))
     rank0, rank1 = FaultInjector(cfg, 0, 0), FaultInjector(cfg, 1, 0)
-    assert rank1.specs and len(rank1.specs) == 0  # the callbacks go in; no configured spec
+    assert rank1.active and rank1.specs == []  # the callbacks go in; no configured spec
     assert not rank1.poison_loss(3, 3)  # no file yet
     path.write_text("nan rank=1\nbogus line\nnan rank=1\n")
     with caplog.at_level(logging.WARNING, logger="elastic_runner.faults"):
@@ -52,7 +52,7 @@ def test_trigger_file_poisons_the_named_rank_once(tmp_path, caplog):
 
 def test_no_trigger_file_is_a_null_object_and_the_key_loads():
     injector = FaultInjector(FaultConfig(), 0, 0)
-    assert isinstance(injector.trigger, NoTrigger) and not injector.specs
+    assert isinstance(injector.trigger, NoTrigger) and not injector.active
     cfg = load_config(CONFIGS / "digits.yaml", ["faults.trigger_file=/tmp/x"])
     assert cfg.faults.trigger_file == "/tmp/x"
     assert isinstance(FaultInjector(cfg.faults, 0, 0).trigger, TriggerFile)
