@@ -227,8 +227,7 @@ def _write_object_store(fs: fsspec.AbstractFileSystem, root: str, names: list[st
                         state: dict[str, Any], meta: dict[str, Any],
                         fence: Fence | NoFence) -> list[str]:
     finals = [f"{root}/{name}" for name in names]
-    with fence.guard(", ".join(names)):  # fail early: a stale writer overwrites nothing
-        pass
+    fence.check(", ".join(names))  # fail early: a stale writer overwrites nothing
     for final in finals:  # invalidate before overwriting: no manifest, no trust
         fs.invalidate_cache(final)  # another process may have written it since we listed
         if fs.exists(final):
@@ -242,6 +241,37 @@ def _write_object_store(fs: fsspec.AbstractFileSystem, root: str, names: list[st
         for final in finals:
             fs.pipe_file(f"{final}/{MANIFEST}", _manifest(meta, files))
     return finals
+
+
+def _manifest_problem(manifest: Any) -> str:
+    """Why a parsed manifest cannot be trusted ('' when it can): it names only this format's
+    files, by plain name (a hostile one could point outside the directory, or leave
+    state.pt unverified), each with an int size and a sha256, and its fields are typed."""
+    if not isinstance(manifest, dict):
+        return f"manifest is a JSON {type(manifest).__name__}, not an object"
+    if manifest.get("format_version") != FORMAT_VERSION:
+        return f"format version {str(manifest.get('format_version'))[:40]} != {FORMAT_VERSION}"
+    files = manifest.get("files")
+    if not isinstance(files, dict):
+        return "manifest has no 'files' object"
+    for fname in files:
+        shown = repr(fname[:200]) + ("..." if len(fname) > 200 else "")
+        if "/" in fname or "\\" in fname or fname in ("", ".", ".."):
+            return (f"manifest names file {shown}: a path outside the checkpoint directory "
+                    f"(only plain names: {STATE_FILE})")
+        if fname != STATE_FILE:
+            return f"manifest names file {shown}, not one of this format ({STATE_FILE})"
+    desc = files.get(STATE_FILE)
+    if not isinstance(desc, dict):
+        return f"manifest does not list {STATE_FILE} (its size and sha256 are unknown)"
+    if type(desc.get("bytes")) is not int or not isinstance(desc.get("sha256"), str):
+        return f"manifest entry of {STATE_FILE} lacks an int 'bytes' or a 'sha256'"
+    typed = {"step": (int,), "epoch": (int, type(None)), "world_size": (int, type(None)),
+             "time": (int, float, type(None))}
+    wrong = [k for k, ok in typed.items() if type(manifest.get(k)) not in ok]
+    if type(manifest.get("fence", 0)) is not int:
+        wrong.append("fence")
+    return f"manifest field {wrong[0]!r} has the wrong type" if wrong else ""
 
 
 def inspect(path: str | Path, verify: bool = False) -> CheckpointInfo:
@@ -265,36 +295,6 @@ def inspect(path: str | Path, verify: bool = False) -> CheckpointInfo:
     def bad(reason: str) -> CheckpointInfo:
         return CheckpointInfo(display, kind, step, None, None, None, size, False, reason)
 
-    def manifest_problem(manifest: Any) -> str:
-        """Why a parsed manifest cannot be trusted ('' when it can): it names only this format's
-        files, by plain name (a hostile one could point outside the directory, or leave
-        state.pt unverified), each with an int size and a sha256, and its fields are typed."""
-        if not isinstance(manifest, dict):
-            return f"manifest is a JSON {type(manifest).__name__}, not an object"
-        if manifest.get("format_version") != FORMAT_VERSION:
-            return f"format version {str(manifest.get('format_version'))[:40]} != {FORMAT_VERSION}"
-        files = manifest.get("files")
-        if not isinstance(files, dict):
-            return "manifest has no 'files' object"
-        for fname in files:
-            shown = repr(fname[:200]) + ("..." if len(fname) > 200 else "")
-            if "/" in fname or "\\" in fname or fname in ("", ".", ".."):
-                return (f"manifest names file {shown}: a path outside the checkpoint directory "
-                        f"(only plain names: {STATE_FILE})")
-            if fname != STATE_FILE:
-                return f"manifest names file {shown}, not one of this format ({STATE_FILE})"
-        desc = files.get(STATE_FILE)
-        if not isinstance(desc, dict):
-            return f"manifest does not list {STATE_FILE} (its size and sha256 are unknown)"
-        if type(desc.get("bytes")) is not int or not isinstance(desc.get("sha256"), str):
-            return f"manifest entry of {STATE_FILE} lacks an int 'bytes' or a 'sha256'"
-        typed = {"step": (int,), "epoch": (int, type(None)), "world_size": (int, type(None)),
-                 "time": (int, float, type(None))}
-        wrong = [k for k, ok in typed.items() if type(manifest.get(k)) not in ok]
-        if type(manifest.get("fence", 0)) is not int:
-            wrong.append("fence")
-        return f"manifest field {wrong[0]!r} has the wrong type" if wrong else ""
-
     if links:
         return bad(f"{links[0][:80]!r} is a symbolic link (refused: a checkpoint's files must "
                    "lie in its directory)")
@@ -306,7 +306,7 @@ def inspect(path: str | Path, verify: bool = False) -> CheckpointInfo:
         manifest = json.loads(fs.cat_file(f"{p}/{MANIFEST}"))
     except (OSError, ValueError) as e:
         return bad(f"unreadable manifest: {e}")
-    problem = manifest_problem(manifest)
+    problem = _manifest_problem(manifest)
     if problem:
         return bad(problem)
     for fname, desc in manifest["files"].items():

@@ -127,6 +127,14 @@ class Fence:
                     "keep-alive?) and stops; the newer group goes on")
             yield
 
+    def check(self, what: str) -> None:
+        """Fail early, before writing anything of ``what``: :meth:`guard` around nothing.
+
+        Raises:
+            FencedOut: a newer token was claimed."""
+        with self.guard(what):
+            pass
+
     @contextlib.contextmanager
     def _lock(self) -> Iterator[None]:
         if not self._local:
@@ -149,4 +157,7 @@ class NoFence:
     @contextlib.contextmanager
     def guard(self, what: str) -> Iterator[None]:
         yield
+
+    def check(self, what: str) -> None:
+        pass
 

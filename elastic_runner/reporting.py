@@ -155,6 +155,14 @@ class ProgressBar(Callback):
             self.bar = None
 
 
+LastStep = Callable[[int], tuple[int, int, list[int]]]  # rank -> (epoch, world size, indices)
+
+
+def _no_step(rank: int) -> tuple[int, int, list[int]]:
+    """No step known (epoch 0, world size 0, no indices): the trace repair does nothing."""
+    return 0, 0, []
+
+
 class SampleTraceRecorder(Callback):
     """The sample audit trace (``audit.py``): every step's indices on every rank, rewound to
     the resumed step on each (re)start, rollback and in-place recovery.
@@ -167,8 +175,7 @@ class SampleTraceRecorder(Callback):
     needs_mean_loss = True
 
     def __init__(self, directory: str, rank: int, world_size: int, num_samples: int,
-                 last_step: Callable[[int], tuple[int, int, list[int]]] = lambda rank: (0, 0, [])
-                 ) -> None:
+                 last_step: LastStep = _no_step) -> None:
         self.directory, self.rank, self.world_size = directory, rank, world_size
         self.num_samples, self.last_step = num_samples, last_step
         self.trace: audit.SampleTrace | None = None
@@ -285,8 +292,7 @@ class FaultInjection(Callback):
 def runner_callbacks(metrics: RankMetrics, budgets: Budgets, rank: int, world_size: int,
                      num_samples: int, total_steps: int, trace_dir: str | None,
                      dump_grace_seconds: float = 2.0,
-                     last_step: Callable[[int], tuple[int, int, list[int]]] = lambda rank: (0, 0, [])
-                     ) -> list[Callback]:
+                     last_step: LastStep = _no_step) -> list[Callback]:
     """The callbacks every loop of the runner has, in the order they see each event: the
     watchdog heartbeat, metrics (when enabled), the step log and the sample trace (when
     ``trace_dir``; ``last_step``: the sampler's, see :class:`SampleTraceRecorder`); the

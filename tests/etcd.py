@@ -16,12 +16,10 @@ Tests using it are skipped when ``etcd`` is not on PATH (Debian: ``apt-get insta
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import platform
 import shutil
-import signal
 import ssl
 import subprocess
 import urllib.request
@@ -30,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from .procs import free_port, wait_until
+from .procs import free_port, kill_and_reap, wait_until
 
 START_TIMEOUT_S = 30.0
 # etcd 3.4 refuses to start on architectures other than amd64/ppc64le unless told (GOARCH names)
@@ -100,11 +98,7 @@ class EtcdServer:
 
     def stop(self) -> None:
         """Kill the server (SIGKILL, by pid) and reap it; a no-op when it is not running."""
-        if self.proc is None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(timeout=30)
+        kill_and_reap(self.proc)
         self.proc = None
 
 

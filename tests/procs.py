@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -96,6 +97,16 @@ class Job:
             os.killpg(self.proc.pid, 9)
         self.proc.wait(timeout=30)
         self._log.close()
+
+
+def kill_and_reap(proc: subprocess.Popen | None) -> None:
+    """SIGKILL ``proc`` by pid (a test server's data is gone with it) and reap it within 30 s;
+    a no-op for None or a process that already ended."""
+    if proc is None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
 
 
 @pytest.fixture

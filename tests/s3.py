@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
-import signal
 import subprocess
 import sys
 import urllib.request
@@ -36,7 +35,7 @@ from typing import Any
 
 import pytest
 
-from .procs import free_port, wait_until
+from .procs import free_port, kill_and_reap, wait_until
 
 START_TIMEOUT_S = 60.0
 
@@ -83,11 +82,7 @@ class S3Server:
     def stop(self) -> None:
         """Kill the server (SIGKILL, by pid: its objects are gone) and reap it; a no-op when
         it is not running."""
-        if self.proc is None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(timeout=30)
+        kill_and_reap(self.proc)
         self.proc = None
 
     def fs(self) -> Any:
