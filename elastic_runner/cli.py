@@ -87,7 +87,10 @@ def _add_run(sub: Any) -> None:
                                    "(in this process)",
                        description="Launch the workers with torchrun's elastic agent in this "
                                    "process. Options left unset fall back to torchrun's PET_* "
-                                   "environment variables, then to the defaults shown.")
+                                   "environment variables, then to the defaults shown. "
+                                   "With PET_MASTER_ADDR (Kubeflow Trainer v2) and no "
+                                   "rendezvous endpoint, the rendezvous is c10d at "
+                                   "PET_MASTER_ADDR:PET_MASTER_PORT, hosted by node rank 0.")
     p.add_argument("config", help="YAML config file, or your own training script (a .py file "
                                   "using elastic_runner.fault_tolerant)")
     p.add_argument("overrides", nargs="*", metavar="key.path=value",

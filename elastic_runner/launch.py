@@ -2,8 +2,10 @@
 
 The command line is translated into torchrun's own arguments and parsed by torchrun's parser, so
 everything torchrun documents holds, including defaults from the ``PET_*`` environment variables
-that the Kubeflow training operator sets. The agent runs in this process (no shell-out); the
-workers run ``python -m elastic_runner train CONFIG [overrides]``.
+that the Kubeflow training operator sets (Kubeflow Trainer v2's ``PET_MASTER_ADDR`` and
+``PET_MASTER_PORT`` become a c10d rendezvous at node 0: :func:`trainer_rendezvous`). The agent
+runs in this process (no shell-out); the workers run
+``python -m elastic_runner train CONFIG [overrides]``.
 
 With an etcd rendezvous (``--rdzv-backend etcd-v2`` or legacy ``etcd``) an option given in the
 other backend's spelling (``cacert`` for ``ca_cert``, ``join_timeout`` for ``timeout``, ...; see
@@ -55,8 +57,11 @@ from .etcd_check import (
 from .fencing import EXIT_FENCED
 from .inplace_agent import InPlaceAgent
 from .preempt import EXIT_PREEMPTED
+from .restart_budget import EXIT_CRASH_LOOP
 
 log = logging.getLogger(__name__)
+
+TRAINER_PORT = 29400  # Kubeflow Trainer v2's PET_MASTER_PORT (constants.ContainerTrainerPort)
 
 
 def default_nproc_per_node() -> int:
@@ -124,14 +129,17 @@ def torchrun_argv(args: argparse.Namespace) -> list[str]:
     opt("--nproc-per-node", nproc, default_nproc_per_node())
     opt("--nnodes", args.nnodes)
     endpoint, run_id = args.rdzv_endpoint, args.rdzv_id
+    conf = ",".join(args.rdzv_conf) if args.rdzv_conf else None
     if (args.rdzv_backend in (None, "c10d") and not endpoint
             and "PET_RDZV_ENDPOINT" not in os.environ):
-        # what torchrun --standalone does (in torchrun's run(), which we bypass), on loopback
-        endpoint, run_id = "127.0.0.1:0", run_id or str(uuid.uuid4())
+        if "PET_MASTER_ADDR" in os.environ and os.environ.get("PET_RDZV_BACKEND") in (
+                None, "c10d"):  # Kubeflow Trainer v2: c10d at node 0's agent
+            endpoint, conf = trainer_rendezvous(conf)
+        else:  # what torchrun --standalone does (in torchrun's run(), which we bypass)
+            endpoint, run_id = "127.0.0.1:0", run_id or str(uuid.uuid4())
     opt("--rdzv-backend", args.rdzv_backend, "c10d")
     opt("--rdzv-endpoint", endpoint)
     opt("--rdzv-id", run_id)
-    conf = ",".join(args.rdzv_conf) if args.rdzv_conf else None
     backend = args.rdzv_backend or os.environ.get("PET_RDZV_BACKEND")
     if backend in ETCD_BACKENDS:  # either backend's spelling of TLS files and join timeout
         conf = conf if conf is not None else os.environ.get("PET_RDZV_CONF")
@@ -151,6 +159,29 @@ def torchrun_argv(args: argparse.Namespace) -> list[str]:
     return argv
 
 
+def trainer_rendezvous(conf: str | None) -> tuple[str, str | None]:
+    """The c10d rendezvous endpoint and ``--rdzv-conf`` for a pod of a Kubeflow Trainer v2
+    TrainJob, from what its torch plugin injects (``pkg/runtime/framework/plugins/torch``):
+    ``PET_MASTER_ADDR`` (``<trainjob>-node-0-0.<trainjob>``, node 0's pod), ``PET_MASTER_PORT``
+    (29400, :data:`TRAINER_PORT` when unset) and ``PET_NODE_RANK`` (the Job completion index).
+
+    torchrun reads the first two only for its ``static`` rendezvous, which cannot re-form the
+    group after a failure, so ``run`` uses them as the c10d endpoint instead: node 0's agent hosts
+    the rendezvous store there (``is_host=true``; every other node ``is_host=false``, so no
+    node's role depends on how the pod's host name resolves). ``conf`` (``k=v,...``, the
+    user's ``--rdzv-conf`` or ``PET_RDZV_CONF``) wins where it sets ``is_host`` itself.
+    """
+    port = os.environ.get("PET_MASTER_PORT") or TRAINER_PORT
+    endpoint = f"{os.environ['PET_MASTER_ADDR']}:{port}"
+    conf = conf if conf is not None else os.environ.get("PET_RDZV_CONF")
+    node_rank = os.environ.get("PET_NODE_RANK")
+    if node_rank is not None and "is_host" not in parse_conf(conf):
+        conf = ",".join(filter(None, [conf, f"is_host={str(node_rank == '0').lower()}"]))
+    log.info("rendezvous: c10d at %s (PET_MASTER_ADDR/PET_MASTER_PORT, Kubeflow Trainer), "
+             "node rank %s", endpoint, node_rank)
+    return endpoint, conf
+
+
 def in_place(args: argparse.Namespace) -> bool:
     """Whether this ``run`` recovers in place (``recovery.mode: in_place``, the built-in
     trainer, one node); otherwise a failed worker makes torchrun restart all of them."""
@@ -162,10 +193,12 @@ def in_place(args: argparse.Namespace) -> bool:
 
 
 def launch(args: argparse.Namespace) -> int:
-    """Run the agent until the job ends; returns the process exit code (a torch without an
-    internal that a required fix relies on, or an etcd that cannot serve the rendezvous, both
-    checked before the agent starts, or a worker's bad input (not restarted): 2; a failed
-    rendezvous or worker: 1; preempted: 143)."""
+    """Run the agent until the job ends; returns the process exit code: 0 done; 2 a torch
+    without an internal that a required fix relies on, or an etcd that cannot serve the
+    rendezvous (both checked before the agent starts), or a worker's bad input (not
+    restarted); 3 fenced out (``fencing.EXIT_FENCED``); 5 a crash loop stopped the job
+    (``restart_budget.EXIT_CRASH_LOOP``); 143 preempted; 1 any other failed rendezvous or
+    worker (e.g. ``--max-restarts`` spent)."""
     targs = get_args_parser().parse_args(torchrun_argv(args))
     try:
         compat.check_torch("agent")
@@ -216,6 +249,8 @@ def _launch_agent(args: argparse.Namespace, targs: argparse.Namespace) -> int:
     try:
         with agent:
             code = _run_agent(targs, config, cmd, cmd_args)
+        if code == 1 and getattr(args, "restarts", None) is not None and args.restarts.looped:
+            code = EXIT_CRASH_LOOP  # permanent for an operator, unlike a spent budget
     finally:
         if endpoint is not None:
             endpoint.close({0: "succeeded", EXIT_PREEMPTED: "stopped"}.get(code, "failed"))

@@ -42,6 +42,7 @@ log = logging.getLogger("elastic_runner.restarts")
 
 EXIT_BAD_INPUT = 2  # the worker's and the CLI's exit code for bad input (config, task, checkpoint)
 EXIT_PEER_LOST = 4  # a rank's collective failed because a peer died or hung (worker.py)
+EXIT_CRASH_LOOP = 5  # ``run``'s exit code when a crash loop stopped the job (not restartable)
 STOPPED = -15  # SIGTERM: how torch's agent stops the workers left after the first failure
 PEER_SETTLE_SECONDS = 3.0  # a rank that lost a peer waits this long for its local peers
 
@@ -72,6 +73,7 @@ class RestartBudget:
         self.crash_loop, self.progress = crash_loop, progress
         self._last: tuple[tuple[Failure, ...], int] | None = None
         self._repeats = 0
+        self.looped = False  # a crash loop stopped the job (``run`` then exits EXIT_CRASH_LOOP)
 
     def judge(self, failures: dict[int, Failure], remaining: int) -> int:
         """The restarts that remain after this failed attempt, *before* torch spends one on
@@ -89,6 +91,7 @@ class RestartBudget:
                       "the same way", rank, code, what)
             return 0
         if self._looping(failures):
+            self.looped = True
             log.error("crash loop: rank %d failed the same way %d times in a row (exit code %d: "
                       "%s) with no newer checkpoint in between: not restarting",
                       first, self._repeats, failures[first].exitcode,

@@ -56,6 +56,51 @@ def test_unset_options_defer_to_pet_environment(monkeypatch, var, value, attr, e
     assert getattr(torchrun_args("c.yaml"), attr) == expected
 
 
+TRAINER_ENV = ("PET_MASTER_ADDR", "PET_MASTER_PORT", "PET_NODE_RANK", "PET_NNODES",
+               "PET_NPROC_PER_NODE", "PET_RDZV_ENDPOINT", "PET_RDZV_BACKEND", "PET_RDZV_CONF")
+
+
+@pytest.mark.parametrize("node_rank, is_host", [("0", "true"), ("1", "false"), ("3", "false")])
+def test_kubeflow_trainer_master_address_becomes_the_c10d_endpoint(monkeypatch, node_rank,
+                                                                   is_host):
+    """Trainer v2's torch plugin injects PET_MASTER_ADDR/PORT (torchrun's static rendezvous);
+    run makes node 0's agent host the c10d store there, not a standalone store per pod."""
+    for var in TRAINER_ENV:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("PET_MASTER_ADDR", "train-1-node-0-0.train-1")
+    monkeypatch.setenv("PET_MASTER_PORT", "29400")
+    monkeypatch.setenv("PET_NODE_RANK", node_rank)
+    monkeypatch.setenv("PET_NNODES", "3")
+    monkeypatch.setenv("PET_NPROC_PER_NODE", "2")
+    t = torchrun_args("c.yaml")
+    assert (t.rdzv_backend, t.rdzv_endpoint) == ("c10d", "train-1-node-0-0.train-1:29400")
+    assert t.rdzv_conf == f"is_host={is_host}"
+    assert (t.nnodes, t.nproc_per_node, t.node_rank) == ("3", "2", int(node_rank))
+    config, _, _ = config_from_args(t)
+    assert (config.min_nodes, config.max_nodes) == (3, 3)
+    assert config.rdzv_configs["is_host"] == is_host  # torch reads it with get_as_bool
+
+
+def test_kubeflow_trainer_defaults_and_what_wins_over_them(monkeypatch):
+    for var in TRAINER_ENV:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("PET_MASTER_ADDR", "10.0.0.7")  # no port, no node rank
+    t = torchrun_args("c.yaml")
+    assert t.rdzv_endpoint == "10.0.0.7:29400" and t.rdzv_conf == ""
+    monkeypatch.setenv("PET_NODE_RANK", "1")
+    monkeypatch.setenv("PET_RDZV_CONF", "join_timeout=60,is_host=true")  # the user's wins
+    assert torchrun_args("c.yaml").rdzv_conf == "join_timeout=60,is_host=true"
+    t = torchrun_args("c.yaml", "--rdzv-conf", "read_timeout=30")
+    assert t.rdzv_conf == "read_timeout=30,is_host=false"
+    monkeypatch.delenv("PET_RDZV_CONF")
+    t = torchrun_args("c.yaml", "--rdzv-endpoint", "h:1")  # an explicit endpoint wins
+    assert t.rdzv_endpoint == "h:1" and t.rdzv_conf == ""
+    monkeypatch.setenv("PET_RDZV_ENDPOINT", "etcd:2379")  # the PyTorchJob (v1) way wins too
+    monkeypatch.setenv("PET_RDZV_BACKEND", "etcd-v2")
+    t = torchrun_args("c.yaml")
+    assert (t.rdzv_backend, t.rdzv_endpoint) == ("etcd-v2", "etcd:2379")
+
+
 # --- the agent's environment: OMP_NUM_THREADS (no torchrun banner) and torch's rdzv switch ---
 
 _BANNER = "Setting OMP_NUM_THREADS environment variable"

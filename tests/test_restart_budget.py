@@ -7,6 +7,7 @@ import pytest
 from elastic_runner import checkpoint as ckpt
 from elastic_runner.restart_budget import (
     EXIT_BAD_INPUT,
+    EXIT_CRASH_LOOP,
     EXIT_FENCED,
     EXIT_PEER_LOST,
     EXIT_PREEMPTED,
@@ -77,7 +78,9 @@ def test_the_same_failure_without_checkpoint_progress_is_a_crash_loop(caplog):
     budget = RestartBudget(crash_loop=3, progress=lambda: step[0])
     assert spend(budget, CRASH, 9) == 8
     assert spend(budget, CRASH, 8) == 7
+    assert not budget.looped
     assert spend(budget, CRASH, 7) == -1  # the third identical failure at step 10 stops
+    assert budget.looped  # run exits EXIT_CRASH_LOOP, not 1
     assert "crash loop: rank 0 failed the same way 3 times in a row (exit code 1: " \
            "RuntimeError: boom)" in caplog.text
 
@@ -130,7 +133,7 @@ def test_preemptions_do_not_spend_max_restarts_and_a_crash_loop_stops_early(laun
                      "--max-restarts") == 2, log[-3000:]
     assert ckpt.latest_valid(tmp_path / "p").step == 40
 
-    assert looping.wait(timeout=400) == 1, looping.output[-3000:]
+    assert looping.wait(timeout=400) == EXIT_CRASH_LOOP, looping.output[-3000:]
     log = looping.output
     assert re.search(r"crash loop: rank 1 failed the same way 3 times in a row \(exit code 1: "
                      r"InjectedFault", log), log[-3000:]
