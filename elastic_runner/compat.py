@@ -67,7 +67,10 @@ does when one is gone (required: exit code 2 with one line; optional: a warning,
    0 after bad input (exit 2), a fenced-out writer (exit 3) or a crash loop; one more (refunding
    torch's subtraction) after a preemption (143) or a lost peer (4). Torch has no switch for it
    (``--max-restarts`` counts every failure alike). Without it every failure spends a restart,
-   as under plain torchrun.
+   as under plain torchrun. Before torch's poll (``SubprocessContext._poll``, which closes the
+   remaining workers with a fixed 30 s SIGTERM -> SIGKILL gap when one failed), the wrapper
+   stops what is left of a failed (not preempted) group itself, with
+   ``restart_budget.FAILED_STOP_SECONDS``.
 
 9. **In-place recovery** (``launcher/api.py``: ``launch_agent`` constructs the module global
    ``LocalElasticAgent``; ``elastic/multiprocessing/api.py``: ``SubprocessContext`` keeps one
@@ -92,6 +95,8 @@ import importlib
 import inspect
 import logging
 import os
+import signal
+import subprocess
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -114,9 +119,11 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.torch_version import TorchVersion
 
 from .config import ConfigError
+from .preempt import EXIT_PREEMPTED
 from .restart_budget import (
     EXIT_BAD_INPUT,
     EXIT_PEER_LOST,
+    FAILED_STOP_SECONDS,
     PEER_SETTLE_SECONDS,
     RestartBudget,
     failures_of,
@@ -337,7 +344,9 @@ def apply_agent_fixes(cls: type = LocalElasticAgent, budget: RestartBudget | Non
     """Patch ``cls`` (torch's ``LocalElasticAgent``) in this process with fix 8: each failed
     attempt's remaining restarts are judged by ``budget`` (``restart_budget.py``: no restart
     after bad input or a fenced-out writer or in a crash loop; preemptions and lost peers do
-    not spend ``--max-restarts``). Idempotent; a later call replaces the budget. Returns False,
+    not spend ``--max-restarts``), and the rest of a failed group is SIGKILLed
+    ``FAILED_STOP_SECONDS`` after its SIGTERM. Idempotent; a later call replaces the budget.
+    Returns False,
     without patching, when the methods no longer look as expected (:func:`check_torch` has
     said so)."""
     if budget is not None:
@@ -363,10 +372,39 @@ def _let_peers_settle(handlers: Mapping[int, Any]) -> None:
         time.sleep(0.05)
 
 
+def _stop_failed_group(handlers: Mapping[int, Any]) -> None:
+    """When a worker exited for good (a crash, a lost peer, a hang, a signal: not 0, not 143)
+    while others still run, stop those now: SIGTERM, then SIGKILL ``FAILED_STOP_SECONDS``
+    later. torch's poll would close them with its fixed 30 s gap, which a stopped or hung rank
+    (it never reacts to SIGTERM) spends in full before every restart. A preempted group keeps
+    torch's gap: its rank 0 may still be committing the preemption checkpoint."""
+    codes = {lr: h.proc.poll() for lr, h in handlers.items()}
+    running = [h for lr, h in handlers.items() if codes[lr] is None]
+    if not running or not set(codes.values()) - {None, 0, EXIT_PREEMPTED}:
+        return
+    log.info("stopping the rest of the failed group (SIGKILL %.0f s after SIGTERM)",
+             FAILED_STOP_SECONDS)
+    for h in running:
+        with contextlib.suppress(ProcessLookupError):
+            h.close(death_sig=signal.SIGTERM)
+    deadline = time.monotonic() + FAILED_STOP_SECONDS
+    for h in running:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            h.proc.wait(max(0.0, deadline - time.monotonic()))
+    for h in running:
+        if h.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                h.close(death_sig=signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):  # not in the kernel (D state)
+                h.proc.wait(FAILED_STOP_SECONDS)
+
+
 def _restart_budget_by_cause(monitor: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
     @functools.wraps(monitor)
     def wrapper(self: SimpleElasticAgent, worker_group: Any) -> Any:
-        _let_peers_settle(getattr(getattr(self, "_pcontext", None), "subprocess_handlers", {}))
+        handlers = getattr(getattr(self, "_pcontext", None), "subprocess_handlers", {})
+        _let_peers_settle(handlers)
+        _stop_failed_group(handlers)
         result = monitor(self, worker_group)
         failures = failures_of(result)
         if failures:

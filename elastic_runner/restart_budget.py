@@ -27,7 +27,9 @@ torch itself already restarts without spending the budget when nodes join (a hea
 nodes waiting at the rendezvous). A rank that exits 4 while its local peers still run may have
 lost a *local* peer that is still dying: the agent gives those :data:`PEER_SETTLE_SECONDS` to
 exit on their own before torch stops them, so a local crash is judged a crash.
-A refunded restart still counts in ``TORCHELASTIC_RESTART_COUNT``.
+A refunded restart still counts in ``TORCHELASTIC_RESTART_COUNT``. What is left of a failed group
+(not a preempted one) is stopped with a SIGKILL :data:`FAILED_STOP_SECONDS` after the SIGTERM,
+not torch's fixed 30 s: a stopped or hung rank would otherwise hold up every restart.
 """
 
 from __future__ import annotations
@@ -47,6 +49,12 @@ EXIT_PEER_LOST = 4  # a rank's collective failed because a peer died or hung (wo
 EXIT_CRASH_LOOP = 5  # ``run``'s exit code when a crash loop stopped the job (not restartable)
 STOPPED = -15  # SIGTERM: how torch's agent stops the workers left after the first failure
 PEER_SETTLE_SECONDS = 3.0  # a rank that lost a peer waits this long for its local peers
+# SIGTERM -> SIGKILL gap when the agent stops what is left of a *failed* group (a crash, a lost
+# peer, a hang), instead of torch's fixed 30 s: nothing of that group is checkpointed any more
+# (its step consensus fails without the dead rank), a rank blocked in a collective or stopped
+# never reacts to SIGTERM, and a watchdog's stack dump (watchdog.dump_grace_seconds) is done
+# well before. A preempted group (all exit 143) keeps torch's gap: its rank 0 may still commit.
+FAILED_STOP_SECONDS = 5.0
 
 
 @dataclass(frozen=True)

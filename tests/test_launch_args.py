@@ -171,3 +171,26 @@ def test_users_omp_num_threads_and_switch_are_kept(monkeypatch, caplog):
     messages = [r.getMessage() for r in caplog.records]
     assert not any(m.startswith("OMP_NUM_THREADS=") for m in messages)
     assert any(m.startswith(f"{SHARE_STORE_SWITCH}=0 (not 1)") for m in messages)
+
+
+@pytest.mark.parametrize("failures, named", [
+    ({0: (4, 100), 1: (1, 100)}, 1),  # the crash, not the peer that lost it in the same second
+    ({0: (4, 99), 1: (1, 100)}, 1),  # ... even when the loss has the earlier timestamp
+    ({0: (-15, 99), 1: (-11, 100)}, 1),  # the signal, not the rank the agent stopped
+    ({0: (1, 99), 1: (1, 100)}, 0),  # two crashes: the earlier
+    ({0: (4, 100), 1: (4, 100)}, 0),  # only losses (the cause is on another node): rank order
+])
+def test_the_root_cause_line_names_the_rank_that_failed_on_its_own(tmp_path, failures, named):
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from elastic_runner.launch import root_cause_line
+
+    procs = {}
+    for rank, (code, timestamp) in failures.items():
+        f = ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=code,
+                           error_file=str(tmp_path / "none"))
+        f.timestamp = timestamp
+        procs[rank] = f
+    line = root_cause_line(ChildFailedError("train", procs))
+    assert line.startswith(f"rank {named} (local_rank {named}) exited with code "
+                           f"{failures[named][0]}: ")

@@ -328,6 +328,8 @@ def test_a_stopped_rank_is_noticed_by_its_peer_and_the_group_restarts(launch, tm
     assert gone(victim)
     assert "rank 1: step" not in out  # the stopped rank never noticed anything itself
     assert "replaced in place" not in out and "exited with code(s) [124]" not in out
+    # the stopped rank cannot react to SIGTERM: SIGKILLed 5 s later, not after torch's 30 s
+    assert "stopping the rest of the failed group (SIGKILL 5 s after SIGTERM)" in out
     committed = 4 * ((step - 1) // 4)
     assert resumed(out) == [(str(ck / f"step-{committed:08d}"), committed)]
     assert_exact_audit(trace, 16)

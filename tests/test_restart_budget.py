@@ -1,10 +1,15 @@
 """Restart budget by cause (unit tier): which failed attempts spend torchrun's --max-restarts."""
 
+import os
 import re
+import signal
+import subprocess
+import sys
 
 import pytest
 
 from elastic_runner import checkpoint as ckpt
+from elastic_runner import compat
 from elastic_runner.restart_budget import (
     EXIT_BAD_INPUT,
     EXIT_CRASH_LOOP,
@@ -95,6 +100,46 @@ def test_progress_or_another_failure_breaks_the_loop():
     assert spend(budget, {0: Failure(EXIT_PREEMPTED, "")}, 6) == 6  # from outside: resets
     assert spend(budget, {0: Failure(-9, "Signal 9 (SIGKILL)")}, 6) == 5
     assert spend(budget, {0: Failure(-9, "Signal 9 (SIGKILL)")}, 5) == -1
+
+
+class _Handler:
+    """A worker as torch's SubprocessHandler holds it: ``proc``, and ``close`` signalling its
+    process group (workers run in their own sessions)."""
+
+    def __init__(self, code: str) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-c", code], start_new_session=True,
+                                     stdout=subprocess.PIPE, text=True)
+
+    def close(self, death_sig=signal.SIGTERM) -> None:
+        os.killpg(self.proc.pid, death_sig)
+
+
+IGNORES_SIGTERM = ("import signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                   "print('ready', flush=True); time.sleep(120)")
+
+
+@pytest.mark.parametrize("exit_code, stopped", [
+    (1, True), (EXIT_PEER_LOST, True), (124, True), (-9, True),  # failed for good
+    (EXIT_PREEMPTED, False),  # rank 0 may still be committing: torch's own 30 s apply
+    (0, False),  # a rank that finished first: the others are finishing too
+])
+def test_the_rest_of_a_failed_group_is_stopped_without_torchs_30_s(monkeypatch, exit_code,
+                                                                    stopped):
+    """A rank that ignores SIGTERM (stopped, or blocked in a collective) is SIGKILLed
+    FAILED_STOP_SECONDS after the SIGTERM once a local peer failed (here 0.5 s)."""
+    monkeypatch.setattr(compat, "FAILED_STOP_SECONDS", 0.5)
+    code = f"import os, signal; os.kill(os.getpid(), {-exit_code})" if exit_code < 0 else \
+        f"raise SystemExit({exit_code})"
+    done, running = _Handler(code), _Handler(IGNORES_SIGTERM)
+    done.proc.wait(timeout=60)
+    assert running.proc.stdout.readline() == "ready\n"  # its SIGTERM handler is in place
+    try:
+        compat._stop_failed_group({0: done, 1: running})
+        assert (running.proc.poll() == -signal.SIGKILL) == stopped
+    finally:
+        if running.proc.poll() is None:
+            running.close(signal.SIGKILL)
+        running.proc.wait(timeout=30)
 
 
 def test_progress_reads_the_newest_complete_checkpoint(tmp_path):
