@@ -346,9 +346,8 @@ def apply_agent_fixes(cls: type = LocalElasticAgent, budget: RestartBudget | Non
     after bad input or a fenced-out writer or in a crash loop; preemptions and lost peers do
     not spend ``--max-restarts``), and the rest of a failed group is SIGKILLed
     ``FAILED_STOP_SECONDS`` after its SIGTERM. Idempotent; a later call replaces the budget.
-    Returns False,
-    without patching, when the methods no longer look as expected (:func:`check_torch` has
-    said so)."""
+    Returns False, without patching, when the methods no longer look as expected
+    (:func:`check_torch` has said so)."""
     if budget is not None:
         _BUDGET[0] = budget
     if getattr(cls.__dict__.get("_monitor_workers"), _MARK, False):

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 
@@ -349,20 +350,15 @@ CHECKS: dict[str, Check] = {
 
 
 def _torchrun_args(args, env: dict[str, str]):
+    """torchrun's arguments for ``run`` in a pod whose environment holds ``env`` and no other
+    ``PET_*`` (this process's environment is restored afterwards)."""
     from torch.distributed.run import get_args_parser
 
-    saved = {k: os.environ.get(k) for k in env}
-    pet = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith("PET_")}
-    os.environ.update(env)
-    try:
+    with mock.patch.dict(os.environ):
+        for key in [k for k in os.environ if k.startswith("PET_")]:
+            del os.environ[key]
+        os.environ.update(env)
         return get_args_parser().parse_args(torchrun_argv(args))
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        os.environ.update(pet)
 
 
 # ------------------------------------------------------------------ tests
