@@ -152,8 +152,9 @@ class InPlaceAgent(LocalElasticAgent):
     # ------------------------------------------------------------ replacement
 
     def _replaceable(self, codes: dict[int, int | None], failed: dict[int, int]) -> bool:
-        """A failure (not bad input, not fenced out, not preemption, not a hang), some worker still running and none
-        finished, and restarts left (``codes``: every local rank's exit code or None)."""
+        """A failure (not bad input, not fenced out, not preemption, not a hang), some worker
+        still running and none finished, and restarts left (``codes``: every local rank's exit
+        code or None)."""
         # a hang: the rank whose watchdog fired may only be waiting for the hung one, which
         # has not exited; replacing the waiter would wait for the hung rank forever
         if any(code in (EXIT_BAD_INPUT, EXIT_FENCED, EXIT_PREEMPTED, EXIT_HANG)

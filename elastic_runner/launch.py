@@ -57,7 +57,7 @@ from .etcd_check import (
 from .fencing import EXIT_FENCED
 from .inplace_agent import InPlaceAgent
 from .preempt import EXIT_PREEMPTED
-from .restart_budget import EXIT_CRASH_LOOP, EXIT_PEER_LOST, STOPPED
+from .restart_budget import EXIT_CRASH_LOOP, cause_rank
 
 log = logging.getLogger(__name__)
 
@@ -314,8 +314,8 @@ def root_cause_line(err: ChildFailedError) -> str:
     comes before one that only lost it (exit 4) or that the agent stopped (SIGTERM), whatever
     their timestamps: torch's ``get_first_failure`` orders by error-file timestamps in whole
     seconds, so a crash and its peer's loss in the same second named the peer."""
-    rank, failure = min(err.failures.items(), key=lambda kv: (
-        {EXIT_PEER_LOST: 1, STOPPED: 2}.get(kv[1].exitcode, 0), kv[1].timestamp, kv[0]))
+    rank, failure = min(err.failures.items(),
+                        key=lambda kv: (cause_rank(kv[1].exitcode), kv[1].timestamp, kv[0]))
     message = failure.message
     if isinstance(message, dict):  # the error-file layout written by @record / ErrorHandler
         message = message.get("message", "")

@@ -187,12 +187,12 @@ class SampleTraceRecorder(Callback):
     on_rollback = on_resumed
 
     def on_recovered(self, step: int, joining: bool,
-                     last_step: Callable[[int], tuple[int, int, list[int]]]) -> None:
+                     last_step: LastStep) -> None:
         """In-place recovery at ``step``: as :meth:`on_resumed`, with the recovered trainer's
         sampler."""
         self._reopen(step, last_step)
 
-    def _reopen(self, step: int, last_step: Callable[[int], tuple[int, int, list[int]]]
+    def _reopen(self, step: int, last_step: LastStep
                 ) -> None:
         self.close()
         if self.rank == 0:
@@ -205,7 +205,7 @@ class SampleTraceRecorder(Callback):
         if self.rank == 0 and step > 0:
             self._repair(step, last_step)
 
-    def _repair(self, step: int, last_step: Callable[[int], tuple[int, int, list[int]]]
+    def _repair(self, step: int, last_step: LastStep
                 ) -> None:
         """Write every entry of ``step`` missing for a rank of the group that committed it (that
         rank died after the step's gradient all-reduce, or in its loss collective). Every rank

@@ -57,6 +57,12 @@ PEER_SETTLE_SECONDS = 3.0  # a rank that lost a peer waits this long for its loc
 FAILED_STOP_SECONDS = 5.0
 
 
+def cause_rank(exitcode: int) -> int:
+    """Orders failed ranks by how likely they hold the cause: 0 a rank that failed on its own,
+    1 one that lost a peer (exit 4), 2 one the agent stopped after the first failure (SIGTERM)."""
+    return {EXIT_PEER_LOST: 1, STOPPED: 2}.get(exitcode, 0)
+
+
 @dataclass(frozen=True)
 class Failure:
     """One failed local rank as the agent saw it: its exit code (negative: killed by that
@@ -89,9 +95,7 @@ class RestartBudget:
         """The restarts that remain after this failed attempt, *before* torch spends one on
         it (torch subtracts one from the returned value when it is positive)."""
         codes = {f.exitcode for f in failures.values()}
-        # the rank that failed on its own, before those that lost it or were stopped
-        first = min(failures, key=lambda r: ({EXIT_PEER_LOST: 1, STOPPED: 2}.get(
-            failures[r].exitcode, 0), r))
+        first = min(failures, key=lambda r: (cause_rank(failures[r].exitcode), r))
         if codes & {EXIT_BAD_INPUT, EXIT_FENCED}:
             code = EXIT_FENCED if EXIT_FENCED in codes else EXIT_BAD_INPUT
             rank = min(r for r, f in failures.items() if f.exitcode == code)

@@ -272,8 +272,8 @@ class TrainingSession:
         """All ranks: discard the step in flight, commit a checkpoint of the last applied step,
         then leave with 143."""
         step = self.state.step
-        log.warning("preemption: checkpointing step %d, then stopping (SIGTERM or SIGINT on at least "
-                    "one rank; step %d discarded, redone after the restart)", step, step + 1)
+        log.warning("preemption: checkpointing step %d, then stopping (SIGTERM or SIGINT on at "
+                    "least one rank; step %d discarded, redone after the restart)", step, step + 1)
         self.callbacks.on_phase("checkpointing", "preemption checkpoint", True)
         self.callbacks.on_finish(StopReason.PREEMPTED, "preempted")
         self.checkpoint()
