@@ -176,6 +176,35 @@ def write_checkpoint(directory: str | Path, names: str | list[str], state: dict[
 def _write_local(directory: Path, names: list[str], state: dict[str, Any],
                  meta: dict[str, Any], fence: Fence | NoFence) -> list[Path]:
     directory.mkdir(parents=True, exist_ok=True)
+    try:
+        staged = _stage_local(directory, names, state, meta)
+    except OSError:
+        # a stale writer's staging directory is fair game for the newer group's prune: when it
+        # vanished under us, say that we are fenced out rather than a bare FileNotFoundError
+        fence.check(", ".join(names))
+        raise
+    finals = []
+    try:
+        with fence.guard(", ".join(names)):
+            for tmp, name in zip(staged, names, strict=True):
+                final = directory / name
+                if final.exists():  # same step written again after a restart: retire the old
+                    old = directory / f".tmp-old-{name}-{os.getpid()}"
+                    os.replace(final, old)
+                    shutil.rmtree(old)
+                os.replace(tmp, final)
+                finals.append(final)
+            _fsync_dir(directory)
+    except FencedOut:
+        for tmp in staged:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return finals
+
+
+def _stage_local(directory: Path, names: list[str], state: dict[str, Any],
+                 meta: dict[str, Any]) -> list[Path]:
+    """Write each of ``names`` complete (state, manifest, fsync) under ``.tmp-<name>-<pid>``."""
     staged: list[Path] = []
     files: dict[str, Any] = {}
     for name in names:
@@ -195,23 +224,7 @@ def _write_local(directory: Path, names: list[str], state: dict[str, Any],
             os.fsync(f.fileno())
         _fsync_dir(tmp)
         staged.append(tmp)
-    finals = []
-    try:
-        with fence.guard(", ".join(names)):
-            for tmp, name in zip(staged, names, strict=True):
-                final = directory / name
-                if final.exists():  # same step written again after a restart: retire the old
-                    old = directory / f".tmp-old-{name}-{os.getpid()}"
-                    os.replace(final, old)
-                    shutil.rmtree(old)
-                os.replace(tmp, final)
-                finals.append(final)
-            _fsync_dir(directory)
-    except FencedOut:
-        for tmp in staged:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return finals
+    return staged
 
 
 def _link_or_copy(src: Path, dst: Path) -> None:

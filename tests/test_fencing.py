@@ -58,6 +58,29 @@ def test_tokens_grow_and_a_stale_commit_is_refused(directory):
     assert ckpt.latest_valid(directory).fence == new.token
 
 
+def test_a_stale_writer_whose_staging_a_newer_group_pruned_is_fenced_out(tmp_path, monkeypatch):
+    """Group A is frozen while it stages step 20; group B claims the directory and its prune
+    removes A's staging directory (not B's pid). A, thawed, is fenced out (exit 3), not a
+    FileNotFoundError (a crash its agent would restart)."""
+    directory = str(tmp_path / "ck")
+    old = Fence.claim(directory)
+    save = ckpt._save_hashed
+
+    def frozen_while_the_new_group_starts(f, state):
+        digest = save(f, state)
+        Fence.claim(directory)
+        with monkeypatch.context() as m:  # B's prune, in another process: every .tmp-* of A
+            other = os.getpid() + 1
+            m.setattr(ckpt.os, "getpid", lambda: other)
+            assert ckpt.prune(directory, keep_last=3)
+        return digest
+
+    monkeypatch.setattr(ckpt, "_save_hashed", frozen_while_the_new_group_starts)
+    with pytest.raises(FencedOut, match="not committing step-00000020"):
+        ckpt.write_checkpoint(directory, "step-00000020", {"x": 2}, {"step": 20}, old)
+    assert ckpt.list_checkpoints(directory) == []
+
+
 def test_resume_prefers_the_newest_token_over_a_higher_step(directory):
     """An object store cannot close every window: a stale commit of a higher step that slipped
     in loses to the newer group's checkpoint."""
