@@ -1,8 +1,8 @@
-"""The baseline of ``bench.overhead``: a bare DDP loop, written the way the PyTorch DDP tutorial
-writes one (``init_process_group``, ``DistributedSampler``, ``DataLoader``, ``DDP``, a plain
-loop; no checkpoints, no metrics, no guards), for any built-in task (``digits``, ``char_lm``:
-each dataset item is an ``(inputs, targets)`` pair of tensors and ``bundle.loss_fn`` is the mean
-loss of a micro-batch, so one loop serves both).
+"""The baseline of ``bench.overhead`` and ``bench.gpu``: a bare DDP loop, written the way the
+PyTorch DDP tutorial writes one (``init_process_group``, ``DistributedSampler``, ``DataLoader``,
+``DDP``, a plain loop; no checkpoints, no metrics, no guards), for any built-in task (``digits``
+and ``char_lm`` give ``(inputs, targets)`` pairs and a ``loss_fn``; ``causal_lm`` gives mappings
+and its model computes the loss).
 
 It trains the same recipe as the runner, so that the benchmark's difference is the runner's
 overhead and not a different training choice; everything a config's ``optimizer``,
@@ -18,11 +18,17 @@ overhead and not a different training choice; everything a config's ``optimizer`
   ``bench.overhead`` sets to ``--steps``. The LR's *value* does not change the cost of a step,
   but stepping the scheduler does (a few µs of Python per step); it is a training choice of the
   config, not runner overhead, so this loop steps an equal scheduler (over ``--steps``) too.
-* fp32 only (the runner's autocast is a training choice this loop does not replicate; other
-  precisions are refused).
+* the same precision: fp32, or bf16 autocast around the forward and loss (fp16, which needs
+  a GradScaler, is refused);
+* the same device and backend: ``cuda:<LOCAL_RANK>`` with NCCL on a GPU machine (gloo and the
+  CPU otherwise), batches copied with ``non_blocking=True``; the optimizer fused where the
+  runner's is (``optimizer.fused``, auto: on CUDA);
+* the same batches: a mapping (a transformers task such as ``causal_lm``) is passed as
+  ``model(**batch)`` and its loss is ``outputs.loss``, an ``(x, y)`` pair as ``model(x)``.
 
 What it leaves out is what the runner adds: per-step reseeding, the step vote (non-finite loss,
-SIGTERM), the hang watchdog, metrics, the straggler exchange, checkpoints, the sample trace.
+SIGTERM), the hang watchdog, metrics, the straggler exchange, checkpoints, the sample trace. Like
+the tutorial's, it never reads the device in the step: on CUDA the host runs ahead of the GPU.
 
     torchrun --standalone --nproc-per-node 2 -m bench.bare_ddp CONFIG --steps 300 [overrides]
 
@@ -35,7 +41,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import datetime
 
 import torch
@@ -70,33 +76,46 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=300, help="optimizer steps to train")
     args = p.parse_args()
     cfg = load_config(args.config, args.overrides)
-    dist.init_process_group("gloo")
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    dist.init_process_group("nccl" if cuda else "gloo")
     rank = dist.get_rank()
     if cfg.batch.accumulation_for(dist.get_world_size()) != 1:
         raise SystemExit("bench.bare_ddp: gradient accumulation is not supported; set "
                          "batch.grad_accum_steps=1")
-    if cfg.training.precision != "fp32":
-        raise SystemExit("bench.bare_ddp: only training.precision=fp32 is supported")
+    if cfg.training.precision not in ("fp32", "bf16"):
+        raise SystemExit("bench.bare_ddp: training.precision must be fp32 or bf16")
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16,
+                              enabled=cfg.training.precision == "bf16")
     torch.manual_seed(cfg.seed)
     bundle = task_builder(cfg.task)(cfg)
-    model = DDP(bundle.model)
+    model = DDP(bundle.model.to(device), device_ids=[device] if cuda else None)
     o = cfg.optimizer
+    fused = o.fused_on(device)
     if o.name == "sgd":
         optimizer = torch.optim.SGD(model.parameters(), lr=o.lr, momentum=o.momentum,
-                                    weight_decay=o.weight_decay)
+                                    weight_decay=o.weight_decay, fused=fused)
     else:
         optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas,
-                                      weight_decay=o.weight_decay)
+                                      weight_decay=o.weight_decay, fused=fused)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, args.steps))
     sampler = DistributedSampler(bundle.train, seed=cfg.seed, drop_last=True)
     loader = DataLoader(bundle.train, batch_size=cfg.batch.micro_batch_size, sampler=sampler,
-                        drop_last=True)
+                        drop_last=True, collate_fn=bundle.collate_fn)
     step, epoch = 0, 0
     while step < args.steps:
         sampler.set_epoch(epoch)
-        for x, y in loader:
+        for batch in loader:
             optimizer.zero_grad(set_to_none=True)
-            loss = bundle.loss_fn(model(x), y)
+            with autocast:
+                if isinstance(batch, Mapping):  # a transformers model computes its loss
+                    loss = model(**{k: v.to(device, non_blocking=True)
+                                    for k, v in batch.items()}).loss
+                else:
+                    x, y = (t.to(device, non_blocking=True) for t in batch)
+                    loss = bundle.loss_fn(model(x), y)
             loss.backward()
             if cfg.training.grad_clip_norm:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.training.grad_clip_norm)

@@ -22,6 +22,7 @@ Phases, read from the surviving agent's log (millisecond stamps; see ``worker.lo
 * ``rendezvous``: torchelastic's ``_rendezvous`` duration (for ``node-leave`` mostly the last
   call);
 * ``start+import``: -> the new worker enters ``main`` (spawn, interpreter, ``import torch``);
+* ``device``: the CUDA context created (~0 on CPU);
 * ``process group``: ``init_process_group`` plus the per-attempt store namespace;
 * ``data+model``: the task's data and model, DDP's parameter broadcast (digits imports
   scikit-learn here, ~1.3 s);
@@ -78,8 +79,8 @@ SCENARIOS = ("sigkill", "sigterm", "node-leave", "node-join", "kill", "ettr")
 PATHS = ("restart", "in_place")
 INPLACE_PHASES = ("notice", "detection", "teardown", "group", "state", "first step")
 BACKENDS = ("c10d", "etcd-v2")
-PHASES = ("detection", "stop", "rendezvous", "start+import", "process group", "data+model",
-          "ckpt load", "first step")
+PHASES = ("detection", "stop", "rendezvous", "start+import", "device", "process group",
+          "data+model", "ckpt load", "first step")
 FAULT_STEP = 35
 # as in tests/test_multinode.py: a lost node is declared dead after 1 s x 8 missed keep-alives
 RDZV_CONF = "last_call_timeout=4,join_timeout=120,keep_alive_interval=1,keep_alive_max_attempt=8"
@@ -93,8 +94,8 @@ _DETECT = re.compile(rf"^(?:{_TORCH_STAMP} .*Sending process \d+ closing signal"
 _RDZV = re.compile(rf"^{_STAMP} INFO elastic_runner\.agent_metrics: rendezvous round \d+ took "
                    r"([\d.]+) s")
 _STARTUP = re.compile(rf"^{_STAMP} \[rank0\] INFO elastic_runner\.worker: startup: interpreter "
-                      r"and imports ([\d.]+) s, process group ([\d.]+) s, data and model "
-                      r"([\d.]+) s, checkpoint load ([\d.]+) s")
+                      r"and imports ([\d.]+) s, device ([\d.]+) s, process group ([\d.]+) s, "
+                      r"data and model ([\d.]+) s, checkpoint load ([\d.]+) s")
 _FAULT = re.compile(rf"^{_STAMP} \[rank1\] WARNING elastic_runner\.faults: fault")
 _RESUMED = re.compile(rf"^{_STAMP} \[rank0\] INFO elastic_runner\.session: resumed from \S+: "
                       r"step (\d+)")
@@ -125,11 +126,11 @@ def phases(log: str, t_fault: float, first_step_time: float) -> dict[str, float]
     t_rdzv, m = first(_RDZV, t_detect)
     t_rdzv_start = t_rdzv - float(m[2])
     t_loaded, m = first(_STARTUP, t_rdzv)
-    imports, group, data, load = (float(m[i]) for i in range(2, 6))
-    t_main = t_loaded - load - data - group
+    imports, device, group, data, load = (float(m[i]) for i in range(2, 7))
+    t_main = t_loaded - load - data - group - device
     return {"detection": t_detect - t_fault, "stop": t_rdzv_start - t_detect,
             "rendezvous": t_rdzv - t_rdzv_start, "start+import": t_main - t_rdzv,
-            "process group": group, "data+model": data, "ckpt load": load,
+            "device": device, "process group": group, "data+model": data, "ckpt load": load,
             "first step": first_step_time - t_loaded, "total": first_step_time - t_fault,
             "process start+import (worker's own clock)": imports}
 
@@ -261,16 +262,19 @@ def _committed(trace: Path) -> dict[int, float]:
     return out
 
 
-def kill_one(task: str, path: str, workdir: Path) -> dict[str, float]:
-    """SIGKILL rank 1 (from outside) after step ``KILL_AFTER_STEP``, in place once the spare is
-    ready; the phases of the recovery, its total and the steps redone."""
+def kill_one(task: str, path: str, workdir: Path, overrides: tuple[str, ...] = (),
+             kill_after: int = KILL_AFTER_STEP) -> dict[str, float]:
+    """SIGKILL rank 1 (from outside) after step ``kill_after``, in place once the spare is
+    ready; the phases of the recovery, its total and the steps redone. ``overrides``: config
+    overrides of the task (a larger model, a backend)."""
     ck, trace = workdir / "ck", workdir / "trace"
     workdir.mkdir(parents=True)
     extra = ["checkpoint.every_steps=10"] + (["eval.every_steps=0"] if task == "digits" else [])
-    job = Job(_task_argv(task, path, ck, trace, free_port(), *extra), workdir / "node.log")
+    job = Job(_task_argv(task, path, ck, trace, free_port(), *extra, *overrides),
+              workdir / "node.log")
     try:
-        wait_until(lambda: max(_committed(trace), default=0) >= KILL_AFTER_STEP, RUN_TIMEOUT_S,
-                   f"{KILL_AFTER_STEP} steps")
+        wait_until(lambda: max(_committed(trace), default=0) >= kill_after, RUN_TIMEOUT_S,
+                   f"{kill_after} steps")
         if path == "in_place":
             wait_until(lambda: _SPARE_READY.search(job.output) is not None, RUN_TIMEOUT_S,
                        "the warm spare")

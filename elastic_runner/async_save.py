@@ -31,6 +31,10 @@ class StagingBuffers:
         self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
         self.bytes = 0  # total size of the buffers
 
+    def tensors(self) -> list[torch.Tensor]:
+        """The host buffers (pinned where the state they stage lives on CUDA)."""
+        return list(self._buffers.values())
+
     def stage(self, state: Any) -> Any:
         """Return a copy of ``state`` whose tensors live in the reused buffers."""
         staged = self._copy(state, ())
@@ -42,10 +46,11 @@ class StagingBuffers:
         if isinstance(obj, torch.Tensor):
             buf = self._buffers.get(path)
             if buf is None or buf.shape != obj.shape or buf.dtype != obj.dtype:
+                old = 0 if buf is None else buf.numel() * buf.element_size()
                 buf = torch.empty(obj.shape, dtype=obj.dtype, device="cpu",
                                   pin_memory=obj.is_cuda)
                 self._buffers[path] = buf
-                self.bytes = sum(b.numel() * b.element_size() for b in self._buffers.values())
+                self.bytes += buf.numel() * buf.element_size() - old
             buf.copy_(obj.detach(), non_blocking=obj.is_cuda)
             return buf
         if isinstance(obj, dict):
@@ -61,7 +66,7 @@ class AsyncCheckpointer:
 
     def __init__(self) -> None:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-writer")
-        self._buffers = StagingBuffers()
+        self.buffers = StagingBuffers()
         self._future: Future[Any] | None = None
 
     def save(self, state: Any, write: Callable[[Any], Any]) -> float:
@@ -72,7 +77,7 @@ class AsyncCheckpointer:
         """
         t0 = time.perf_counter()
         self.wait()
-        staged = self._buffers.stage(state)
+        staged = self.buffers.stage(state)
         self._future = self._executor.submit(write, staged)
         return time.perf_counter() - t0
 

@@ -17,7 +17,7 @@ from .batches import check_samples
 from .callbacks import Callback, Callbacks
 from .checkpointing import CheckpointManager
 from .config import Config, ConfigError, fingerprint, task_builder
-from .consensus import make_consensus
+from .consensus import StepConsensus, make_consensus, skips_on_device
 from .data import ElasticDataLoader
 from .dist import DistInfo, assert_same_across_ranks
 from .early_stop import EarlyStopping
@@ -35,7 +35,7 @@ from .reporting import (
 )
 from .sampler import ElasticSampler
 from .session import SessionOptions, TrainingSession
-from .state import RNGState, TrainState, seed_everything
+from .state import RNGState, TrainState, seed_everything, use_deterministic_algorithms
 from .stop import StopPolicy, StopReason
 from .straggler import StragglerMonitor
 from .tasks.base import TaskBundle, check_same_build, task_fingerprint
@@ -46,16 +46,24 @@ log = logging.getLogger("elastic_runner.loop")
 def build_optimizer(cfg: Config, model: nn.Module, bundle: TaskBundle | None = None
                     ) -> torch.optim.Optimizer:
     """The task's ``optimizer_fn(model)``, else the ``optimizer`` section's over the task's
-    ``param_groups(model)`` (default: all parameters in one group)."""
+    ``param_groups(model)`` (default: all parameters in one group), fused where
+    ``optimizer.fused`` says (auto: when the model is on CUDA)."""
     if bundle is not None and bundle.optimizer_fn is not None:
         return bundle.optimizer_fn(model)
     params: Any = model.parameters()
     if bundle is not None and bundle.param_groups is not None:
         params = bundle.param_groups(model)
     o = cfg.optimizer
+    fused = o.fused_on(_device_of(model))
     if o.name == "sgd":
-        return torch.optim.SGD(params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
-    return torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
+        return torch.optim.SGD(params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay,
+                               fused=fused)
+    return torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay,
+                             fused=fused)
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    return next(model.parameters(), torch.empty(0)).device
 
 
 def build_scheduler(cfg: Config, optimizer: torch.optim.Optimizer, total_steps: int,
@@ -78,6 +86,7 @@ def build_task(cfg: Config) -> tuple[TaskBundle, str]:
     """
     if cfg.training.precision == "fp16" and not torch.cuda.is_available():
         raise ConfigError("training.precision: 'fp16' needs CUDA (GradScaler); use 'bf16' on CPU")
+    use_deterministic_algorithms(cfg.training.deterministic)
     seed_everything(cfg.seed)
     bundle: TaskBundle = task_builder(cfg.task)(cfg)
     for split in ("train", "val"):  # a wrong sample type fails here, once, with exit code 2
@@ -141,9 +150,37 @@ def _rewrap(cfg: Config, info: DistInfo, trainer: Trainer) -> None:
     net = _wrap(cfg, info, trainer.model)
     session = trainer.session
     trainer.engine.rebind(net)
-    session.consensus = make_consensus(net, lambda: trainer.preempt.requested)
+    session.consensus = _consensus(cfg, info, net, trainer.optimizer, trainer.preempt)
     session.straggler = StragglerMonitor(cfg.metrics.straggler_threshold, info.rank,
                                          info.world_size, info.device)
+
+
+def lagged_vote(cfg: Config, info: DistInfo, optimizer: torch.optim.Optimizer) -> bool:
+    """Whether this rank takes the step vote on the device and reads it a step later
+    (``training.lagged_vote``; auto: on CUDA with NCCL or at world size 1, a fused optimizer,
+    and no sample trace, which reads every step's loss).
+
+    Raises:
+        ConfigError: ``training.lagged_vote: true`` with an optimizer that cannot skip an
+            update on the device.
+    """
+    want = cfg.training.lagged_vote
+    capable = skips_on_device(optimizer)
+    if want is True and not capable:
+        raise ConfigError("training.lagged_vote: true needs an optimizer that skips an update "
+                          "on the device (torch's fused Adam, AdamW or SGD: optimizer.fused: "
+                          f"true), got {type(optimizer).__name__} without fused=True")
+    if want != "auto":
+        return bool(want)
+    return (capable and info.device.type == "cuda" and cfg.audit.trace_dir is None
+            and (info.backend == "nccl" or info.world_size == 1))
+
+
+def _consensus(cfg: Config, info: DistInfo, net: nn.Module, optimizer: torch.optim.Optimizer,
+               preempt: PreemptionFlag) -> StepConsensus:
+    lagged = lagged_vote(cfg, info, optimizer)
+    return make_consensus(net, lambda: preempt.requested,
+                          lagged_on=info.device if lagged else None)
 
 
 def _check_same_task(cfg: Config, built: str) -> None:
@@ -216,7 +253,7 @@ def _session(cfg: Config, info: DistInfo, net: nn.Module, stateful: dict[str, An
         listener=callbacks, after_load=after_load, migrate=migrate_checkpoint, rank=info.rank)
     return TrainingSession(
         state=state, sampler=sampler, checkpoints=checkpoints,
-        consensus=make_consensus(net, lambda: preempt.requested), stop=stop,
+        consensus=_consensus(cfg, info, net, stateful["optimizer"], preempt), stop=stop,
         callbacks=callbacks, device=info.device, rank=info.rank, world_size=info.world_size,
         straggler=StragglerMonitor(0.0 if joining else cfg.metrics.straggler_threshold,
                                    info.rank, info.world_size, info.device),

@@ -82,6 +82,13 @@ does when one is gone (required: exit code 2 with one line; optional: a warning,
    :class:`~elastic_runner.inplace_agent.InPlaceAgent`, which swaps a spare into a dead
    worker's slot. Without them ``run`` recovers by restarting every worker, as torchrun does.
 
+10. **torchrun's ``--shutdown-timeout``** (``run.py``: ``get_args_parser``; optional, agent).
+   ``elastic-runner run`` passes ``preemption.grace_seconds`` as this option, the SIGTERM ->
+   SIGKILL gap of the agent's ``_shutdown`` (torch 2.13 made it configurable; earlier releases,
+   torch 2.11 among them, have no such option and keep ``SubprocessContext.close``'s fixed 30
+   s). :func:`shutdown_timeout_supported` tells; without it ``run`` leaves the option out (torch's
+   parser would refuse it) and the start-up check warns that the grace is torch's 30 s.
+
 Check 1 is the only required one: losing it breaks elastic membership changes silently (a hang
 until the rendezvous times out). ``ELASTIC_RUNNER_IGNORE_TORCH_CHECK=1`` turns that error into a
 warning for users who must run an untested torch.
@@ -136,7 +143,7 @@ __all__ = [
     "WORKERS_STARTED", "WORKERS_STOPPED", "WORKER_GROUP", "TorchCompatError", "agent_store",
     "apply_agent_fixes", "apply_rendezvous_fixes", "check_torch", "config_from_args", "determine_local_world_size",
     "get_args_parser", "in_supported_range", "parse_rendezvous_endpoint", "registered_comm_hook",
-    "shares_agent_store",
+    "shares_agent_store", "shutdown_timeout_supported",
 ]
 
 log = logging.getLogger(__name__)
@@ -455,6 +462,23 @@ def agent_class(factory: Callable[..., Any]) -> Iterator[bool]:
         launcher_api.LocalElasticAgent = saved  # type: ignore[misc]
 
 
+# --- 10. the preemption grace as torchrun's --shutdown-timeout ---
+
+TORCH_FIXED_SHUTDOWN_S = 30  # SubprocessContext.close's timeout before torch 2.13
+
+
+@functools.cache
+def shutdown_timeout_supported() -> bool:
+    """Whether torchrun's parser takes ``--shutdown-timeout`` (torch >= 2.13)."""
+    return any("--shutdown-timeout" in a.option_strings for a in get_args_parser()._actions)
+
+
+def _check_shutdown_timeout() -> str | None:
+    if shutdown_timeout_supported():
+        return None
+    return "torchrun has no --shutdown-timeout"
+
+
 # --- start-up check ---
 
 @dataclass(frozen=True)
@@ -479,6 +503,10 @@ FIXES = (
          "a failed worker makes the agent restart every worker"),
     _Fix("the agent metrics", ("agent",), False, _check_metric_names,
          "the elastic_runner_agent_state, restarts and rendezvous series stop changing"),
+    _Fix("the preemption grace (torchrun --shutdown-timeout)", ("agent",), False,
+         _check_shutdown_timeout,
+         f"the agent SIGKILLs its workers {TORCH_FIXED_SHUTDOWN_S} s after SIGTERM, whatever "
+         "preemption.grace_seconds says"),
     _Fix("the per-attempt process-group namespace", ("worker",), False, _check_agent_store_env,
          "under plain torchrun a restarted group may read the dead workers' store keys"),
     _Fix("the DDP comm-hook detection", ("worker",), False, _check_comm_hook_record,

@@ -22,7 +22,7 @@ import os
 import types
 import typing
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import yaml
 from pydantic import (
@@ -41,6 +41,9 @@ from pydantic import (
 )
 from pydantic.fields import FieldInfo
 from pydantic_core import ErrorDetails, PydanticCustomError
+
+if TYPE_CHECKING:
+    import torch
 
 BUILTIN_TASKS = {
     "digits": "elastic_runner.tasks.digits:build",
@@ -108,6 +111,13 @@ class OptimizerConfig(_Section):
     weight_decay: Float = 0.0
     betas: tuple[Float, Float] = (0.9, 0.999)
     momentum: Float = 0.9  # sgd only
+    # torch's fused kernel (one launch for all parameters; it can skip an update on the device,
+    # which the lagged step vote needs); auto: on CUDA, not on CPU
+    fused: Literal["auto"] | StrictBool = "auto"
+
+    def fused_on(self, device: torch.device) -> bool:
+        """Whether to build the optimizer with ``fused=True`` on ``device``."""
+        return device.type == "cuda" if self.fused == "auto" else self.fused
 
 
 class ScheduleConfig(_Section):
@@ -169,6 +179,13 @@ class TrainingConfig(_Section):
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"  # fp16 uses a GradScaler (CUDA only)
     log_every_steps: StrictInt = Field(10, ge=1)
     max_bad_steps: StrictInt = Field(3, ge=1)  # non-finite steps in a row before a rollback
+    # the step vote decided on the device and read one step later (no host synchronisation per
+    # step, see consensus.LaggedConsensus); auto: on CUDA with a fused optimizer and no sample
+    # trace (the trace reads every step's loss)
+    lagged_vote: Literal["auto"] | StrictBool = "auto"
+    # torch.use_deterministic_algorithms(True), cuDNN autotuning off and, on CUDA,
+    # CUBLAS_WORKSPACE_CONFIG=:4096:8 unless set (docs/gpu.md says what is bitwise then)
+    deterministic: StrictBool = False
 
 
 class EvalConfig(_Section):
@@ -350,6 +367,14 @@ class Config(_Section):
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
 
     @model_validator(mode="after")
+    def _lagged_vote_without_trace(self) -> Config:
+        if self.training.lagged_vote is True and self.audit.trace_dir is not None:
+            raise _invalid("cannot be true with audit.trace_dir set (the sample trace reads "
+                           "every step's loss and records each step's vote as it is taken); "
+                           "use auto or false", "training.lagged_vote")
+        return self
+
+    @model_validator(mode="after")
     def _shrink_keeps_the_global_batch(self) -> Config:
         if self.recovery.continue_shrunk and self.batch.global_batch_size is None:
             raise _invalid("needs batch.global_batch_size (the global batch must stay the same "
@@ -368,11 +393,22 @@ _NOT_MODEL = ("checkpoint", "logging", "audit", "watchdog", "preemption", "recov
               "faults", "metrics")
 
 
+# keys added after checkpoints of earlier releases were written: left out of the fingerprint
+# while they hold these defaults, so those checkpoints still match their config
+_LATER_KEYS: dict[tuple[str, str], Any] = {("optimizer", "fused"): "auto",
+                                           ("training", "lagged_vote"): "auto",
+                                           ("training", "deterministic"): False}
+
+
 def fingerprint(config: dict[str, Any]) -> str:
     """sha256 (hex, 16 chars) of what determines the trained model, from a config dict: excludes
     the checkpoint, logging, audit, watchdog, preemption, recovery, restarts, fault-injection
-    and metrics sections, so moving the checkpoint dir keeps resume working."""
+    and metrics sections, so moving the checkpoint dir keeps resume working, and keys added in
+    later releases while they hold their defaults (:data:`_LATER_KEYS`)."""
     d = {k: v for k, v in config.items() if k not in _NOT_MODEL}
+    for (section, key), default in _LATER_KEYS.items():
+        if isinstance(d.get(section), dict) and d[section].get(key, default) == default:
+            d[section] = {k: v for k, v in d[section].items() if k != key}
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 

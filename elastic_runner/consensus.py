@@ -24,9 +24,15 @@ backward, :meth:`~StepConsensus.decide` after it), four implementations:
 * :class:`AllReduceConsensus`: one all-reduce of the flags in :meth:`~StepConsensus.decide`
   (any process group; models whose gradients DDP does not reduce).
 * :class:`LocalConsensus`: world size 1.
+* :class:`LaggedConsensus` (CUDA; ``training.lagged_vote``): the decision is taken **on the
+  device** and read on the host one step later, so a step has no host synchronisation at all.
+  A fused optimizer skips a vetoed update itself (its ``found_inf`` input, the path torch's
+  GradScaler uses), each step's flags are all-reduced asynchronously, and the host reads the
+  verdict of step N while step N+1's work is queued on the GPU. A stop carried by step N lets N
+  apply and discards N+1 (see :class:`LaggedConsensus`).
 
-Each reads one small tensor from the device per step (the gradient norm or the flags): on CUDA
-that is the step's one host synchronisation.
+The first four read one small tensor from the device per step (the gradient norm or the flags):
+on CUDA that is the step's one host synchronisation.
 """
 
 from __future__ import annotations
@@ -64,6 +70,25 @@ class StepDecision:
 
     commit: bool
     stop: bool
+    final: bool = True  # False: LaggedConsensus's provisional "applied on the device"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One step's vote as the host reads it, a step after :class:`LaggedConsensus` took it.
+
+    Attributes:
+        step: the global step the vote was taken for (1-based, as ``TrainState.step`` after it).
+        commit: its update was applied on the device (with fp16 the GradScaler may still have
+            skipped an overflowing one itself, as on the eager path).
+        stop: some rank was asked to stop during that step.
+        nonfinite_loss: some rank's loss was not finite (else the gradients were not).
+    """
+
+    step: int
+    commit: bool
+    stop: bool
+    nonfinite_loss: bool
 
 
 class StepConsensus(ABC):
@@ -119,11 +144,27 @@ class StepConsensus(ABC):
         """Forget a step proposed but never decided (its collective failed)."""
         self._step_loss = None
 
+    lagged = False  # LaggedConsensus: the decision is read a step later
+
+    def collect(self) -> list[Verdict]:
+        """Verdicts of earlier steps read since the last call (only :class:`LaggedConsensus`
+        defers any)."""
+        return []
+
+    def settle(self) -> list[Verdict]:
+        """:meth:`collect`, waiting for a verdict still on the device."""
+        return self.collect()
+
+    def vetoed_pending(self) -> bool:
+        """Whether a verdict not yet collected skipped its update."""
+        return False
+
     def _flags(self) -> torch.Tensor:
-        """This rank's (non-finite loss, stop) as a float tensor on the loss's device."""
+        """This rank's (non-finite loss, stop) as a float tensor on the loss's device (a fill,
+        not a copy of a host value: on CUDA such a copy would wait for the device)."""
         loss = self._step_loss
-        return torch.stack([~torch.isfinite(loss), loss.new_tensor(self._stop, dtype=bool)]
-                           ).float()
+        return torch.stack([(~torch.isfinite(loss)).float().reshape(()),
+                            torch.full((), float(self._stop), device=loss.device)])
 
     @staticmethod
     def _from_flags(reduced: torch.Tensor, grad_norm: torch.Tensor | None) -> StepDecision:
@@ -248,11 +289,139 @@ class CommHookConsensus(StepConsensus):
         return self._hook(self._state, bucket)
 
 
+class LaggedConsensus(StepConsensus):
+    """The step vote on the device, read on the host one step later (no host sync per step).
+
+    Per step, after the synchronising backward and the gradient norm:
+
+    1. :meth:`collect` returns the verdicts read since the last call: the previous step's,
+       waiting on its CUDA event (that step's work is done or nearly: the current step's
+       forward and backward are already queued, so the GPU does not idle while the host waits).
+    2. :meth:`launch` all-reduces this step's flags (non-finite loss, stop; asynchronous on
+       NCCL), copies ``(flags, norm)`` to a pinned host buffer behind an event, and returns
+       ``found_inf``, a 0-dim float tensor on the device: 1.0 where the update must be skipped
+       (a non-finite reduced gradient norm, or a non-finite loss on some rank). A fused torch
+       optimizer (``fused=True``: Adam, AdamW, SGD) takes it as GradScaler's does and leaves
+       parameters, moments and step counts untouched when it is 1.
+    3. :meth:`settle` reads the pending verdict now (at a checkpoint, evaluation or the end,
+       where the host must know).
+
+    Semantics against the eager consensus: a non-finite loss poisons the gradients (as in
+    :class:`GradientConsensus`), so every rank skips the same update on the device, and the
+    host counts the skipped step one step later. A **stop is not poisoned**: the step that
+    carries it applies, the host learns of it at the next step and discards *that* step (not
+    applied, samples unconsumed), then checkpoints the last applied one: the same outcome as
+    eager, one step later. A verdict still pending when a collective fails (in-place recovery)
+    is dropped: a skipped step right before a peer's death may go uncounted in
+    ``TrainState.bad_steps``.
+
+    Args:
+        device: where the loss and gradients live (pinned host buffers and events on CUDA).
+        stop_requested: as for :class:`StepConsensus`.
+        group: the process group of the flags' all-reduce (None: the default group; no
+            all-reduce without an initialised group or at world size 1).
+    """
+
+    def __init__(self, device: torch.device, stop_requested: Callable[[], bool] = lambda: False,
+                 group: dist.ProcessGroup | None = None) -> None:
+        super().__init__(stop_requested)
+        self.lagged = True
+        self._device, self._group = device, group
+        self._reduce = (dist.is_available() and dist.is_initialized()
+                        and dist.get_world_size(group) > 1)
+        cuda = device.type == "cuda"
+        # two buffers and events: step N's verdict is read while step N+1's is being written
+        self._buffers = [torch.empty(3, dtype=torch.float32, pin_memory=cuda) for _ in range(2)]
+        self._events = [torch.cuda.Event() if cuda else None for _ in range(2)]
+        self._turn = 0
+        self._pending: tuple[int, int, bool] | None = None  # (step, buffer index, overflow_ok)
+        self._read: list[Verdict] = []
+
+    def propose(self, loss: torch.Tensor, step_loss: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        super().propose(loss, step_loss)
+        check = self._step_loss
+        return loss * (1.0 + (check - check))  # x - x: 0 when finite, NaN otherwise
+
+    def launch(self, step: int, grad_norm: torch.Tensor, overflow_ok: bool = False
+               ) -> torch.Tensor:
+        """Take step ``step``'s vote on the device (see the class docstring); returns
+        ``found_inf`` for a fused optimizer.
+
+        Raises:
+            RuntimeError: :meth:`propose` was not called for this step, or the previous
+                verdict was not collected.
+        """
+        if self._step_loss is None:
+            raise RuntimeError("step consensus: launch() without propose() for this step")
+        if self._pending is not None:
+            raise RuntimeError("step consensus: the previous step's verdict was not collected")
+        flags = self._flags()
+        self._step_loss = None
+        if self._reduce:
+            dist.all_reduce(flags, group=self._group)  # NCCL: queued on its stream, no wait
+        norm = grad_norm.detach().reshape(1).float()
+        found_inf = torch.maximum((~torch.isfinite(norm)).float(), (flags[:1] > 0).float())
+        i = self._turn
+        self._turn ^= 1
+        self._buffers[i].copy_(torch.cat([flags, norm]), non_blocking=True)
+        if self._events[i] is not None:
+            self._events[i].record()
+        self._pending = (step, i, overflow_ok)
+        return found_inf.reshape(())
+
+    def _read_pending(self) -> None:
+        if self._pending is None:
+            return
+        step, i, overflow_ok = self._pending
+        self._pending = None
+        if self._events[i] is not None:
+            self._events[i].synchronize()
+        loss_bad, stop, norm = self._buffers[i].tolist()
+        self._read.append(Verdict(step=step, stop=stop > 0, nonfinite_loss=loss_bad > 0,
+                                  commit=loss_bad == 0 and (overflow_ok or math.isfinite(norm))))
+
+    def collect(self) -> list[Verdict]:
+        """The verdicts read since the last call, the pending one included (waits for it)."""
+        self._read_pending()
+        out, self._read = self._read, []
+        return out
+
+    def vetoed_pending(self) -> bool:
+        """Whether a verdict not yet collected skipped its update (reads the pending one, which
+        :meth:`collect` still returns). No collective: safe where only some ranks ask."""
+        self._read_pending()
+        return any(not v.commit for v in self._read)
+
+    def reset(self) -> None:
+        """Forget the step in flight and any verdict not yet collected (a collective failed)."""
+        super().reset()
+        self._pending, self._read = None, []
+
+    def _decide(self, grad_norm: torch.Tensor | None, overflow_ok: bool) -> StepDecision:
+        """The eager decision (an optimizer without ``found_inf``): one all-reduce of the flags
+        and one host read, as :class:`AllReduceConsensus`."""
+        flags = self._flags()
+        if self._reduce:
+            dist.all_reduce(flags, group=self._group)
+        return self._from_flags(flags, None if overflow_ok else grad_norm)
+
+
+def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.step()`` honours a ``found_inf`` tensor (torch's fused Adam, AdamW
+    and SGD: ``_step_supports_amp_scaling``), which :class:`LaggedConsensus` relies on."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+
+
 def make_consensus(net: torch.nn.Module, stop_requested: Callable[[], bool] = lambda: False,
-                   comm_hook: CommHook | None = None, hook_state: Any = None) -> StepConsensus:
-    """The cheapest consensus for ``net``: local without a process group; on DDP the gradient
-    signal (:class:`GradientConsensus`), or the comm hook wrapping ``comm_hook`` when you pass
-    one; a plain all-reduce otherwise."""
+                   comm_hook: CommHook | None = None, hook_state: Any = None,
+                   lagged_on: torch.device | None = None) -> StepConsensus:
+    """The cheapest consensus for ``net``: :class:`LaggedConsensus` on ``lagged_on`` when given;
+    else local without a process group; on DDP the gradient signal
+    (:class:`GradientConsensus`), or the comm hook wrapping ``comm_hook`` when you pass one; a
+    plain all-reduce otherwise."""
+    if lagged_on is not None:
+        return LaggedConsensus(lagged_on, stop_requested)
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return LocalConsensus(stop_requested)
     if isinstance(net, DDP) and comm_hook is not None:

@@ -77,6 +77,15 @@ def select_device(local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+def open_device(local_rank: int) -> torch.device:
+    """:func:`select_device`, and on CUDA create the device's context now (one allocation), so
+    start-up reports its cost apart from the process group's (NCCL would create it there)."""
+    device = select_device(local_rank)
+    if device.type == "cuda":
+        torch.empty(1, device=device)
+    return device
+
+
 def resolve_backend(requested: str, device: torch.device) -> str:
     if requested == "auto":
         return "nccl" if device.type == "cuda" else "gloo"

@@ -3,7 +3,8 @@
 Forward and backward of each micro-batch (gradients all-reduced only on the last one: DDP's
 ``no_sync()`` on the others), autocast to bf16/fp16, a GradScaler for fp16, gradient clipping,
 then the optimizer and LR scheduler steps, as torchtitan's ``train_step``. The update is applied
-only when the session's step consensus says so. Batches may be a tensor, a tuple/list or a
+only where the session's step consensus allows it (``TrainingSession.optimizer_step``: decided on
+the host, or on the device and read a step later). Batches may be a tensor, a tuple/list or a
 mapping of tensors (nested); ``batches.py`` says how each is passed to the model and its loss.
 """
 
@@ -69,12 +70,10 @@ class StepEngine:
                 session.backward(loss, total, self.scaler if self.fp16 else None)
             else:
                 (self.scaler.scale(loss) if self.fp16 else loss).backward()
-        if session.should_commit(self._clip(), overflow_ok=self.fp16):
-            self._apply()
-        elif self.fp16:
-            self.scaler.update()
+        applied = session.optimizer_step(self.optimizer, self._clip(),
+                                         self.scaler if self.fp16 else None)
         self.optimizer.zero_grad(set_to_none=True)
-        if not session.discarding:
+        if applied:  # not a discarded step (a stop)
             self.scheduler.step()
         return total
 
@@ -94,10 +93,3 @@ class StepEngine:
         else:
             norm = nn.utils.get_total_norm([p.grad for p in grads])
         return norm
-
-    def _apply(self) -> None:
-        if self.fp16:
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-        else:
-            self.optimizer.step()

@@ -150,7 +150,8 @@ def torchrun_argv(args: argparse.Namespace) -> list[str]:
     # in-place recovery: the agent notices a dead worker within a tenth of a second
     opt("--monitor-interval", args.monitor_interval, 0.1 if in_place(args) else 1.0)
     # SIGTERM -> SIGKILL gap when the agent stops its workers (eviction): preemption.grace_seconds
-    opt("--shutdown-timeout", getattr(args, "shutdown_timeout", None))
+    if compat.shutdown_timeout_supported():
+        opt("--shutdown-timeout", getattr(args, "shutdown_timeout", None))
     if getattr(args, "script", None):  # a user's own training script and its arguments
         return [*argv, str(args.script), *args.script_args]
     argv += ["--module", "elastic_runner", "train", str(args.config), *args.overrides]

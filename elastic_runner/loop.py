@@ -186,8 +186,11 @@ class Trainer:
         """Evaluation, early stopping, max_steps and checkpoint cadence after one step; returns
         True when training is over (its final checkpoint is then written)."""
         every_eval = self.cfg.eval.every_steps
-        if (every_eval and self.state.step % every_eval == 0) or (not every_eval
-                                                                    and end_of_epoch):
+        eval_due = bool(every_eval and self.state.step % every_eval == 0) or (not every_eval
+                                                                              and end_of_epoch)
+        if eval_due or end_of_epoch or self._boundary():
+            self.session.settle()  # the lagged vote's pending verdict, on every rank alike
+        if eval_due:
             self._evaluate_and_decide()
         if self.session.check_limits():
             self.save()
@@ -195,11 +198,19 @@ class Trainer:
             return True
         epoch_save = end_of_epoch and self.cfg.checkpoint.at_epoch_end  # _end_epoch saves
         due = (not epoch_save and not self.state.bad_in_row
-               and self.checkpoints.due(self.state.step))
+               and self.checkpoints.due(self.state.step)
+               and not self.session.consensus.vetoed_pending())  # rank 0's clock: look only
         if due or (self._best_pending and not epoch_save):
             self.save(step_checkpoint=due)
         self.after_done = self.state.step
         return False
+
+    def _boundary(self) -> bool:
+        """Whether every rank has after-step work at this step (besides evaluation and the
+        epoch's end): a pending best checkpoint, a checkpoint by steps, a step or epoch limit."""
+        step, every = self.state.step, self.checkpoints.every_steps
+        return (self._best_pending or bool(every and step % every == 0)
+                or self.stop.limit_reached(step, self.sampler.epoch) is not None)
 
     def _end_epoch(self) -> None:
         epoch, cursor, sampler = self.sampler.epoch, self.sampler.cursor, self.sampler

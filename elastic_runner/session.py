@@ -5,8 +5,8 @@ Per optimizer step (the built-in trainer and ``examples/own_loop.py`` alike)::
     session.begin_step()                 # heartbeat, per-step RNG seed, injected hangs
     ...forward, and backward of all but the last micro-batch...
     session.backward(loss)               # the last backward carries the step's vote
-    if session.should_commit(grad_norm): # same answer on every rank
-        optimizer.step()
+    if session.optimizer_step(optimizer, grad_norm):  # the update where the vote allows it
+        scheduler.step()                 # (or: if session.should_commit(grad_norm): ...)
     session.end_step()                   # cursor and counters, reporting, non-finite guard,
                                          # preemption: checkpoint the last step, exit 143
 
@@ -14,7 +14,10 @@ What it composes (each usable alone): the :class:`~elastic_runner.checkpointing.
 the sampler's global cursor, the :class:`~elastic_runner.consensus.StepConsensus`, the
 :class:`~elastic_runner.stop.StopPolicy` and the reporting :class:`~elastic_runner.callbacks.Callbacks`.
 No host synchronisation in the step except the decision's one read in :meth:`should_commit`,
-and the loss's at logging steps.
+and the loss's at logging steps; with a :class:`~elastic_runner.consensus.LaggedConsensus` and a
+fused optimizer, :meth:`optimizer_step` has none: the decision is applied on the device and read
+one step later, and :meth:`settle` reads it where every rank must know it (evaluation, a
+checkpoint by steps, the limits, an epoch's end).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import torch
 
 from .callbacks import Callbacks, LogEvent, StepEnd
 from .checkpointing import CheckpointManager
-from .consensus import StepConsensus, StepDecision
+from .consensus import StepConsensus, StepDecision, Verdict, skips_on_device
 from .dist import all_reduce_sums, barrier
 from .preempt import Preempted
 from .sampler import ElasticSampler
@@ -87,6 +90,7 @@ class TrainingSession:
     _cursor: int = 0
     _epoch: int = 0
     _decision: StepDecision | None = None
+    _verdicts: list[Verdict] = field(default_factory=list)  # lagged: collected, not yet acted on
     _log: tuple[int, int, float, float] | None = None  # a logging step awaiting its collective
     _poison: bool = False
 
@@ -159,11 +163,62 @@ class TrainingSession:
         self._decision = self.consensus.decide(grad_norm, overflow_ok)
         return self._decision.commit
 
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor,
+                       scaler: torch.amp.GradScaler | None = None) -> bool:
+        """Apply this step's update where the vote allows it, on every rank alike: the
+        :meth:`should_commit` decision, then ``optimizer.step()`` (``scaler.step`` and
+        ``scaler.update`` with a GradScaler); or, with a lagged consensus and a fused optimizer
+        (:func:`~elastic_runner.consensus.skips_on_device`), the update queued on the device
+        behind its own verdict, with no host synchronisation (the verdict is acted on a step
+        later, see :class:`~elastic_runner.consensus.LaggedConsensus`).
+
+        Args:
+            grad_norm: the reduced gradients' total norm (``clip_grad_norm_``'s result).
+            scaler: an enabled GradScaler (fp16) whose ``unscale_`` already ran; it skips an
+                overflowing step itself, which the vote then does not count as bad.
+
+        Returns:
+            False when the step is discarded (a stop): step no LR scheduler then.
+        """
+        overflow_ok = scaler is not None
+        if not (self.consensus.lagged and skips_on_device(optimizer)):
+            if self.should_commit(grad_norm, overflow_ok):
+                _apply(optimizer, scaler)
+            elif scaler is not None:
+                scaler.update()
+            return not self.discarding
+        self._verdicts += self.consensus.collect()
+        if any(v.stop for v in self._verdicts):  # the previous step carried a stop
+            self.consensus.reset()
+            if scaler is not None:  # unscale_ ran: end the scaler's step, its scale unchanged
+                scaler.update(scaler.get_scale())
+            self._decision = StepDecision(commit=False, stop=True)
+            return False
+        found_inf = self.consensus.launch(self.state.step + 1, grad_norm, overflow_ok)
+        _apply(optimizer, scaler, found_inf)
+        self._decision = StepDecision(commit=True, stop=False, final=False)
+        return True
+
+    def settle(self) -> None:
+        """Act now on a vote the lagged consensus has not read yet; called at boundaries every
+        rank reaches at the same step (evaluation, a checkpoint by steps, the limits, an
+        epoch's end, a rollback's reload). Nothing to do for the other consensus kinds.
+
+        Raises:
+            Preempted, RollbackRequested, TrainingFailed: as :meth:`end_step`.
+        """
+        verdicts, self._verdicts = [*self._verdicts, *self.consensus.settle()], []
+        stop = any(v.stop for v in verdicts)
+        for v in verdicts:
+            self._count_bad(v.commit, v.step, may_raise=not stop)
+        if stop:  # the last step carried it and applied: nothing is in flight to discard
+            self._stop_for_preemption(discarded=False)
+
     def abandon_step(self) -> None:
         """A collective of the step in flight failed (a peer died): forget the step's vote and
         the pending logging collective; the step is redone after the group is re-formed, with
         the first step's watchdog budget."""
-        self._decision, self._log = None, None
+        self._decision, self._log, self._verdicts = None, None, []
         self.consensus.reset()
         self.straggler.reset()
         self.steps_this_attempt = 0
@@ -187,6 +242,9 @@ class TrainingSession:
         if decision is None:
             raise RuntimeError("end_step() without should_commit() for this step")
         self.flush_log()
+        verdicts, self._verdicts = self._verdicts, []  # earlier steps' (lagged consensus)
+        for v in verdicts:
+            self._count_bad(v.commit, v.step, may_raise=not decision.stop)
         if decision.stop:
             self._stop_for_preemption()
         self.straggler.add(self._t_sync - self._t0)
@@ -196,7 +254,8 @@ class TrainingSession:
         self.state.samples += self.sampler.global_batch_size
         self.steps_this_attempt += 1
         self.callbacks.on_step_end(self._step_event(loss, step, epoch, cursor, decision.commit))
-        self._count_bad(decision.commit)
+        if decision.final:  # a provisional one is counted when its verdict is read
+            self._count_bad(decision.commit, step)
         return step
 
     def _step_event(self, loss: torch.Tensor, step: int, epoch: int, cursor: int,
@@ -230,8 +289,9 @@ class TrainingSession:
 
     # ------------------------------------------------------------ guards
 
-    def _count_bad(self, committed: bool) -> None:
-        """NaN/Inf guard: skipped updates in a row trigger one rollback, then a failure."""
+    def _count_bad(self, committed: bool, step: int, may_raise: bool = True) -> None:
+        """NaN/Inf guard: skipped updates in a row trigger one rollback, then a failure
+        (``may_raise`` False: count only, a stop is being handled)."""
         s = self.state
         if committed:
             s.bad_in_row = 0
@@ -239,10 +299,10 @@ class TrainingSession:
         s.bad_in_row += 1
         s.bad_steps += 1
         limit = self.options.max_bad_steps
-        self.callbacks.on_skipped_step(s.step, s.bad_in_row, limit)
+        self.callbacks.on_skipped_step(step, s.bad_in_row, limit)
         log.warning("step %d: non-finite loss or gradient on at least one rank: update skipped "
-                    "on all ranks (%d in a row, limit %d)", s.step, s.bad_in_row, limit)
-        if s.bad_in_row < limit:
+                    "on all ranks (%d in a row, limit %d)", step, s.bad_in_row, limit)
+        if s.bad_in_row < limit or not may_raise:
             return
         if s.rollbacks >= 1:
             self.finish(StopReason.FAILED, f"failed: {limit} non-finite steps in a row at step "
@@ -260,6 +320,8 @@ class TrainingSession:
         """
         self.checkpoints.wait()  # the newest checkpoint may still be in flight
         self.flush_log()
+        self.consensus.reset()  # a verdict still pending is of a step the reload undoes
+        self._verdicts = []
         rollbacks = self.state.rollbacks + 1
         log.warning("rolling back to the last valid checkpoint after %d non-finite steps",
                     self.options.max_bad_steps)
@@ -268,12 +330,13 @@ class TrainingSession:
         self.state.rollbacks, self.state.bad_in_row = rollbacks, 0
         self.callbacks.on_rollback(self.state.step)
 
-    def _stop_for_preemption(self) -> None:
-        """All ranks: discard the step in flight, commit a checkpoint of the last applied step,
-        then leave with 143."""
+    def _stop_for_preemption(self, discarded: bool = True) -> None:
+        """All ranks: discard the step in flight (``discarded``), commit a checkpoint of the
+        last applied step, then leave with 143."""
         step = self.state.step
         log.warning("preemption: checkpointing step %d, then stopping (SIGTERM or SIGINT on at "
-                    "least one rank; step %d discarded, redone after the restart)", step, step + 1)
+                    "least one rank; %s)", step, f"step {step + 1} discarded, redone after the "
+                    "restart" if discarded else "no step in flight")
         self.callbacks.on_phase("checkpointing", "preemption checkpoint", True)
         self.callbacks.on_finish(StopReason.PREEMPTED, "preempted")
         self.checkpoint()
@@ -296,7 +359,14 @@ class TrainingSession:
     def maybe_checkpoint(self) -> bool:
         """Checkpoint if the cadence asks for one; never during a non-finite streak (a rollback
         must return to a state without skipped updates)."""
-        if self.state.bad_in_row or not self.checkpoints.due(self.state.step):
+        step, every = self.state.step, self.checkpoints.every_steps
+        if not self.checkpoints.due(step):
+            return False
+        if every and step % every == 0:
+            self.settle()  # every rank is here at this step
+        elif self.consensus.vetoed_pending():  # rank 0's clock: no rank-wide action here
+            return False
+        if self.state.bad_in_row:
             return False
         self.checkpoint()
         return True
@@ -324,3 +394,21 @@ class TrainingSession:
             self.callbacks.close()
             for obj in extra:
                 obj.close()
+
+
+def _apply(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None,
+           found_inf: torch.Tensor | None = None) -> None:
+    """``optimizer.step()`` (through ``scaler`` when given, which then owns the overflow
+    check); ``found_inf`` (a fused optimizer without a scaler): skip the update on the device
+    where it is 1, as GradScaler has a fused optimizer do."""
+    if scaler is not None:
+        scaler.step(optimizer)
+        scaler.update()
+    elif found_inf is None:
+        optimizer.step()
+    else:
+        optimizer.grad_scale, optimizer.found_inf = None, found_inf  # type: ignore[attr-defined]
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.grad_scale, optimizer.found_inf  # type: ignore[attr-defined]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 from dataclasses import asdict, dataclass, fields
 from typing import Any
@@ -55,7 +56,9 @@ class RNGState:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         random.setstate(_tuples(state["python"]))
         np_state = dict(state["numpy"])
-        np_state["state"] = {"key": state["numpy"]["state"]["key"].numpy(),
+        # .cpu(): a state loaded with map_location=<cuda device> (resume, a live peer's state)
+        # has these host generators' tensors on the device
+        np_state["state"] = {"key": state["numpy"]["state"]["key"].cpu().numpy(),
                              "pos": state["numpy"]["state"]["pos"]}
         np.random.set_state(np_state)
         torch.set_rng_state(state["torch"].cpu())
@@ -99,6 +102,24 @@ def seed_step(seed: int, device: torch.device) -> None:
     torch.default_generator.manual_seed(seed)
     if device.type == "cuda":
         torch.cuda.manual_seed(seed)
+
+
+CUBLAS_WORKSPACE = ":4096:8"  # what cuBLAS needs for deterministic results (CUDA >= 10.2)
+
+
+def use_deterministic_algorithms(on: bool) -> None:
+    """``training.deterministic``: ``torch.use_deterministic_algorithms(on)``, cuDNN's
+    autotuning off and its deterministic kernels on; on CUDA also ``CUBLAS_WORKSPACE_CONFIG``
+    (``:4096:8`` unless set), which cuBLAS reads when its first handle is made, so call this
+    before the first matrix product. An operation without a deterministic implementation then
+    raises ``RuntimeError`` instead of running (torch's "Reproducibility" notes)."""
+    if not on:
+        return
+    if torch.cuda.is_available():
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cudnn.deterministic = True
 
 
 def seed_everything(seed: int) -> None:

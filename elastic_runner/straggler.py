@@ -64,7 +64,7 @@ class StragglerMonitor:
         mean, self._steps = (self._sum / self._n if self._n else 0.0), self._n
         self._sum, self._n = 0.0, 0
         mine = torch.stack([loss.detach().reshape(()).to(torch.float64),
-                            torch.tensor(mean, dtype=torch.float64, device=loss.device)])
+                            torch.full((), mean, dtype=torch.float64, device=loss.device)])
         if not (dist.is_initialized() and self.world_size > 1):
             self._parts, self._work = [mine], None
             return

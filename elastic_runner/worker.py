@@ -22,7 +22,7 @@ from .build import build_optimizer, build_task, build_trainer
 from .checkpoint import CheckpointError
 from .compat import check_torch
 from .config import Config, ConfigError, MetricsConfig, load_config
-from .dist import destroy_distributed, init_distributed, is_peer_failure
+from .dist import destroy_distributed, init_distributed, is_peer_failure, open_device
 from .fencing import EXIT_FENCED, FencedOut
 from .health import MetricsServer
 from .inplace import SPARE_ENV, InPlaceRecovery, NoRecovery, Regroup, rejoin
@@ -84,10 +84,15 @@ def _train(config_path: str, overrides: list[str], resume: bool, entered: float,
     linger = 0.0
     try:
         marks = [psutil.Process().create_time(), entered]
+        open_device(int(os.environ.get("LOCAL_RANK", 0)))
+        marks.append(time.time())
         store = recovery.group_store() if recovery.active else None
         info = init_distributed(cfg.distributed.backend, cfg.distributed.timeout_seconds, store)
         recovery.backend = info.backend
         marks.append(time.time())
+        if info.rank == 0:
+            log.info("process group: backend %s, world size %d, rank 0 on %s%s", info.backend,
+                     info.world_size, info.device, _device_name(info.device))
         trainer = build_trainer(cfg, info, metrics, task, joining=task is not None)
         trainer.recovery = recovery
         trainer.preempt.install()
@@ -183,10 +188,15 @@ def stand_by(cfg: Config, recovery: InPlaceRecovery, spare: str, verbose: bool
 def log_startup(marks: list[float]) -> None:
     """One line saying where a (re)start's time went: ``marks`` are wall-clock times (seconds)
     of process creation, entry into ``main`` (after the interpreter started and imported the
-    package), process group formed, trainer built (data and model), checkpoint loaded."""
+    package), the device opened (the CUDA context created; ~0 on CPU), process group formed,
+    trainer built (data and model), checkpoint loaded."""
     spans = [b - a for a, b in zip(marks, marks[1:], strict=False)]
-    log.info("startup: interpreter and imports %.3f s, process group %.3f s, data and model "
-             "%.3f s, checkpoint load %.3f s", *spans)
+    log.info("startup: interpreter and imports %.3f s, device %.3f s, process group %.3f s, "
+             "data and model %.3f s, checkpoint load %.3f s", *spans)
+
+
+def _device_name(device: torch.device) -> str:
+    return f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""
 
 
 def worker_metrics(m: MetricsConfig) -> tuple[RankMetrics, MetricsServer | None]:

@@ -6,8 +6,9 @@ import os
 import pytest
 from torch.distributed.run import config_from_args, get_args_parser
 
+from elastic_runner import compat
 from elastic_runner.cli import build_parser
-from elastic_runner.compat import SHARE_STORE_SWITCH
+from elastic_runner.compat import SHARE_STORE_SWITCH, check_torch
 from elastic_runner.launch import agent_environment, omp_threads, torchrun_argv
 
 
@@ -42,6 +43,34 @@ def test_preemption_grace_becomes_the_agents_shutdown_timeout():
     args = build_parser().parse_args(["run", "c.yaml"])
     args.shutdown_timeout = 75  # what cmd_run sets from preemption.grace_seconds
     assert get_args_parser().parse_args(torchrun_argv(args)).shutdown_timeout == 75
+
+
+def test_a_torchrun_without_shutdown_timeout_is_not_given_one(monkeypatch):
+    """torch 2.11 (inside the declared range; found on a GPU machine) has no
+    ``--shutdown-timeout``: ``run`` leaves it out instead of failing with torchrun's usage
+    error, and the agent's start-up check says the grace is torch's fixed 30 s."""
+    def older_parser():
+        parser = get_args_parser()
+        parser._actions = [a for a in parser._actions
+                           if "--shutdown-timeout" not in a.option_strings]
+        parser._option_string_actions.pop("--shutdown-timeout")
+        return parser
+
+    monkeypatch.setattr(compat, "get_args_parser", older_parser)
+    compat.shutdown_timeout_supported.cache_clear()
+    try:
+        args = build_parser().parse_args(["run", "c.yaml"])
+        args.shutdown_timeout = 75
+        argv = torchrun_argv(args)
+        assert "--shutdown-timeout" not in argv
+        assert older_parser().parse_args(argv).training_script_args == ["train", "c.yaml"]
+        warnings = check_torch("agent")
+        assert any("torchrun has no --shutdown-timeout" in w and "30 s after SIGTERM" in w
+                   for w in warnings), warnings
+    finally:
+        monkeypatch.undo()
+        compat.shutdown_timeout_supported.cache_clear()
+    assert "--shutdown-timeout" in torchrun_argv(args)  # torch 2.13's parser has it
 
 
 @pytest.mark.parametrize("var, value, attr, expected", [
