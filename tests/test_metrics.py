@@ -266,8 +266,11 @@ def test_plain_torchrun_workers_serve_their_own_endpoints(launch, tmp_path):
         except OSError:
             return []
 
-    wait_until(lambda: all(steps(r) and steps(r)[0] > 3 for r in (0, 1)), 120,
-               "both workers' endpoints to show steps")
+    try:
+        wait_until(lambda: all(steps(r) and steps(r)[0] > 3 for r in (0, 1)), 120,
+                   "both workers' endpoints to show steps")
+    except AssertionError as e:  # say why (a worker that cannot bind its port exits 2)
+        raise AssertionError(f"{e}\n{job.output[-4000:]}") from None
     for local_rank in (0, 1):
         text = get(port + local_rank)[1]
         ranks = {s.labels["rank"] for f in text_string_to_metric_families(text)
