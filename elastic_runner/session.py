@@ -202,7 +202,8 @@ class TrainingSession:
     def settle(self) -> None:
         """Act now on a vote the lagged consensus has not read yet; called at boundaries every
         rank reaches at the same step (evaluation, a checkpoint by steps, the limits, an
-        epoch's end, a rollback's reload). Nothing to do for the other consensus kinds.
+        epoch's end; a rollback drops the pending verdict instead, its step is undone). Nothing
+        to do for the other consensus kinds.
 
         Raises:
             Preempted, RollbackRequested, TrainingFailed: as :meth:`end_step`.
