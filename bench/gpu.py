@@ -48,6 +48,7 @@ import torch
 from torch.utils.data import default_collate
 
 from .common import REPO, free_port, run_argv, run_logged, spread, steps_per_second
+from .overhead import BARE_STEP, overhead_ms
 
 CONFIG = "configs/causal_lm.yaml"
 # 90 standard-library modules (4.7 M characters): enough text for a 34.6k-token BPE vocabulary
@@ -75,7 +76,6 @@ GPT2_SMALL = (f"data.corpus_modules=[{', '.join(CORPUS)}]",
               "batch.micro_batch_size=8", "batch.global_batch_size=null",
               "batch.grad_accum_steps=1")
 SECTIONS = ("overhead", "stall", "recovery", "syncs")
-_BARE_STEP = r"^(\d\d:\d\d:\d\d\.\d\d\d) step (\d+)$"
 
 
 def environment() -> dict[str, Any]:
@@ -105,23 +105,20 @@ def _overhead_argv(variant: str, steps: int, workdir: Path) -> list[str]:
 
 
 def overhead(repeats: int, steps: int, workdir: Path) -> dict[str, Any]:
-    import re
-
-    bare_step = re.compile(_BARE_STEP)
     pairs = []
     for i in range(repeats):
         pair = {}
         for variant in (("bare", "runner") if i % 2 == 0 else ("runner", "bare")):
             log = run_logged(_overhead_argv(variant, steps, workdir / f"{i}-{variant}"),
                              f"overhead/{variant}")
-            pair[variant] = (steps_per_second(log, bare_step) if variant == "bare"
+            pair[variant] = (steps_per_second(log, BARE_STEP) if variant == "bare"
                              else steps_per_second(log))
         pairs.append(pair)
         print(f"overhead pair {i}: {pair}", flush=True)
     return {"steps": steps, "pairs": pairs,
             "ratio": spread([p["runner"] / p["bare"] for p in pairs]),
             "ms_per_step": {v: spread([1000 / p[v] for p in pairs]) for v in ("bare", "runner")},
-            "overhead_ms": spread([1000 / p["runner"] - 1000 / p["bare"] for p in pairs])}
+            "overhead_ms": spread([overhead_ms(p["runner"], p["bare"]) for p in pairs])}
 
 
 # ------------------------------------------------------------ checkpoint stall

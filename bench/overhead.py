@@ -41,7 +41,7 @@ from typing import Any
 
 from .common import TASK_CONFIGS, free_port, run_argv, run_logged, spread, steps_per_second
 
-_BARE_STEP = re.compile(r"^(\d\d:\d\d:\d\d\.\d\d\d) step (\d+)$")
+BARE_STEP = re.compile(r"^(\d\d:\d\d:\d\d\.\d\d\d) step (\d+)$")
 VARIANTS = ("bare", "runner", "runner+sync", "runner+async")
 TASKS = tuple(TASK_CONFIGS)
 
@@ -64,7 +64,7 @@ def argv_for(variant: str, task: str, steps: int, every: int, workdir: Path) -> 
 def run_once(variant: str, task: str, steps: int, every: int, workdir: Path) -> float:
     """Steps/s of one run of ``variant`` on ``task``."""
     log = run_logged(argv_for(variant, task, steps, every, workdir), f"{task}/{variant}")
-    return steps_per_second(log, _BARE_STEP) if variant == "bare" else steps_per_second(log)
+    return steps_per_second(log, BARE_STEP) if variant == "bare" else steps_per_second(log)
 
 
 def overhead_ms(rate: float, bare_rate: float) -> float:

@@ -147,13 +147,17 @@ class CheckpointManager:
 
     # ------------------------------------------------------------ saving
 
+    def due_by_steps(self, step: int) -> bool:
+        """Whether ``every_steps`` asks for a checkpoint after ``step`` (the same answer on
+        every rank)."""
+        return bool(self.every_steps) and step % self.every_steps == 0
+
     def due(self, step: int) -> bool:
         """Whether the cadence asks for a checkpoint after ``step``. The time rule is rank 0's
         clock; only rank 0 writes, so the other ranks' answer does not matter for it."""
-        by_steps = bool(self.every_steps) and step % self.every_steps == 0
         by_time = (self.every_seconds is not None and self.rank == 0
                    and time.monotonic() - self._last_save >= self.every_seconds)
-        return by_steps or by_time
+        return self.due_by_steps(step) or by_time
 
     def maybe_save(self, step: int) -> bool:
         """:meth:`save` if :meth:`due`; True if it saved."""

@@ -147,17 +147,19 @@ class StepConsensus(ABC):
     lagged = False  # LaggedConsensus: the decision is read a step later
 
     def collect(self) -> list[Verdict]:
-        """Verdicts of earlier steps read since the last call (only :class:`LaggedConsensus`
-        defers any)."""
+        """Verdicts of earlier steps not yet returned, waiting for one still on the device
+        (only :class:`LaggedConsensus` defers any)."""
         return []
-
-    def settle(self) -> list[Verdict]:
-        """:meth:`collect`, waiting for a verdict still on the device."""
-        return self.collect()
 
     def vetoed_pending(self) -> bool:
         """Whether a verdict not yet collected skipped its update."""
         return False
+
+    @staticmethod
+    def _nan_if_nonfinite(loss: torch.Tensor, check: torch.Tensor) -> torch.Tensor:
+        """``loss`` times 1, or times NaN when ``check`` is not finite (``x - x`` is 0 for a
+        finite x, NaN otherwise): exact when nothing is signalled."""
+        return loss * (1.0 + (check - check))
 
     def _flags(self) -> torch.Tensor:
         """This rank's (non-finite loss, stop) as a float tensor on the loss's device (a fill,
@@ -216,8 +218,7 @@ class GradientConsensus(StepConsensus):
         super().propose(loss, step_loss)
         if self._stop:
             return loss * float("nan")
-        check = self._step_loss
-        return loss * (1.0 + (check - check))  # x - x: 0 when finite, NaN otherwise
+        return self._nan_if_nonfinite(loss, self._step_loss)
 
     def _decide(self, grad_norm: torch.Tensor | None, overflow_ok: bool) -> StepDecision:
         if grad_norm is None:
@@ -303,8 +304,8 @@ class LaggedConsensus(StepConsensus):
        (a non-finite reduced gradient norm, or a non-finite loss on some rank). A fused torch
        optimizer (``fused=True``: Adam, AdamW, SGD) takes it as GradScaler's does and leaves
        parameters, moments and step counts untouched when it is 1.
-    3. :meth:`settle` reads the pending verdict now (at a checkpoint, evaluation or the end,
-       where the host must know).
+    3. At a checkpoint, an evaluation or the end, where the host must know, :meth:`collect`
+       reads the pending verdict at once.
 
     Semantics against the eager consensus: a non-finite loss poisons the gradients (as in
     :class:`GradientConsensus`), so every rank skips the same update on the device, and the
@@ -325,8 +326,7 @@ class LaggedConsensus(StepConsensus):
     def __init__(self, device: torch.device, stop_requested: Callable[[], bool] = lambda: False,
                  group: dist.ProcessGroup | None = None) -> None:
         super().__init__(stop_requested)
-        self.lagged = True
-        self._device, self._group = device, group
+        self._group = group
         self._reduce = (dist.is_available() and dist.is_initialized()
                         and dist.get_world_size(group) > 1)
         cuda = device.type == "cuda"
@@ -337,11 +337,19 @@ class LaggedConsensus(StepConsensus):
         self._pending: tuple[int, int, bool] | None = None  # (step, buffer index, overflow_ok)
         self._read: list[Verdict] = []
 
+    lagged = True
+
     def propose(self, loss: torch.Tensor, step_loss: torch.Tensor | None = None
                 ) -> torch.Tensor:
         super().propose(loss, step_loss)
-        check = self._step_loss
-        return loss * (1.0 + (check - check))  # x - x: 0 when finite, NaN otherwise
+        return self._nan_if_nonfinite(loss, self._step_loss)
+
+    def _reduced_flags(self) -> torch.Tensor:
+        """The flags summed over the group (NCCL: queued on its stream, no host wait)."""
+        flags = self._flags()
+        if self._reduce:
+            dist.all_reduce(flags, group=self._group)
+        return flags
 
     def launch(self, step: int, grad_norm: torch.Tensor, overflow_ok: bool = False
                ) -> torch.Tensor:
@@ -356,10 +364,8 @@ class LaggedConsensus(StepConsensus):
             raise RuntimeError("step consensus: launch() without propose() for this step")
         if self._pending is not None:
             raise RuntimeError("step consensus: the previous step's verdict was not collected")
-        flags = self._flags()
+        flags = self._reduced_flags()
         self._step_loss = None
-        if self._reduce:
-            dist.all_reduce(flags, group=self._group)  # NCCL: queued on its stream, no wait
         norm = grad_norm.detach().reshape(1).float()
         found_inf = torch.maximum((~torch.isfinite(norm)).float(), (flags[:1] > 0).float())
         i = self._turn
@@ -401,10 +407,7 @@ class LaggedConsensus(StepConsensus):
     def _decide(self, grad_norm: torch.Tensor | None, overflow_ok: bool) -> StepDecision:
         """The eager decision (an optimizer without ``found_inf``): one all-reduce of the flags
         and one host read, as :class:`AllReduceConsensus`."""
-        flags = self._flags()
-        if self._reduce:
-            dist.all_reduce(flags, group=self._group)
-        return self._from_flags(flags, None if overflow_ok else grad_norm)
+        return self._from_flags(self._reduced_flags(), grad_norm)
 
 
 def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:

@@ -208,8 +208,8 @@ class Trainer:
     def _boundary(self) -> bool:
         """Whether every rank has after-step work at this step (besides evaluation and the
         epoch's end): a pending best checkpoint, a checkpoint by steps, a step or epoch limit."""
-        step, every = self.state.step, self.checkpoints.every_steps
-        return (self._best_pending or bool(every and step % every == 0)
+        step = self.state.step
+        return (self._best_pending or self.checkpoints.due_by_steps(step)
                 or self.stop.limit_reached(step, self.sampler.epoch) is not None)
 
     def _end_epoch(self) -> None:

@@ -208,7 +208,7 @@ class TrainingSession:
         Raises:
             Preempted, RollbackRequested, TrainingFailed: as :meth:`end_step`.
         """
-        verdicts, self._verdicts = [*self._verdicts, *self.consensus.settle()], []
+        verdicts, self._verdicts = [*self._verdicts, *self.consensus.collect()], []
         stop = any(v.stop for v in verdicts)
         for v in verdicts:
             self._count_bad(v.commit, v.step, may_raise=not stop)
@@ -360,10 +360,10 @@ class TrainingSession:
     def maybe_checkpoint(self) -> bool:
         """Checkpoint if the cadence asks for one; never during a non-finite streak (a rollback
         must return to a state without skipped updates)."""
-        step, every = self.state.step, self.checkpoints.every_steps
+        step = self.state.step
         if not self.checkpoints.due(step):
             return False
-        if every and step % every == 0:
+        if self.checkpoints.due_by_steps(step):
             self.settle()  # every rank is here at this step
         elif self.consensus.vetoed_pending():  # rank 0's clock: no rank-wide action here
             return False

@@ -19,6 +19,7 @@ from elastic_runner.dist import init_distributed
 from elastic_runner.loop import build_trainer
 from elastic_runner.preempt import Preempted
 
+from .ft_helpers import weights
 from .procs import CONFIGS, cli, wait_until
 from .test_train_torchrun import assert_same_tensors, final_state
 
@@ -50,10 +51,6 @@ class Record(Callback):
             self.t.preempt.signum = signal.SIGTERM
 
 
-def weights(t) -> dict[str, torch.Tensor]:
-    return {k: v.clone() for k, v in t.model.state_dict().items()}
-
-
 def fit(t, record: Record | None = None):
     record = record or Record(t)
     t.session.callbacks.append(record)
@@ -68,7 +65,7 @@ def test_lagged_equals_eager_bitwise_and_reports_skips_at_their_steps(tmp_path):
                     "checkpoint.every_steps=20", NANS)
         assert isinstance(t.session.consensus, LaggedConsensus if lagged else LocalConsensus)
         record = fit(t)
-        runs[lagged] = (weights(t), record.skipped, t.state.bad_steps, t.state.step)
+        runs[lagged] = (weights(t.model), record.skipped, t.state.bad_steps, t.state.step)
     assert runs[True][1] == runs[False][1] == [7, 20, 21, 39]
     assert runs[True][2:] == runs[False][2:] == (4, 60)
     assert_same_tensors(runs[True][0], runs[False][0])
@@ -87,7 +84,7 @@ def test_lagged_rollback_after_a_streak_matches_the_eager_one(tmp_path):
         t = trainer(tmp_path / str(lagged), lagged, "training.max_steps=50",
                     "checkpoint.every_steps=10", *streak)
         record = fit(t)
-        runs[lagged] = (weights(t), record.skipped, t.state.rollbacks, t.state.step)
+        runs[lagged] = (weights(t.model), record.skipped, t.state.rollbacks, t.state.step)
     assert runs[True][1] == runs[False][1] == [25, 26, 27]
     assert runs[True][2:] == runs[False][2:] == (1, 50)
     assert_same_tensors(runs[True][0], runs[False][0])
@@ -106,7 +103,7 @@ def test_a_stop_applies_its_step_discards_the_next_and_the_resume_is_exact(tmp_p
         assert again.resume() and again.state.step == committed
         fit(again)
         assert again.state.step == 40
-        assert_same_tensors(weights(ref), weights(again))
+        assert_same_tensors(weights(ref.model), weights(again.model))
 
 
 def test_launch_collect_and_the_device_verdict():
@@ -129,7 +126,7 @@ def test_launch_collect_and_the_device_verdict():
     with pytest.raises(RuntimeError, match="not collected"):
         stopping.propose(loss)
         stopping.launch(6, torch.tensor(0.5))
-    [v] = stopping.settle()
+    [v] = stopping.collect()
     assert (v.step, v.commit, v.stop) == (5, True, True)
 
     overflow = LaggedConsensus(torch.device("cpu"))
