@@ -3,14 +3,13 @@
 ``prometheus_server(targets)`` (a fixture factory) writes a config with ``honor_labels: true``
 (the runner's ``job`` label must win over the scrape job's), starts ``prometheus`` with its data
 in the test's tmp dir, waits for ``/-/ready`` (bounded) and kills it at teardown, by pid.
-Tests using it are skipped when ``prometheus`` is not on PATH (Debian: ``apt-get install
-prometheus``; ``.ci/run`` installs it).
+Tests using it are skipped when ``prometheus`` is not on PATH, and fail when ``CI`` is set
+(tests/needs.py; Debian: ``apt-get install prometheus``; ``.ci/run`` installs it).
 """
 
 from __future__ import annotations
 
 import json
-import shutil
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -19,6 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from .needs import debian, require_command
 from .procs import Job, free_port, wait_until
 
 
@@ -44,8 +44,7 @@ class Prometheus:
 
 @pytest.fixture
 def prometheus_server(tmp_path: Path) -> Iterator[Callable[[list[str]], Prometheus]]:
-    if shutil.which("prometheus") is None:
-        pytest.skip("prometheus not on PATH (Debian: apt-get install prometheus)")
+    require_command("prometheus", debian("prometheus"))
     jobs: list[Job] = []
 
     def start(targets: list[str]) -> Prometheus:

@@ -16,13 +16,13 @@ Clients find the server through the standard AWS variables (botocore >= 1.31 hon
 :meth:`S3Server.fs` is an s3fs client for the test's own checks and fault injection: it does not
 cache listings and is not shared with the code under test. A test that stops the server (an
 outage) should build its own :class:`S3Server` rather than stop the session's. Tests using it are
-skipped when moto or s3fs is not installed (``pip install -e '.[test]'``).
+skipped when moto or s3fs is not installed, and fail when ``CI`` is set (tests/needs.py;
+``pip install -e '.[test]'``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import os
 import subprocess
 import sys
@@ -35,6 +35,7 @@ from typing import Any
 
 import pytest
 
+from .needs import TEST_EXTRAS, require_modules
 from .procs import free_port, kill_and_reap, wait_until
 
 START_TIMEOUT_S = 60.0
@@ -117,14 +118,9 @@ class S3Bucket:
         return f"{self.name}/{relative.lstrip('/')}"
 
 
-def _installed(*modules: str) -> bool:
-    return all(importlib.util.find_spec(m) is not None for m in modules)
-
-
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
-    if not _installed("moto", "s3fs", "flask"):
-        pytest.skip("moto[server] and s3fs not installed (pip install -e '.[test]')")
+    require_modules("moto", "s3fs", "flask", install_hint=TEST_EXTRAS + " (moto[server], s3fs)")
     server = S3Server(tmp_path_factory.mktemp("s3"))
     try:
         server.start()

@@ -5,6 +5,8 @@ import pytest
 from bench import checkpoint_stall, metrics_overhead, overhead, plot, recovery
 from bench.common import REPO
 
+from .needs import TEST_EXTRAS, require_modules
+
 
 def test_checkpoint_stall_smoke(tmp_path, capsys):
     (row,) = checkpoint_stall.main(["--sizes-mb", "4", "--repeats", "1", "--dir", str(tmp_path),
@@ -27,7 +29,7 @@ def test_recovery_smoke(capsys):
 
 
 def test_plots_of_the_published_results(tmp_path):
-    pytest.importorskip("matplotlib")
+    require_modules("matplotlib", install_hint=TEST_EXTRAS)
     written = plot.main(["--results", str(REPO / "docs" / "bench"), "--out", str(tmp_path)])
     assert sorted(p.name for p in written) == sorted(f"bench-{n.replace('_', '-')}.png"
                                                      for n in plot.PLOTS)

@@ -14,7 +14,9 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("transformers", reason="needs the hf extra: pip install -e '.[hf]'")
+from .needs import HF_EXTRA, require_modules
+
+require_modules("transformers", "tokenizers", install_hint=HF_EXTRA)
 
 import torch  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402

@@ -22,6 +22,7 @@ from elastic_runner.config import (
     task_target,
 )
 
+from .needs import HF_EXTRA, require_modules
 from .procs import CONFIGS, REPO, run_cli
 
 
@@ -35,7 +36,7 @@ def write(tmp_path: Path, text: str) -> Path:
                                   "causal_lm.yaml"])
 def test_shipped_configs_are_valid(name):
     if name in ("text_classification.yaml", "causal_lm.yaml"):
-        pytest.importorskip("transformers", reason="needs the hf extra: pip install -e '.[hf]'")
+        require_modules("transformers", "tokenizers", install_hint=HF_EXTRA)
     cfg = load_config(CONFIGS / name)
     assert cfg.task == name.removesuffix(".yaml")
     assert sorted(p.name for p in CONFIGS.glob("*.yaml")) == sorted(SHIPPED)

@@ -26,7 +26,7 @@ from elastic_runner.config import load_config
 from .k8s import K8S, by_kind, problems, render
 from .procs import REPO, free_port, wait_until
 from .test_metrics import get
-from .test_monitoring_files import DASHBOARD, PROMTOOL, RULES
+from .test_monitoring_files import DASHBOARD, RULES, promtool_path
 from .test_multinode import world_sizes
 
 TREES = {"base": K8S / "base", "cpu": K8S / "overlays" / "cpu", "gpu": K8S / "overlays" / "gpu"}
@@ -230,13 +230,13 @@ def test_slurm_script_is_valid_bash_and_requeues_on_preemption():
     assert "elastic-runner run" in text and "scontrol requeue" in text and "143" in text
 
 
-@pytest.mark.skipif(PROMTOOL is None, reason="promtool not installed")
 def test_prometheusrule_is_the_tested_rule_file_and_passes_promtool(tmp_path):
+    promtool = promtool_path()
     rule = one("base", "PrometheusRule")
     assert rule["spec"] == yaml.safe_load(RULES.read_text())
     path = tmp_path / "rules.yaml"
     path.write_text(yaml.safe_dump(rule["spec"]))
-    out = subprocess.run([PROMTOOL, "check", "rules", str(path)], capture_output=True,
+    out = subprocess.run([promtool, "check", "rules", str(path)], capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
 

@@ -13,7 +13,9 @@ from collections import Counter
 import pytest
 import torch
 
-pytest.importorskip("transformers", reason="needs the hf extra: pip install -e '.[hf]'")
+from .needs import HF_EXTRA, require_modules
+
+require_modules("transformers", "tokenizers", install_hint=HF_EXTRA)
 
 from elastic_runner import audit  # noqa: E402
 from elastic_runner.export import model_from_checkpoint  # noqa: E402

@@ -23,7 +23,7 @@ from elastic_runner.metrics import RankMetrics, finish_category
 
 from .procs import CONFIGS, cli, free_port, wait_until
 from .prom import prometheus_server  # noqa: F401  (fixture)
-from .test_monitoring_files import PROMTOOL, metric_names_used
+from .test_monitoring_files import metric_names_used, promtool_path
 
 DIGITS = str(CONFIGS / "digits.yaml")
 # series that exist only for language-model tasks or on CUDA (checked in-process below)
@@ -138,6 +138,7 @@ def test_bad_metrics_config_names_the_key(override, message):
 @pytest.mark.slow
 def test_prometheus_scrapes_per_rank_series_and_they_cover_dashboard_and_alerts(
         launch, prometheus_server, tmp_path):  # noqa: F811
+    promtool = promtool_path()  # before the run: without it the test stops here
     port = free_port()
     prom = prometheus_server([f"127.0.0.1:{port}"])
     job = launch(cli(*train_args(
@@ -154,7 +155,7 @@ def test_prometheus_scrapes_per_rank_series_and_they_cover_dashboard_and_alerts(
     wait_until(lambda: rank1_step() > 25, 120, "Prometheus to hold rank 1's step > 25")
     status, text = get(port)
     assert status == 200
-    check = subprocess.run([PROMTOOL, "check", "metrics"], input=text, capture_output=True,
+    check = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True,
                            text=True, timeout=30)
     assert check.returncode == 0 and not check.stdout.strip() and not check.stderr.strip(), (
         check.stdout + check.stderr)

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import subprocess
 from functools import cache
 from pathlib import Path
 
-import pytest
 import yaml
+
+from .needs import debian, require_command
 
 REPO = Path(__file__).resolve().parent.parent
 PROM_DIR = REPO / "deploy" / "prometheus"
@@ -25,12 +25,6 @@ RULES_TEST = PROM_DIR / "elastic-runner-rules.test.yaml"
 PROM_CONFIG = PROM_DIR / "prometheus.yml"
 DASHBOARD = REPO / "deploy" / "grafana" / "elastic-runner-dashboard.json"
 
-PROMTOOL = shutil.which("promtool")
-requires_promtool = pytest.mark.skipif(
-    PROMTOOL is None,
-    reason="promtool (Prometheus) is not on PATH; CI installs it (Debian: apt-get install "
-    "prometheus). The checks that need no promtool still run.",
-)
 PROMTOOL_TIMEOUT_S = 60
 
 # The runner's documented metrics: name -> type. Histograms are exported as
@@ -182,10 +176,16 @@ def documented_base(name: str) -> str | None:
     return None
 
 
+def promtool_path() -> str:
+    """promtool's path. Without it the test skips, or fails in CI (tests/needs.py); the checks
+    that need no promtool still run."""
+    __tracebackhide__ = True
+    return require_command("promtool", debian("prometheus"))
+
+
 def promtool(*args: str | Path, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    assert PROMTOOL is not None
     proc = subprocess.run(
-        [PROMTOOL, *map(str, args)],
+        [promtool_path(), *map(str, args)],
         cwd=cwd,
         capture_output=True,
         text=True,
@@ -199,24 +199,20 @@ def promtool(*args: str | Path, cwd: Path | None = None) -> subprocess.Completed
 # ---------------------------------------------------------------- promtool
 
 
-@requires_promtool
 def test_promtool_check_rules():
     out = promtool("check", "rules", RULES).stdout
     assert f"SUCCESS: {len(all_rules())} rules found" in out
 
 
-@requires_promtool
 def test_promtool_unit_tests_of_the_rules_pass():
     # rule_files in the test file are relative to it.
     promtool("test", "rules", RULES_TEST.name, cwd=PROM_DIR)
 
 
-@requires_promtool
 def test_promtool_check_config():
     promtool("check", "config", PROM_CONFIG)
 
 
-@requires_promtool
 def test_every_dashboard_expression_parses(tmp_path):
     exprs = dashboard_exprs() + variable_queries()
     # label_values(...) is Grafana's variable query syntax, not PromQL: check its selector.

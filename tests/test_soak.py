@@ -5,7 +5,6 @@ processes: the seeded plan and the fault trigger file (``faults.trigger_file``).
 from __future__ import annotations
 
 import logging
-import shutil
 
 import pytest
 
@@ -13,6 +12,7 @@ from bench import soak
 from elastic_runner.config import FaultConfig, load_config
 from elastic_runner.faults import FaultInjector, NoTrigger, TriggerFile
 
+from .needs import debian, require_command
 from .procs import CONFIGS
 
 # its 3 faults beyond one per class are cheap ones (nan, etcd-outage, worker-sigkill)
@@ -60,8 +60,7 @@ def test_no_trigger_file_is_a_null_object_and_the_key_loads():
 
 @pytest.mark.slow
 def test_ten_faults_of_every_class_on_two_nodes(tmp_path):
-    if shutil.which("etcd") is None:
-        pytest.skip("etcd not on PATH (Debian: apt-get install etcd-server)")
+    require_command("etcd", debian("etcd-server"))
     plan = soak.make_plan(SEED, 10, hold_s=(1.0, 3.0))
     settings = soak.Settings(steps=soak.default_steps(plan), fault_timeout_s=150, timeout_s=420)
     result = soak.soak(plan, SEED, settings, tmp_path)

@@ -16,8 +16,9 @@ from typing import Any
 import pytest
 import torch
 
-pytest.importorskip("transformers", reason="needs the hf extra: pip install -e '.[hf]'")
-pytest.importorskip("tokenizers", reason="needs the hf extra: pip install -e '.[hf]'")
+from .needs import HF_EXTRA, debian, require, require_modules
+
+require_modules("transformers", "tokenizers", install_hint=HF_EXTRA)
 
 from torch.utils.data import DataLoader  # noqa: E402
 
@@ -31,8 +32,7 @@ CONFIG = Path(__file__).resolve().parents[1] / "configs" / "text_classification.
 TASK = "elastic_runner.tasks.text_classification:build"
 SMALL = {"max_samples": 3000, "vocab_size": 1000, "max_length": 32}
 
-pytestmark = pytest.mark.skipif(not (WORDNET / "data.noun").is_file(),
-                                reason="needs WordNet 3.0: apt-get install wordnet-base")
+require((WORDNET / "data.noun").is_file(), f"WordNet 3.0 ({WORDNET})", debian("wordnet-base"))
 
 
 def make_cfg(data: dict[str, Any] | None = None, model: dict[str, Any] | None = None,
@@ -94,8 +94,7 @@ def test_counts_and_label_ranges() -> None:
 
 def test_lexnames_table_matches_man_page() -> None:
     page = Path("/usr/share/man/man5/lexnames.5WN.gz")
-    if not page.is_file():
-        pytest.skip("no lexnames(5WN) man page")
+    require(page.is_file(), f"the lexnames(5WN) man page ({page})", debian("wordnet-base"))
     rows = re.findall(r"^(\d\d)\t(\S+)", gzip.decompress(page.read_bytes()).decode(), flags=re.M)
     assert [int(n) for n, _ in rows] == list(range(45))
     assert tuple(name for _, name in rows) == tc.LEXNAMES
