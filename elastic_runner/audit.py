@@ -5,11 +5,25 @@ Each rank appends one JSON line per optimizer step to ``<trace_dir>/rank-<r>.jso
 mean loss over all ranks, ``time`` the commit's unix time in seconds, ``indices`` this rank's
 samples). At each epoch end rank 0 adds
 ``{"epoch_end": e, "step", "num_samples", "dropped"}``, the tail indices that the drop_last rule
-left out of that epoch.
+left out of that epoch (the sampler's plan: what the epoch was meant to train is all other
+indices).
+
+Where ``indices`` come from: the dataset fetch itself. The data loader reads the dataset through
+``data.IndexedDataset``, whose batched fetch returns the indices it read with the samples, in the
+process that fetches (the training process, or a DataLoader worker); they travel with the batch
+to the training loop, and the step's entry lists those of the micro-batches the loop took for
+the step, in order (``data.ElasticDataLoader.take_fetched``). So the audit checks what the model
+was fed, not the sampler's bookkeeping. Two kinds of entries hold the sampler's plan instead,
+and say so: ``"repaired": true``, an entry rank 0 wrote after a rewind for a rank that died
+after committing the step and before writing it (``reporting.SampleTraceRecorder``), and
+``"planned": true``, a step of a session that had no loader record. The audit counts their
+indices like the others and reports how many there were. ``"skipped": true``: the step's
+update was skipped (non-finite loss or gradient).
 
 On every (re)start rank 0 rewinds the trace to the step of the checkpoint it resumes from
 (:func:`rewind`), before any rank appends, so the trace always describes exactly the updates in
-the current model. :func:`audit` then checks, per epoch, that every index was trained on once.
+the current model. :func:`audit` then checks, per epoch, that every expected index was trained
+on once and no other index was.
 """
 
 from __future__ import annotations
@@ -38,15 +52,21 @@ class SampleTrace:
         self._file.flush()
 
     def record_step(self, epoch: int, step: int, world_size: int, loss: float | None,
-                    indices: list[int], skipped: bool = False, rank: int | None = None) -> None:
-        """``skipped``: the update of this step was skipped (non-finite loss or gradient); its
+                    indices: list[int], skipped: bool = False, rank: int | None = None,
+                    repaired: bool = False, planned: bool = False) -> None:
+        """One step's entry; ``indices``: the dataset indices (ints) the rank fetched for it.
+
+        ``skipped``: the update of this step was skipped (non-finite loss or gradient); its
         samples were consumed but did not change the model. ``rank``: the rank that trained
-        ``indices`` when it is not this one (an entry repaired for a rank that died)."""
+        ``indices`` when it is not this one. ``repaired``: written for a rank that died before
+        writing it, from the sampler's plan; ``planned``: the indices are the sampler's plan
+        (no record of the fetch)."""
         entry = {"epoch": epoch, "step": step, "rank": self.rank if rank is None else rank,
                  "world_size": world_size,
                  "loss": loss, "time": round(time.time(), 3), "indices": indices}
-        if skipped:
-            entry["skipped"] = True
+        for flag, on in (("skipped", skipped), ("repaired", repaired), ("planned", planned)):
+            if on:
+                entry[flag] = True
         self._write(entry)
 
     def record_epoch_end(self, epoch: int, step: int, num_samples: int, dropped: list[int]
@@ -113,7 +133,20 @@ def rewind(directory: str | Path, step: int) -> int:
 @dataclass
 class EpochReport:
     """Audit of one epoch. ``complete`` epochs have an epoch-end record; only for those are
-    ``missing`` and ``expected`` known."""
+    ``missing``, ``unexpected`` and ``expected`` known.
+
+    Attributes:
+        steps: steps with an entry in the epoch.
+        seen_once: indices trained on exactly once.
+        duplicated: indices trained on more than once.
+        missing: expected indices never trained on.
+        unexpected: indices trained on that the epoch did not expect (its dropped tail, or
+            not an index of the dataset).
+        dropped: size of the dropped tail.
+        repaired: entries written from the sampler's plan for a rank that died before writing
+            its own (their indices are counted above).
+        planned: entries whose indices are the sampler's plan, not a record of the fetch.
+    """
 
     epoch: int
     complete: bool
@@ -123,6 +156,9 @@ class EpochReport:
     duplicated: list[int] = field(default_factory=list)
     missing: list[int] = field(default_factory=list)
     dropped: int = 0
+    unexpected: list[int] = field(default_factory=list)
+    repaired: int = 0
+    planned: int = 0
 
     @property
     def expected(self) -> int | None:
@@ -130,35 +166,54 @@ class EpochReport:
 
     @property
     def ok(self) -> bool:
-        return not self.duplicated and not self.missing
+        return not self.duplicated and not self.missing and not self.unexpected
+
+
+@dataclass
+class _Tally:
+    """The step entries of one epoch, summed up."""
+
+    counts: Counter[int] = field(default_factory=Counter)  # index -> times trained
+    steps: set[int] = field(default_factory=set)
+    repaired: int = 0
+    planned: int = 0
+
+    def add(self, entry: dict[str, Any]) -> None:
+        self.counts.update(entry["indices"])
+        self.steps.add(entry["step"])
+        self.repaired += bool(entry.get("repaired"))
+        self.planned += bool(entry.get("planned"))
 
 
 def audit(directory: str | Path) -> list[EpochReport]:
-    """Per epoch: samples expected, seen exactly once, duplicated, and missing."""
-    counts: dict[int, Counter[int]] = {}
-    steps: dict[int, set[int]] = {}
+    """Per epoch: samples expected, seen exactly once, duplicated, missing and unexpected, and
+    how many entries were repaired or planned rather than recorded from the fetch."""
+    tallies: dict[int, _Tally] = {}
     ends: dict[int, dict[str, Any]] = {}
     for e in read_entries(directory):
         if "epoch_end" in e:
             ends[e["epoch_end"]] = e
-            continue
-        counts.setdefault(e["epoch"], Counter()).update(e["indices"])
-        steps.setdefault(e["epoch"], set()).add(e["step"])
-    reports = []
-    for epoch in sorted(set(counts) | set(ends)):
-        c = counts.get(epoch, Counter())
-        end = ends.get(epoch)
-        report = EpochReport(epoch=epoch, complete=end is not None,
-                             num_samples=end["num_samples"] if end else None,
-                             steps=len(steps.get(epoch, ())),
-                             seen_once=sum(1 for n in c.values() if n == 1),
-                             duplicated=sorted(i for i, n in c.items() if n > 1))
-        if end:
-            report.dropped = len(end["dropped"])
-            expected = set(range(end["num_samples"])) - set(end["dropped"])
-            report.missing = sorted(expected - set(c))
-        reports.append(report)
-    return reports
+        else:
+            tallies.setdefault(e["epoch"], _Tally()).add(e)
+    return [_report(epoch, tallies.get(epoch, _Tally()), ends.get(epoch))
+            for epoch in sorted(set(tallies) | set(ends))]
+
+
+def _report(epoch: int, tally: _Tally, end: dict[str, Any] | None) -> EpochReport:
+    """One epoch's report from its entries and its epoch-end record (None: in progress)."""
+    c = tally.counts
+    report = EpochReport(epoch=epoch, complete=end is not None,
+                         num_samples=end["num_samples"] if end else None,
+                         steps=len(tally.steps),
+                         seen_once=sum(1 for n in c.values() if n == 1),
+                         duplicated=sorted(i for i, n in c.items() if n > 1),
+                         repaired=tally.repaired, planned=tally.planned)
+    if end:
+        report.dropped = len(end["dropped"])
+        expected = set(range(end["num_samples"])) - set(end["dropped"])
+        report.missing = sorted(expected - set(c))
+        report.unexpected = sorted(set(c) - expected)
+    return report
 
 
 def loss_curve(directory: str | Path) -> dict[int, float]:

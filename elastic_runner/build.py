@@ -7,7 +7,6 @@ import logging
 import time
 from typing import Any
 
-import psutil
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -22,7 +21,7 @@ from .data import ElasticDataLoader
 from .dist import DistInfo, assert_same_across_ranks
 from .early_stop import EarlyStopping
 from .engine import StepEngine, precision_dtype
-from .goodput import Goodput
+from .goodput import Goodput, process_start_time
 from .loop import Trainer, lr_factor
 from .metrics import RankMetrics
 from .preempt import PreemptionFlag
@@ -136,6 +135,7 @@ def build_trainer(cfg: Config, info: DistInfo, metrics: RankMetrics | None = Non
     stateful = {"model": model, "optimizer": optimizer, "scheduler": scheduler,
                 "scaler": scaler, "sampler": sampler}
     session = _session(cfg, info, net, stateful, total, metrics, preempt, built, joining)
+    session.fetched = loader.take_fetched  # the trace records what the loader fetched
     trainer = Trainer(cfg=cfg, info=info, bundle=bundle, model=model, optimizer=optimizer,
                       scheduler=scheduler, loader=loader, engine=engine, session=session,
                       total_steps=total, preempt=preempt, fingerprint=built)
@@ -227,7 +227,7 @@ def _session(cfg: Config, info: DistInfo, net: nn.Module, stateful: dict[str, An
     stop = StopPolicy(cfg.training.max_steps, cfg.training.max_epochs,
                       EarlyStopping(cfg.early_stopping))
     faults = fault_injection.FaultInjector(cfg.faults, info.rank, info.restart_count)
-    goodput = Goodput(psutil.Process().create_time(), metrics.goodput)
+    goodput = Goodput(process_start_time(), metrics.goodput)
     callbacks = Callbacks(_callbacks(cfg, info, total, metrics, sampler, faults, goodput))
     injection = next((c for c in callbacks.items if isinstance(c, FaultInjection)), None)
     model = stateful["model"]

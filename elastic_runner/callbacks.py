@@ -46,7 +46,11 @@ class StepEnd:
         lr: the learning rate after the step.
         committed: the update was applied (False: skipped for a non-finite loss/gradient).
         log_due: a logging step (``log_every_steps``).
-        indices: this rank's dataset indices of the step (computed when called).
+        indices: this rank's dataset indices of the step, over its micro-batches in order
+            (a list of ints, computed when called): those the data loader fetched and handed
+            to the loop when ``indices_fetched``, else the sampler's plan for the step (a
+            session without the loader's record).
+        indices_fetched: ``indices`` are the loader's record of the fetch.
     """
 
     step: int
@@ -61,6 +65,7 @@ class StepEnd:
     committed: bool
     log_due: bool
     indices: Callable[[], list[int]]
+    indices_fetched: bool = False
 
 
 @dataclass(frozen=True)

@@ -16,11 +16,14 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .checkpoint import CheckpointError
 from .config import ConfigError
 from .restart_budget import EXIT_BAD_INPUT, RestartBudget, newest_checkpoint_step
+
+if TYPE_CHECKING:
+    from .audit import EpochReport
 
 EXIT_OK, EXIT_FAILED = 0, 1
 
@@ -276,16 +279,33 @@ def cmd_audit(args: argparse.Namespace) -> int:
         print(f"no trace entries in {args.trace}")
         return EXIT_FAILED
     print(f"{'epoch':>5} {'status':<11} {'steps':>6} {'expected':>8} {'seen once':>9} "
-          f"{'missing':>7} {'duplicated':>10} {'dropped tail':>12}")
+          f"{'missing':>7} {'duplicated':>10} {'unexpected':>10} {'dropped tail':>12} "
+          f"{'repaired':>8}")
     for r in reports:
-        status = ("ok" if r.ok else "FAILED") if r.complete else "in progress"
-        print(f"{r.epoch:>5} {status:<11} {r.steps:>6} {_dash(r.expected):>8} {r.seen_once:>9} "
-              f"{len(r.missing) if r.complete else '-':>7} {len(r.duplicated):>10} "
-              f"{r.dropped if r.complete else '-':>12}")
-        for label, items in (("missing", r.missing), ("duplicated", r.duplicated)):
-            if items:
-                print(f"      {label}: {items[:20]}{' ...' if len(items) > 20 else ''}")
+        _print_epoch(r)
     return EXIT_OK if all(r.ok for r in reports) else EXIT_FAILED
+
+
+def _print_epoch(r: EpochReport) -> None:
+    """One epoch's row of ``audit``, then the indices that are wrong and how many entries hold
+    the sampler's plan rather than the loader's record of the fetch."""
+    status = ("ok" if r.ok else "FAILED") if r.complete else "in progress"
+
+    def known(v: int) -> int | str:  # only a complete epoch knows what it expected
+        return v if r.complete else "-"
+
+    print(f"{r.epoch:>5} {status:<11} {r.steps:>6} {_dash(r.expected):>8} {r.seen_once:>9} "
+          f"{known(len(r.missing)):>7} {len(r.duplicated):>10} {known(len(r.unexpected)):>10} "
+          f"{known(r.dropped):>12} {r.repaired:>8}")
+    for label, items in (("missing", r.missing), ("duplicated", r.duplicated),
+                         ("unexpected", r.unexpected)):
+        if items:
+            print(f"      {label}: {items[:20]}{' ...' if len(items) > 20 else ''}")
+    if r.repaired:
+        print(f"      repaired: {r.repaired} entries written from the sampler for ranks that "
+              "died before writing them")
+    if r.planned:
+        print(f"      planned: {r.planned} entries hold the sampler's plan, not the fetch")
 
 
 def cmd_export(args: argparse.Namespace) -> int:

@@ -229,7 +229,8 @@ def fault_tolerant(model: nn.Module, optimizer: torch.optim.Optimizer,
         rank=rank, world_size=sampler.world_size,
         options=SessionOptions(sampler.seed, log_every_steps, max_bad_steps),
         lr=lambda: optimizer.param_groups[0]["lr"],
-        poisoned=injection.poisoned if injection else (lambda step: False))
+        poisoned=injection.poisoned if injection else (lambda step: False),
+        fetched=loader.take_fetched)
     params = [p for p in inner.parameters() if p.requires_grad]
     return FaultTolerantLoop(session, params, closing)
 

@@ -164,13 +164,14 @@ def _no_step(rank: int) -> tuple[int, int, list[int]]:
 
 
 class SampleTraceRecorder(Callback):
-    """The sample audit trace (``audit.py``): every step's indices on every rank, rewound to
-    the resumed step on each (re)start, rollback and in-place recovery.
+    """The sample audit trace (``audit.py``): every step's indices on every rank (those its
+    data loader fetched, :attr:`StepEnd.indices`), rewound to the resumed step on each
+    (re)start, rollback and in-place recovery.
 
     ``last_step(rank)``: (epoch, world size, indices of ``rank``) of the step the sampler's
     cursor reached, as the group that committed it split it (``ElasticSampler.last_step``);
     rank 0 uses it to write the entries of that step that ranks which died after committing it
-    never wrote (the default knows of no step: nothing is repaired)."""
+    never wrote, marked ``repaired`` (the default knows of no step: nothing is repaired)."""
 
     needs_mean_loss = True
 
@@ -210,18 +211,20 @@ class SampleTraceRecorder(Callback):
         """Write every entry of ``step`` missing for a rank of the group that committed it (that
         rank died after the step's gradient all-reduce, or in its loss collective). Every rank
         of the new attempt or group is past the barrier, and the old processes that could still
-        write an entry of ``step`` are gone or stopped past it."""
+        write an entry of ``step`` are gone or stopped past it. The entry holds the sampler's
+        plan of that rank's share, not a record of its fetch: it is marked ``repaired``."""
         have = audit.ranks_recorded(self.directory, step)
         for rank in range(last_step(0)[1]):
             if rank not in have:
                 epoch, world_size, indices = last_step(rank)
-                self.trace.record_step(epoch, step, world_size, None, indices, rank=rank)
+                self.trace.record_step(epoch, step, world_size, None, indices, rank=rank,
+                                       repaired=True)
                 step_log.info("sample trace: wrote the entry of step %d for rank %d", step,
                               rank)
 
     def on_step_end(self, e: StepEnd) -> None:
         self.trace.record_step(e.epoch, e.step, self.world_size, e.mean_loss, e.indices(),
-                               skipped=not e.committed)
+                               skipped=not e.committed, planned=not e.indices_fetched)
 
     def on_epoch_end(self, epoch: int, step: int, dropped: Callable[[], list[int]]) -> None:
         if self.rank == 0:

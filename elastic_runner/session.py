@@ -83,6 +83,9 @@ class TrainingSession:
     lr: Callable[[], float] = lambda: 0.0
     poisoned: Callable[[int], bool] = lambda step: False
     save: Callable[[], None] | None = None  # the checkpoint of this step (default: step-N)
+    # the loader's record of what it handed out (ElasticDataLoader.take_fetched): the dataset
+    # indices of each micro-batch since the last call; None: steps report the sampler's plan
+    fetched: Callable[[], list[list[int]]] | None = None
     steps_this_attempt: int = 0
     _t0: float = 0.0
     _t_data: float = 0.0
@@ -220,6 +223,8 @@ class TrainingSession:
         the pending logging collective; the step is redone after the group is re-formed, with
         the first step's watchdog budget."""
         self._decision, self._log, self._verdicts = None, None, []
+        if self.fetched is not None:
+            self.fetched()  # its micro-batches were not trained on: forget them
         self.consensus.reset()
         self.straggler.reset()
         self.steps_this_attempt = 0
@@ -242,6 +247,7 @@ class TrainingSession:
         decision, self._decision = self._decision, None
         if decision is None:
             raise RuntimeError("end_step() without should_commit() for this step")
+        fetched = self.fetched() if self.fetched is not None else None  # this step's batches
         self.flush_log()
         verdicts, self._verdicts = self._verdicts, []  # earlier steps' (lagged consensus)
         for v in verdicts:
@@ -254,13 +260,16 @@ class TrainingSession:
         step = self.state.step = self.state.step + 1
         self.state.samples += self.sampler.global_batch_size
         self.steps_this_attempt += 1
-        self.callbacks.on_step_end(self._step_event(loss, step, epoch, cursor, decision.commit))
+        self.callbacks.on_step_end(self._step_event(loss, step, epoch, cursor, decision.commit,
+                                                    fetched))
         if decision.final:  # a provisional one is counted when its verdict is read
             self._count_bad(decision.commit, step)
         return step
 
     def _step_event(self, loss: torch.Tensor, step: int, epoch: int, cursor: int,
-                    committed: bool) -> StepEnd:
+                    committed: bool, fetched: list[list[int]] | None) -> StepEnd:
+        """The step's event; its indices are ``fetched`` (the loader's record of the step's
+        micro-batches) or, without one, the sampler's plan of the step at ``cursor``."""
         log_due = step % self.options.log_every_steps == 0
         mean_loss = self.global_mean(loss) if self.callbacks.needs_mean_loss else None
         seconds = time.perf_counter() - self._t0
@@ -272,7 +281,9 @@ class TrainingSession:
             step=step, epoch=epoch, seconds=seconds, data_seconds=self._t_data - self._t0,
             samples=gbs // self.world_size, global_samples=gbs, loss=loss, mean_loss=mean_loss,
             lr=lr, committed=committed, log_due=log_due,
-            indices=lambda: [i for mb in self.sampler.step_indices(cursor, epoch) for i in mb])
+            indices=lambda: [i for mb in (self.sampler.step_indices(cursor, epoch)
+                                          if fetched is None else fetched) for i in mb],
+            indices_fetched=fetched is not None)
 
     def flush_log(self) -> None:
         """Report the pending logging step (all ranks, at the same point: it completes a

@@ -88,7 +88,7 @@ def build_session(directory: str, model: nn.Module, optimizer: torch.optim.Optim
         consensus=LocalConsensus(stop_requested), stop=stop, callbacks=reporting,
         straggler=StragglerMonitor(0.0, 0, 1, CPU), device=CPU, rank=0, world_size=1,
         options=SessionOptions(seed=seed, log_every_steps=1, max_bad_steps=max_bad_steps),
-        lr=lambda: optimizer.param_groups[0]["lr"])
+        lr=lambda: optimizer.param_groups[0]["lr"], fetched=loader.take_fetched)
 
 
 def run_step(session: TrainingSession, model: nn.Module, optimizer: torch.optim.Optimizer,

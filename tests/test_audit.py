@@ -1,8 +1,23 @@
-"""Sample trace bookkeeping: rewind to the resumed step, torn lines, per-epoch audit."""
+"""Sample trace bookkeeping: rewind to the resumed step, torn lines, per-epoch audit, repaired
+entries; and the trace records what the data loader fetched, so a loader that serves other
+samples than its sampler's plan fails the audit."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+import torch
+from torch import nn
 
-from elastic_runner.audit import SampleTrace, audit, loss_curve, read_entries, rewind
+from elastic_runner.audit import EpochReport, SampleTrace, audit, loss_curve, read_entries, rewind
+from elastic_runner.cli import main as cli_main
+from elastic_runner.data import ElasticDataLoader
+from elastic_runner.reporting import SampleTraceRecorder
+from elastic_runner.sampler import ElasticSampler
+
+from .ft_helpers import build_session, regression_data, run_step
 
 
 def write_epoch(tmp_path, epoch, steps, world_size=2, per_rank=2, n=None, dropped=()):
@@ -75,6 +90,109 @@ def test_recovery_writes_the_entries_of_ranks_that_died_after_committing(tmp_pat
         recorder.on_resumed(3)
     recorder.close()
     step3 = [e for e in read_entries(tmp_path) if e["step"] == 3]
-    assert sorted((e["rank"], e["world_size"]) for e in step3) == [(0, 2), (1, 2)]
+    assert sorted((e["rank"], e["world_size"], e.get("repaired", False)) for e in step3) == [
+        (0, 2, False), (1, 2, True)]
     (r,) = audit(tmp_path)
-    assert r.ok and r.seen_once == 3 * 16
+    assert r.ok and r.seen_once == 3 * 16 and r.repaired == 1  # counted, and told apart
+
+
+def test_repaired_and_planned_entries_are_counted_and_reported(tmp_path, capsys):
+    write_epoch(tmp_path, 0, [1, 2], n=9, dropped=[8])  # indices 0..7, 2 ranks x 2 per step
+    t = SampleTrace(tmp_path, 0)
+    t.record_step(1, 3, 2, None, [0, 1], rank=1, repaired=True)
+    t.record_step(1, 3, 2, 0.5, [2, 3], planned=True)
+    t.close()
+    first, second = audit(tmp_path)
+    assert first.ok and (first.repaired, first.planned) == (0, 0)
+    assert not second.complete and second.seen_once == 4
+    assert (second.repaired, second.planned) == (1, 1)
+    assert cli_main(["audit", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0].split()[-1] == "repaired"
+    assert out.splitlines()[2].split()[-1] == "1"  # epoch 1's row
+    assert "repaired: 1 entries written from the sampler" in out
+    assert "planned: 1 entries hold the sampler's plan" in out
+
+
+def test_indices_outside_the_expected_set_fail_the_audit(tmp_path, capsys):
+    write_epoch(tmp_path, 0, [1, 2], n=10, dropped=[8, 9])
+    t = SampleTrace(tmp_path, 1)
+    t.record_step(0, 3, 2, 0.5, [9])  # a sample of the dropped tail
+    t.close()
+    (r,) = audit(tmp_path)
+    assert not r.ok and r.unexpected == [9] and not r.missing and not r.duplicated
+    assert cli_main(["audit", str(tmp_path)]) == 1
+    assert "unexpected: [9]" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------- what the loader fetched
+
+N, MB = 34, 4  # 8 steps of 4 samples at world size 1, a dropped tail of 2
+
+
+class ForgetfulSampler(ElasticSampler):
+    """A buggy loader's batch sampler: each pass starts at the beginning of the epoch, not at
+    the cursor. Its bookkeeping (cursor, ``step_indices``, ``last_step``) is right: the sampler
+    says step 2 trains ``perm[4:8]`` while the loader serves ``perm[0:4]`` again."""
+
+    def __iter__(self) -> Iterator[list[int]]:
+        perm = self.permutation(self.epoch)
+        for step in range(self.steps_left_in_epoch()):
+            yield from self._split(perm, step * self.global_batch_size)
+
+
+def traced_epoch(directory: Path, sampler: ElasticSampler, workers: int = 0,
+                 record_fetch: bool = True) -> EpochReport:
+    """One epoch of the session protocol with the sample trace, audited. Every step iterates
+    the loader anew from the cursor (``run_step``), as the trainer does after a restart or an
+    in-place recovery. ``record_fetch`` False: the session has no loader record, its entries
+    hold the sampler's plan (what the trace held before it recorded the fetch)."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = ElasticDataLoader(regression_data(N), sampler, num_workers=workers)
+    recorder = SampleTraceRecorder(str(directory / "trace"), 0, 1, N)
+    session = build_session(directory / "ck", model, opt, loader, callbacks=[recorder])
+    if not record_fetch:
+        session.fetched = None
+    session.start()
+    for _ in range(sampler.steps_per_epoch()):
+        run_step(session, model, opt, loader)
+    recorder.on_epoch_end(0, session.state.step,
+                          lambda: sampler.permutation(0)[sampler.cursor:].tolist())
+    session.close()
+    (report,) = audit(directory / "trace")
+    return report
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_loader_serving_other_samples_than_the_sampler_says_fails_the_audit(tmp_path,
+                                                                              workers):
+    """The fetch is recorded where it happens (this process, or a loader worker): the
+    forgetful loader trains the epoch's first micro-batch 8 times, and the audit says so."""
+    sampler = ForgetfulSampler(N, 3, MB, 1, 0, 1)
+    report = traced_epoch(tmp_path, sampler, workers)
+    first = sampler.permutation(0)[:MB].tolist()
+    assert report.complete and not report.ok and report.planned == 0
+    assert report.duplicated == sorted(first) and report.seen_once == 0
+    assert report.missing == sorted(sampler.permutation(0)[MB:32].tolist())
+    fetched = [i for e in read_entries(tmp_path / "trace") if "indices" in e
+               for i in e["indices"]]
+    assert fetched == first * 8
+
+
+def test_the_sampler_plan_would_have_passed_the_same_loader(tmp_path):
+    """The same bug with steps reporting the sampler's plan (a trace computed from the
+    cursor): an exact audit of the bookkeeping, not of the training."""
+    report = traced_epoch(tmp_path, ForgetfulSampler(N, 3, MB, 1, 0, 1), record_fetch=False)
+    assert report.ok and report.seen_once == 32 and report.planned == 8
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_correct_loader_passes_with_the_fetched_indices(tmp_path, workers):
+    sampler = ElasticSampler(N, 3, MB, 1, 0, 1)
+    report = traced_epoch(tmp_path, sampler, workers)
+    assert report.ok and report.seen_once == 32 and report.dropped == 2
+    assert (report.planned, report.repaired) == (0, 0)
+    entries = [e for e in read_entries(tmp_path / "trace") if "indices" in e]
+    assert [i for e in entries for i in e["indices"]] == sampler.permutation(0)[:32].tolist()

@@ -163,6 +163,38 @@ def test_loader_state_dict_round_trip():
         loader(n=49).load_state_dict(a.state_dict())
 
 
+class BatchedDicts(Dicts):
+    """:class:`Dicts` with torch's batched fetch (``__getitems__``); a batch's ``"batched"``
+    says the batched fetch served it."""
+
+    def __getitems__(self, indices: list[int]) -> list[dict]:
+        return [{"x": torch.tensor([float(i)]), "index": i, "batched": True} for i in indices]
+
+
+def batched_collate(items: list[dict]) -> dict:
+    return {**collate(items), "batched": all(it.get("batched", False) for it in items)}
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+@pytest.mark.parametrize("dataset", [Dicts, BatchedDicts])
+def test_take_fetched_gives_the_indices_each_handed_out_batch_was_read_at(dataset, workers):
+    lo = elastic_dataloader(dataset(), B, seed=SEED, grad_accum_steps=2,
+                            collate_fn=batched_collate, num_workers=workers)
+    it = iter(lo)
+    first, second = next(it), next(it)  # a worker may have fetched more: not handed out
+    assert first["batched"] == second["batched"] == (dataset is BatchedDicts)
+    assert lo.take_fetched() == [first["index"], second["index"]]
+    assert lo.take_fetched() == []  # taken
+    next(it)
+    lo.elastic_sampler.advance()
+    again = iter(lo)  # a new pass forgets what no step took (an abandoned step's batch)
+    assert lo.take_fetched() == []
+    batch = next(again)
+    assert lo.take_fetched() == [batch["index"]] == [lo.elastic_sampler.permutation(0)[6:9]
+                                                     .tolist()]
+    assert lo.dataset.dataset.n == N  # the loader reads the user's dataset through its wrapper
+
+
 def test_steps_yield_the_accumulation_micro_batches_of_each_remaining_step():
     lo = elastic_dataloader(Dicts(), B, seed=SEED, grad_accum_steps=2, collate_fn=collate)
     lo.elastic_sampler.advance()  # one step (6 samples) done

@@ -94,6 +94,25 @@ def test_step_indices_read_later_are_those_of_the_step(tmp_path, parts):
     assert rec.steps[0].indices() == loader.elastic_sampler.permutation(0)[:MB].tolist()
 
 
+def test_step_indices_are_the_fetched_ones_and_an_abandoned_step_forgets_its_own(tmp_path,
+                                                                                  parts):
+    model, opt, loader = parts
+    rec = StepRecorder()
+    session = build_session(tmp_path, model, opt, loader, callbacks=[rec])
+    batches = iter(loader)
+    session.begin_step()
+    next(batches)  # fetched by the step in flight, whose collective then failed
+    session.abandon_step()
+    x, y = next(batches)  # the same pass goes on: the cursor's plan is not what is served
+    session.begin_step()
+    loss = nn.functional.mse_loss(model(x), y)
+    session.backward(loss)
+    session.should_commit(nn.utils.get_total_norm([p.grad for p in model.parameters()]))
+    session.end_step(loss.detach())
+    perm = loader.elastic_sampler.permutation(0).tolist()
+    assert rec.steps[0].indices_fetched and rec.indices == [perm[MB:2 * MB]]
+
+
 def test_begin_step_seeds_the_step_stream(tmp_path, parts):
     model, opt, loader = parts
     session = build_session(tmp_path, model, opt, loader, seed=7)
