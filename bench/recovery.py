@@ -43,11 +43,21 @@ default of ``elastic-runner run`` on one node):
   ``detection`` (-> the agent names the failed rank), ``teardown``, ``group`` (new process group
   with the replacement), ``state`` (progress exchanged, the peer's state sent, DDP re-wrapped),
   ``first step``.
-* ``ettr``: digits for ``--ettr-seconds`` (300) with a worker SIGKILLed every 30 s and every 10 s
-  (``--ettr-intervals``), restart path vs in place; the ETTR and the badput by cause are read
-  from the job's metrics endpoint (``elastic_runner_ettr``, ``elastic_runner_goodput_seconds``)
-  at the end. Times are medians over repeats (min-max in the JSON); every scenario runs in each repeat,
-so drift on this shared machine hits all alike.
+* ``ettr``: digits for ``--ettr-seconds`` (300) with a worker SIGKILLed every 30 s and every
+  10 s (``--ettr-intervals``), restart path vs in place; the ETTR and the badput by cause are read
+  from rank 0's series on the job's metrics endpoint (``elastic_runner_ettr``,
+  ``elastic_runner_goodput_seconds``) once the last kill's recovery is done and rank 0 logged
+  after it. ``wall`` = productive / ETTR (rank 0's job wall time, ``goodput.py``); the causes
+  sum to it (``unattributed`` = wall - their sum, ~0). ``kills`` = the signals sent;
+  ``failures`` = the failures the agent saw ("replaced in place", "worker group failed"
+  lines); ``recoveries`` = those the job came back from, read in its log (distinct generations
+  of the survivors' "in-place recovery N done" lines; rank 0's "resumed from" or "no
+  checkpoint" lines after its first start: restarts, and in-place recoveries with no survivor
+  left). A signal can hit a replacement still joining or a restart still starting: the three
+  differ, and the table says so.
+
+Times are medians over repeats (min-max in the JSON); every scenario runs in each repeat, so
+drift on this shared machine hits all alike.
 
     python -m bench.recovery [--repeats 2] [--scenarios sigkill node-leave kill ettr ...]
                              [--backends c10d etcd-v2] [--tasks digits char_lm]
@@ -67,10 +77,12 @@ import time
 import urllib.request
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 import psutil
 
 from elastic_runner.audit import read_entries
+from elastic_runner.metrics import GOODPUT_CAUSES
 from tests.procs import CONFIGS, Job, cli, wait_until
 
 from .common import etcd_server, free_port, spread
@@ -237,7 +249,7 @@ def node_leave_join(backend: str, endpoint: str, workdir: Path
 # ---------------------------------------------------------------- restart vs in place
 
 KILL_AFTER_STEP = 30
-_SPARE_READY = re.compile(r"spare \d+ ready")
+_SPARE_READY = re.compile(r"spare \S+ ready")  # "spare 0" or "spare 0.0" (node.number)
 _DONE = re.compile(rf"^{_STAMP} \[rank\d\] WARNING elastic_runner\.loop: in-place recovery \d+ "
                    r"done: step (\d+) committed [\d.]+ s after the failure \((.*)\)$", re.M)
 
@@ -309,36 +321,79 @@ def _inplace_phases(log: str, trace: Path, t_kill: float) -> dict[str, float]:
     return out
 
 
+ETTR_LOG_EVERY = 20  # training.log_every_steps of the ettr runs: rank 0 publishes its figures
+
+
 def ettr_run(path: str, interval: float, seconds: float, workdir: Path) -> dict[str, float]:
     """digits for ``seconds`` with a worker SIGKILLed every ``interval`` seconds (alternating
-    ranks); the ETTR and the seconds by cause from the metrics endpoint at the end."""
+    ranks; none at the very end); once the last recovery is done and rank 0 published after
+    it, the ETTR and the seconds by cause from the metrics endpoint, the wall time they add up
+    to, and the kills sent next to the failures and recoveries the job's log shows
+    (:func:`count_recoveries`)."""
     ck, trace, port = workdir / "ck", workdir / "trace", free_port()
     workdir.mkdir(parents=True)
     job = Job(_task_argv("digits", path, ck, trace, port, "checkpoint.every_steps=100",
-                         "eval.every_steps=500", "training.log_every_steps=20"),
+                         "eval.every_steps=500", f"training.log_every_steps={ETTR_LOG_EVERY}"),
               workdir / "node.log")
     kills = 0
     try:
         wait_until(lambda: bool(_committed(trace)), RUN_TIMEOUT_S, "the first step")
         t0 = time.time()
         next_kill = t0 + interval
-        while time.time() < t0 + seconds:
-            time.sleep(max(0.0, min(next_kill, t0 + seconds) - time.time()))
-            if time.time() >= next_kill:
-                workers = _workers(job)
-                victim = workers.get(kills % 2) or workers.get(1 - kills % 2)
-                if victim is not None:
-                    with contextlib.suppress(psutil.NoSuchProcess):
-                        victim.kill()
-                        kills += 1
-                next_kill += interval
+        while next_kill < t0 + seconds:  # pacing the kills, not waiting for an event
+            time.sleep(max(0.0, next_kill - time.time()))
+            workers = _workers(job)
+            victim = workers.get(kills % 2) or workers.get(1 - kills % 2)
+            if victim is not None:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    victim.kill()
+                    kills += 1
+            next_kill += interval
+        time.sleep(max(0.0, t0 + seconds - time.time()))
+        # the figures of a live rank 0 that logged after the last recovery
+        wait_until(lambda: count_recoveries(job.output)["settled"], RUN_TIMEOUT_S,
+                   "the last recovery")
+        t_settled = time.time()
+        wait_until(lambda: sum(1 for t in _committed(trace).values() if t > t_settled)
+                   > ETTR_LOG_EVERY, RUN_TIMEOUT_S, "a logging step after the last recovery")
         if job.proc.poll() is not None:
             raise RuntimeError(f"ettr/{path}: the job ended before {seconds:.0f} s:\n"
                                f"{job.output[-3000:]}")
         figures = _scrape_goodput(port)
+        counts = count_recoveries(job.output)
     finally:
         job.kill_all()
-    return {**figures, "kills": kills}
+    wall = figures["productive"] / figures["ettr"] if figures.get("ettr") else float("nan")
+    causes = sum(figures.get(c, 0.0) for c in GOODPUT_CAUSES)
+    return {**figures, "wall": wall, "unattributed": wall - causes, "kills": kills,
+            "failures": counts["failures"], "recoveries": counts["recoveries"]}
+
+
+# one failure the agent saw: a worker replaced in place, or the worker group restarted
+_FAILED = re.compile(r"^\S+ (?:WARNING elastic_runner\.inplace_agent: rank\(s\) .*: replaced in "
+                     r"place by|INFO elastic_runner\.agent_metrics: worker group failed: "
+                     r"restarting it)", re.M)
+# the job came back: a step committed after an in-place recovery (one line per survivor), or
+# rank 0 loaded the newest checkpoint (a restart, or in place with no survivor left) or found
+# none (a restart before the first checkpoint; also the job's first start)
+_DONE_IN_PLACE = re.compile(r"^\S+ \[rank\d+\] WARNING elastic_runner\.loop: in-place recovery "
+                            r"(\d+) done", re.M)
+_STARTED = re.compile(r"^\S+ \[rank0\] INFO elastic_runner\.\w+: (?:resumed from \S+: step|no "
+                      r"checkpoint in .*: starting from scratch)", re.M)
+
+
+def count_recoveries(log: str) -> dict[str, Any]:
+    """What one node's ``log`` (``elastic-runner run`` from an empty checkpoint directory) shows
+    of its failures: ``failures`` (the agent's lines: a worker replaced in place, the worker
+    group restarted), ``recoveries`` (the job came back: distinct generations of "in-place
+    recovery N done", and rank 0's (re)starts after its first) and ``settled`` (no failure,
+    or a recovery after the last one)."""
+    failed = list(_FAILED.finditer(log))
+    done = list(_DONE_IN_PLACE.finditer(log))
+    started = list(_STARTED.finditer(log))
+    last_back = max([m.start() for m in done] + [m.start() for m in started[1:]], default=-1)
+    return {"failures": len(failed), "recoveries": len({m[1] for m in done}) + len(started[1:]),
+            "settled": not failed or last_back > failed[-1].start()}
 
 
 _REPLACED = re.compile(r"rank\(s\) \[(\d+)\] exited with code\(s\) \[-?\d+\]: replaced in place "
@@ -422,14 +477,21 @@ def print_table(summary: dict[str, dict]) -> None:
 
 
 def print_ettr(ettr: dict[str, dict[str, float]]) -> None:
-    causes = ("productive", "startup", "recovery", "redone", "checkpoint", "evaluation",
-              "other")
-    print(f"{'path, kill every':<26}{'ETTR':>7}{'kills':>7}" + "".join(f"{c:>12}"
-                                                                     for c in causes))
+    """The ETTR table; a row whose kills, failures and recoveries differ says so below."""
+    print(f"{'path, kill every':<26}{'ETTR':>7}{'kills':>7}{'recov.':>7}{'wall':>8}"
+          + "".join(f"{c:>12}" for c in GOODPUT_CAUSES))
     for case, r in ettr.items():
         print(f"{case:<26}{r.get('ettr', float('nan')):>7.3f}{r['kills']:>7.0f}"
-              + "".join(f"{r.get(c, 0.0):>12.1f}" for c in causes))
-    print("(ETTR = productive seconds / job wall seconds; the rest in seconds, rank 0's account)")
+              f"{r.get('recoveries', float('nan')):>7.0f}{r.get('wall', float('nan')):>8.1f}"
+              + "".join(f"{r.get(c, 0.0):>12.1f}" for c in GOODPUT_CAUSES))
+    print("(ETTR = productive seconds / job wall seconds; the rest in seconds, rank 0's account; "
+          "kills: signals sent, recov.: recoveries in the job's log)")
+    for case, r in ettr.items():
+        if not r["kills"] == r.get("failures") == r.get("recoveries"):
+            print(f"{case}: {r['kills']:.0f} kills sent, {r.get('failures', 0):.0f} failed "
+                  f"workers seen by the agent, {r.get('recoveries', 0):.0f} recoveries")
+        if abs(r.get("unattributed", 0.0)) > 0.01 * r.get("wall", 0.0):
+            print(f"{case}: {r['unattributed']:.1f} s of {r['wall']:.1f} s not attributed")
 
 
 def main(argv: list[str] | None = None) -> dict:

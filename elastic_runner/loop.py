@@ -269,7 +269,9 @@ class Trainer:
 
     def _report(self) -> None:
         """Final validation (unless the last step was evaluated) and test metrics, then
-        ``results.json`` (rank 0) and each rank's summary next to the checkpoints."""
+        ``results.json`` (rank 0; with ``goodput``: the job's ``wall_seconds``, ``ettr`` and
+        ``seconds`` by cause, as in the ``goodput:`` line) and each rank's summary next to
+        the checkpoints."""
         if self.results.get("eval_step") != self.state.step:
             self.results.update(self.evaluate("val", self.cfg.eval.max_batches),
                                 eval_step=self.state.step)
@@ -277,13 +279,17 @@ class Trainer:
         self.results.update(step=self.state.step, epoch=self.sampler.epoch,
                             stop_reason=self.stop.message)
         goodput = self.checkpoints.state.get("goodput")
-        if goodput is not None:
-            self.results.update(ettr=goodput.ettr())
+        extra: dict[str, Any] = {}
+        if goodput is not None:  # one instant for the line and the file: they agree
+            now = goodput.clock()
+            extra["goodput"] = goodput.figures(now)
+            self.results.update(ettr=extra["goodput"]["ettr"])
+            line = goodput.summary(now)
         log.info("finished: %s", _fmt(self.results))
         if goodput is not None:
-            log.info("%s", goodput.summary())
+            log.info("%s", line)
         if self.info.is_main:
-            self._write_json("results.json", self.results)
+            self._write_json("results.json", {**self.results, **extra})
         # each rank records where it left the loop, so operators and tests can check that all
         # ranks stopped after the same step
         self._write_json(f"ranks/rank-{self.info.rank}.json", {
