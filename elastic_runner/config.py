@@ -268,11 +268,12 @@ class FaultConfig(_Section):
 class RecoveryConfig(_Section):
     """What happens when a worker dies (see ``docs/recovery.md``).
 
-    ``in_place`` (``elastic-runner run`` on one node): the surviving workers keep their process,
-    leave the step in flight, re-form the process group with a replacement that the agent takes
-    from a warm spare, and send it their state; a failure with no survivor, a second node, or
-    plain torchrun fall back to ``restart``: torchrun's agent stops every worker and starts new
-    ones, which resume from the newest checkpoint."""
+    ``in_place`` (``elastic-runner run``, on one node or several): the surviving workers on
+    every node keep their process, leave the step in flight, re-form the process group with a
+    replacement that the failed worker's agent takes from its node's warm spare, and send it
+    their state; a failure with no survivor on its node, a lost node, an unreachable recovery
+    store or plain torchrun fall back to ``restart``: torchrun's agents stop every worker and
+    start new ones, which resume from the newest checkpoint."""
 
     mode: Literal["in_place", "restart"] = "in_place"
     spare: StrictBool = True  # keep one warm replacement per node (imported, task built)
@@ -285,6 +286,10 @@ class RecoveryConfig(_Section):
     continue_shrunk: StrictBool = False  # no warm spare at hand: the survivors go on at the
     #   smaller world size at once (needs batch.global_batch_size) and the replacement joins at
     #   a later step boundary; off: they wait for it (bitwise replay needs the world size)
+    #   (one node only; across nodes the survivors wait for the replacement)
+    heartbeat_timeout_seconds: Float | None = Field(10.0, gt=0)  # the agent kills and replaces
+    #   a worker whose heartbeat thread is silent this long (SIGSTOP, a frozen process); keep
+    #   it below watchdog.hang_timeout_seconds, whose expiry restarts every worker; None: off
 
 
 class RestartsConfig(_Section):

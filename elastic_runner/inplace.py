@@ -1,18 +1,23 @@
 """In-place recovery, the workers' side: survivors keep their process when a peer dies.
 
-Under ``elastic-runner run`` on one node (``recovery.mode: in_place``) the agent
-(:mod:`elastic_runner.inplace_agent`) hosts a small TCPStore for the job's attempt and names it
-in :data:`ENV`. The process group of *generation* ``g`` lives under ``<prefix>/pg/<g>/`` of that
-store (a ``PrefixStore``, as :func:`~elastic_runner.dist.attempt_namespace` namespaces restarted
-groups), so a re-formed group never reads a dead member's keys, and the store outlives every
-worker (the workers' own rank-0 store would die with rank 0).
+Under ``elastic-runner run`` (``recovery.mode: in_place``) every agent
+(:mod:`elastic_runner.inplace_agent`) names the job's **recovery store** in :data:`ENV`: a
+TCPStore in the agent on one node, the c10d rendezvous store or etcd across nodes
+(:mod:`elastic_runner.recovery_store`). The process group of *generation* ``g`` lives under
+``<prefix>/pg/<g>/`` of that store (a ``PrefixStore``, as
+:func:`~elastic_runner.dist.attempt_namespace` namespaces restarted groups), so a re-formed group
+never reads a dead member's keys, and the store outlives every worker (the workers' own rank-0
+store would die with rank 0).
 
 Protocol (sequence diagram in ``docs/recovery.md``):
 
 1. A peer dies; a survivor's next collective fails (gloo: "Connection closed by peer").
-   :meth:`InPlaceRecovery.recover` waits up to ``recovery.detect_timeout_seconds`` for the agent
-   to publish generation ``g+1`` (``<prefix>/gen/<g+1>``: the failed ranks). Nothing is
-   published when no worker died (a bug, a timeout): the error is re-raised, as before.
+   :meth:`InPlaceRecovery.recover` waits up to ``recovery.detect_timeout_seconds`` for an agent
+   (the dead worker's, on whichever node) to publish generation ``g+1`` (``<prefix>/gen/<g+1>``:
+   the failed ranks; generations are numbered by one counter in the store, ``<prefix>/
+   generations``). When no worker died (a bug, a timeout), or an agent took torch's restart
+   path (``<prefix>/restart``), the worker sets ``<prefix>/restart`` itself (so no agent
+   replaces anyone in place any more) and the error is re-raised: torchrun restarts everyone.
 2. The agent hands the failed rank to its warm spare (a process that has imported torch and
    built the task's data and model, waiting for ``<prefix>/spare/<n>/assign``).
 3. Survivors destroy the old group; all members create group ``g+1`` (same ranks, same world
@@ -28,12 +33,13 @@ Protocol (sequence diagram in ``docs/recovery.md``):
    unconsumed, and each step reseeds its RNG streams from ``(seed, epoch, step, rank)``: the run
    goes on bitwise as if nothing happened.
 
-A process started without :data:`ENV` (plain torchrun, ``recovery.mode: restart``, a second
-node) gets :class:`NoRecovery`: errors propagate and torchrun restarts everyone.
+A process started without :data:`ENV` (plain torchrun, ``recovery.mode: restart``, a user's own
+script) gets :class:`NoRecovery`: errors propagate and torchrun restarts everyone.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import logging
@@ -47,14 +53,16 @@ import torch
 import torch.distributed as dist
 
 from .config import ConfigError
+from .group_sockets import GroupSockets, NoSockets
+from .recovery_store import StoreLocation, connect
 
 if TYPE_CHECKING:
     from .loop import Trainer
 
 log = logging.getLogger(__name__)
 
-ENV = "ELASTIC_RUNNER_INPLACE"  # "<host>:<port>/<prefix>": the agent's recovery store
-SPARE_ENV = "ELASTIC_RUNNER_SPARE"  # set on a spare only: its number
+ENV = "ELASTIC_RUNNER_INPLACE"  # the recovery store: a recovery_store.StoreLocation as JSON
+SPARE_ENV = "ELASTIC_RUNNER_SPARE"  # set on a spare only: "<node rank>.<number>"
 GENERATION_ENV = "ELASTIC_RUNNER_GENERATION"  # set on a replacement: the group it joins
 _POLL_S = 0.005
 
@@ -92,21 +100,13 @@ class RecoveryReport:
         return sum(self.phases.values())
 
 
-def connect(address: str, timeout_s: float) -> tuple[dist.Store, str]:
-    """The agent's recovery store and this attempt's key prefix, from :data:`ENV`'s value."""
-    hostport, prefix = address.split("/", 1)
-    host, port = hostport.rsplit(":", 1)
-    store = dist.TCPStore(host, int(port), is_master=False,
-                          timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
-    return store, prefix
-
-
 class NoRecovery:
     """Recovery off (plain torchrun, ``recovery.mode: restart``): every error propagates."""
 
     active = False
     generation = 0
     backend = ""
+    sockets = NoSockets()
 
     def announce_built(self, rank: int) -> None:
         pass
@@ -122,7 +122,8 @@ class InPlaceRecovery:
     """This worker's side of the protocol in the module docstring.
 
     Args:
-        store: the agent's recovery store; ``prefix``: this attempt's keys in it.
+        store: the job's recovery store; ``prefix``: this attempt's keys in it;
+            ``location``: where it is (for log lines).
         generation: the group this process (first) joins: 0 at the attempt's start, the
             announced one for a replacement.
         detect_timeout_s: how long a failed collective waits for the agent's announcement.
@@ -134,10 +135,13 @@ class InPlaceRecovery:
     active = True
 
     def __init__(self, store: dist.Store, prefix: str, generation: int, detect_timeout_s: float,
-                 join_timeout_s: float, backend: str = "gloo") -> None:
+                 join_timeout_s: float, backend: str = "gloo",
+                 location: StoreLocation | None = None) -> None:
         self.store, self.prefix, self.generation = store, prefix, generation
+        self.location = location or StoreLocation("tcp", "?")
         self.detect_timeout_s, self.join_timeout_s = detect_timeout_s, join_timeout_s
         self.backend = backend
+        self.sockets = GroupSockets()  # the current group's connections (cut on a failure)
         self.grow_generation: int | None = None  # shrunk: the generation with every rank back
         self.home: tuple[int, int] | None = None  # (rank, world size) at full size
 
@@ -148,9 +152,10 @@ class InPlaceRecovery:
         address = os.environ.get(ENV)
         if not address or cfg.mode != "in_place":
             return NoRecovery()
-        store, prefix = connect(address, cfg.join_timeout_seconds)
-        return cls(store, prefix, int(os.environ.get(GENERATION_ENV, 0)),
-                   cfg.detect_timeout_seconds, cfg.join_timeout_seconds)
+        location = StoreLocation.from_json(address)
+        store = connect(location, cfg.join_timeout_seconds)
+        return cls(store, location.prefix, int(os.environ.get(GENERATION_ENV, 0)),
+                   cfg.detect_timeout_seconds, cfg.join_timeout_seconds, location=location)
 
     def key(self, *parts: object) -> str:
         return "/".join([self.prefix, *map(str, parts)])
@@ -198,13 +203,19 @@ class InPlaceRecovery:
             ``detect_timeout_s`` (the caller re-raises ``error``).
         """
         t0 = time.perf_counter()
-        announced = self._wait_generation(self.generation + 1, self.detect_timeout_s)
+        try:
+            announced = self._wait_generation(self.generation + 1, self.detect_timeout_s)
+        except (RuntimeError, dist.DistError) as e:  # the store itself is gone
+            log.error("in-place recovery: the recovery store (%s) is unreachable (%s): taking "
+                      "the restart path", self.location.describe(), _first_line(e))
+            return None
         if announced is None:
             log.error("collective failed and no peer died within %.0f s "
-                      "(recovery.detect_timeout_seconds): %s", self.detect_timeout_s,
-                      _first_line(error))
+                      "(recovery.detect_timeout_seconds): %s; restarting every worker",
+                      self.detect_timeout_s, _first_line(error))
+            self._ask_restart()
             return None
-        if announced.get("restart"):  # the agent restarts every worker
+        if announced.get("restart"):  # an agent restarts every worker
             return None
         report = RecoveryReport(self.generation + 1, announced["failed"], trainer.state.step)
         log.warning("in-place recovery: rank(s) %s died (%s); generation %d, the rest keep "
@@ -213,6 +224,9 @@ class InPlaceRecovery:
         trainer.session.callbacks.on_phase("recovering", "in-place recovery", True)
         t1 = time.perf_counter()
         report.phases["detection"] = t1 - t0
+        # peers that wait on this rank in the old group's collective fail now, as if it had
+        # died, instead of at the collective timeout (gloo cannot abort: group_sockets.py)
+        self.sockets.cut()
         dist.destroy_process_group()
         t2 = time.perf_counter()
         report.phases["teardown"] = t2 - t1
@@ -233,12 +247,26 @@ class InPlaceRecovery:
         return report
 
     def _wait_generation(self, generation: int, timeout_s: float) -> dict[str, Any] | None:
-        key = self.key("gen", generation)
-        try:
-            self.store.wait([key], timedelta(seconds=timeout_s))
-        except (RuntimeError, dist.DistStoreError):  # timed out (or the agent is gone)
-            return None
-        return json.loads(self.store.get(key))
+        """Generation ``generation``'s announcement, ``{"restart": True}`` once any agent or
+        worker asked for torch's restart path, or None after ``timeout_s``.
+
+        Raises:
+            RuntimeError: the store is unreachable.
+        """
+        keys = [self.key("gen", generation), self.key("restart")]
+        deadline = time.monotonic() + timeout_s
+        while True:
+            for key in keys:
+                if self.store.check([key]):
+                    return json.loads(self.store.get(key))
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(_POLL_S)
+
+    def _ask_restart(self) -> None:
+        """No agent replaces anyone in place in this attempt any more: torch's restart path."""
+        with contextlib.suppress(RuntimeError, dist.DistError):
+            self.store.set(self.key("restart"), json.dumps({"restart": True}))
 
     def _form_group(self, rank: int, world_size: int, generation: int) -> None:
         """Create generation ``generation``'s group (or a newer one's, see
@@ -248,9 +276,10 @@ class InPlaceRecovery:
         while True:
             store = self.group_store(rank, world_size)
             try:
-                dist.init_process_group(self.backend, store=store, rank=rank,
-                                        world_size=world_size,
-                                        timeout=timedelta(seconds=self.join_timeout_s))
+                with self.sockets.forming():
+                    dist.init_process_group(self.backend, store=store, rank=rank,
+                                            world_size=world_size,
+                                            timeout=timedelta(seconds=self.join_timeout_s))
                 return
             except (RuntimeError, dist.DistError) as e:
                 if not self.store.check([self.key("gen", self.generation + 1)]):
@@ -294,9 +323,11 @@ class InPlaceRecovery:
         key = self.key("spare", spare, "assign")
         while True:
             try:
-                self.store.wait([key], timedelta(days=365))
+                self.store.wait([key], timedelta(seconds=60))
                 break
-            except RuntimeError:  # a wait timeout; the agent's death raises DistStoreError
+            except dist.DistNetworkError:  # the store is gone (its agent died): leave
+                raise
+            except (RuntimeError, LookupError):  # a wait timeout (etcd: LookupError)
                 continue
         env = json.loads(self.store.get(key))
         self.generation = int(env[GENERATION_ENV])

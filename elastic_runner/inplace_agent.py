@@ -1,12 +1,15 @@
 """In-place recovery, the agent's side: replace only the failed worker, from a warm spare.
 
 :class:`InPlaceAgent` is torch's ``LocalElasticAgent`` (subclassed through torch.distributed.
-elastic's agent API, not forked) with three changes, used by ``elastic-runner run`` on one node
-with ``recovery.mode: in_place``:
+elastic's agent API, not forked) with these changes, used by ``elastic-runner run`` with
+``recovery.mode: in_place``, on one node or on each node of a multi-node job:
 
-* it hosts the attempt's **recovery store** (a ``TCPStore`` on ``127.0.0.1``) and names it to
-  the workers in :data:`~elastic_runner.inplace.ENV`; the workers' process groups live in it,
-  one namespace per generation (:mod:`elastic_runner.inplace`);
+* it names the attempt's **recovery store** to the workers in
+  :data:`~elastic_runner.inplace.ENV` (one node: a ``TCPStore`` it hosts on ``127.0.0.1``;
+  several nodes: the rendezvous backend's store that every node reaches, see
+  :mod:`elastic_runner.recovery_store`); the workers' process groups live in it, one namespace
+  per generation (:mod:`elastic_runner.inplace`), and any node's agent announces generations
+  through one counter in it;
 * once the workers have built the task it starts a **spare**: the worker command with
   :data:`~elastic_runner.inplace.SPARE_ENV` set, which imports torch, builds the task's data and
   model and waits;
@@ -14,23 +17,32 @@ with ``recovery.mode: in_place``:
   others of the node still run, :meth:`_monitor_workers` hands the dead worker's environment
   (rank, local_rank, error file, ...) to the spare, puts the spare in the dead worker's place in
   torch's process context, publishes the next generation and reports the group healthy, instead
-  of torch's stop-everything-and-restart. Each replacement counts against ``--max-restarts``.
+  of torch's stop-everything-and-restart. Each replacement counts against ``--max-restarts``;
+* a worker whose heartbeat file (:mod:`elastic_runner.heartbeat`) is older than
+  ``recovery.heartbeat_timeout_seconds`` (SIGSTOP, a process frozen in the kernel or holding
+  the GIL) is SIGKILLed and then replaced in the same way.
 
-Everything else (no survivor, a worker that finished, bad input, preemption, running out of
-restarts) goes to torch's own handling unchanged.
+Everything else (no survivor on this node, a worker that finished, bad input, preemption,
+running out of restarts, a restart asked for by any worker or agent of the attempt, an
+unreachable recovery store) goes to torch's own handling unchanged; the agent then sets the
+attempt's ``restart`` key so that no other node's agent replaces anyone in place meanwhile.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
+import tempfile
 import time
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -41,8 +53,10 @@ from torch.distributed.elastic.multiprocessing.api import SubprocessContext
 from .compat import EXIT_BAD_INPUT
 from .config import RecoveryConfig
 from .fencing import EXIT_FENCED
+from .heartbeat import HEARTBEAT_ENV
 from .inplace import ENV, GENERATION_ENV, SPARE_ENV
 from .preempt import EXIT_PREEMPTED
+from .recovery_store import StoreLocation, agree_prefix, connect
 from .watchdog import EXIT_HANG
 
 log = logging.getLogger(__name__)
@@ -64,7 +78,7 @@ class _Adopted:
 
 @dataclass
 class _Spare:
-    number: int
+    name: str  # "<node rank>.<number>": its keys in the recovery store
     proc: subprocess.Popen[bytes]
     started: float
     ready: bool = False
@@ -85,16 +99,26 @@ class Replacement:
 
 class InPlaceAgent(LocalElasticAgent):
     """See the module docstring. ``recovery``: the config's ``recovery`` section;
-    ``on_replacement``: called with each :class:`Replacement` (the node's metrics)."""
+    ``location``: the rendezvous backend's store for a multi-node job (None: one node, this
+    agent hosts the store); ``on_replacement``: called with each :class:`Replacement` (the
+    node's metrics)."""
 
-    def __init__(self, *args: Any, recovery: RecoveryConfig, on_replacement: Any = None,
+    def __init__(self, *args: Any, recovery: RecoveryConfig,
+                 location: StoreLocation | None = None, on_replacement: Any = None,
                  **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._cfg = recovery
         self._on_replacement = on_replacement or (lambda r: None)
-        self._recovery_store = dist.TCPStore(
-            "127.0.0.1", 0, is_master=True, wait_for_workers=False,
-            timeout=timedelta(seconds=recovery.join_timeout_seconds))
+        # (not _store: torch's agent has one of its own)
+        self._rstore: dist.Store | None = None
+        if location is None:  # one node: the store lives in this process
+            self._rstore = dist.TCPStore(
+                "127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                timeout=timedelta(seconds=recovery.join_timeout_seconds))
+            location = StoreLocation("tcp", f"127.0.0.1:{self._rstore.port}")
+        self._location = location
+        self._heartbeats = Path(tempfile.mkdtemp(prefix="elastic-runner-heartbeats-"))
+        self._node = 0
         self._prefix = ""
         self._generation = 0
         self._spare: _Spare | None = None
@@ -105,16 +129,36 @@ class InPlaceAgent(LocalElasticAgent):
     def _key(self, *parts: object) -> str:
         return "/".join([self._prefix, *map(str, parts)])
 
+    @property
+    def _recovery_store(self) -> dist.Store:
+        if self._rstore is None:  # after the first rendezvous: the c10d store exists then
+            self._rstore = connect(self._location, self._cfg.join_timeout_seconds)
+        return self._rstore
+
     # ------------------------------------------------------------ torch's agent hooks
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
-        self._prefix, self._generation = f"attempt-{uuid.uuid4().hex[:12]}", 0
-        self._grow, self._built_since = None, None
-        os.environ[ENV] = f"127.0.0.1:{self._recovery_store.port}/{self._prefix}"
+        self._node = worker_group.group_rank or 0
+        if self._location.kind == "tcp":
+            self._prefix = f"attempt-{uuid.uuid4().hex[:12]}"
+        else:  # the same prefix on every node, new every rendezvous round
+            self._prefix = agree_prefix(worker_group.store, self._node, self._location.run_id)
+        self._generation, self._grow, self._built_since = 0, None, None
+        self._heartbeats.mkdir(parents=True, exist_ok=True)
+        for beat in self._heartbeats.iterdir():  # the previous attempt's workers
+            beat.unlink(missing_ok=True)
+        saved = {name: os.environ.get(name) for name in (ENV, HEARTBEAT_ENV)}
+        os.environ[ENV] = self._location.with_prefix(self._prefix).to_json()
+        os.environ[HEARTBEAT_ENV] = str(self._heartbeats)
         try:
+            self._recovery_store.check([self._key("restart")])  # connect before the workers
             return super()._start_workers(worker_group)
         finally:
-            del os.environ[ENV]
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
 
     def _stop_workers(self, worker_group: WorkerGroup, *args: Any, **kwargs: Any) -> None:
         self._drop_spare()
@@ -123,6 +167,7 @@ class InPlaceAgent(LocalElasticAgent):
     def _shutdown(self, *args: Any, **kwargs: Any) -> None:
         self._drop_spare()
         super()._shutdown(*args, **kwargs)
+        shutil.rmtree(self._heartbeats, ignore_errors=True)
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         pc = self._pcontext
@@ -130,14 +175,16 @@ class InPlaceAgent(LocalElasticAgent):
             return super()._monitor_workers(worker_group)
         # one look at every worker decides; torch's own poll, which stops every worker at the
         # first failure it sees, runs only when this look leaves it nothing to recover
+        self._kill_hung(pc)
         codes = {lr: h.proc.poll() for lr, h in pc.subprocess_handlers.items()}
         failed = {lr: c for lr, c in codes.items() if c not in (None, 0)}
         if failed and self._replaceable(codes, failed):
             self._replace(worker_group, pc, failed)
             return RunResult(state=WorkerState.HEALTHY)
-        if failed:  # torch's restart path: release survivors waiting for an announcement
-            waited = self._grow[0] if self._grow else self._generation + 1
-            self._recovery_store.set(self._key("gen", waited), json.dumps({"restart": True}))
+        if failed:  # torch's restart path: release survivors (on every node) waiting for an
+            # announcement, and keep the other nodes' agents from replacing anyone meanwhile
+            with contextlib.suppress(RuntimeError, dist.DistError):
+                self._recovery_store.set(self._key("restart"), json.dumps({"restart": True}))
             return super()._monitor_workers(worker_group)
         self._announce_grow()
         self._keep_spare(pc)
@@ -153,17 +200,56 @@ class InPlaceAgent(LocalElasticAgent):
 
     def _replaceable(self, codes: dict[int, int | None], failed: dict[int, int]) -> bool:
         """A failure (not bad input, not fenced out, not preemption, not a hang), some worker
-        still running and none finished, and restarts left (``codes``: every local rank's exit
-        code or None)."""
+        still running (on this node, or on another one of a multi-node job) and none finished,
+        and restarts left (``codes``: every local rank's exit code or None)."""
         # a hang: the rank whose watchdog fired may only be waiting for the hung one, which
         # has not exited; replacing the waiter would wait for the hung rank forever
         if any(code in (EXIT_BAD_INPUT, EXIT_FENCED, EXIT_PREEMPTED, EXIT_HANG)
                for code in failed.values()):
             return False
         others = [code for lr, code in codes.items() if lr not in failed]
+        # several nodes: the survivors may all be elsewhere (if there are none, the
+        # replacements find no peer to copy and resume from the checkpoint: inplace.rejoin)
+        survivors = bool(others) or self._location.kind != "tcp"
         # a failure while shrunk takes the restart path
-        return (bool(others) and all(code is None for code in others)
-                and self._remaining_restarts > 0 and self._grow is None)
+        return (survivors and all(code is None for code in others)
+                and self._remaining_restarts > 0 and self._grow is None
+                and not self._restart_asked())
+
+    def _restart_asked(self) -> bool:
+        """Whether a worker or agent of this attempt asked for torch's restart path, or the
+        recovery store cannot be reached (c10d: the rendezvous host is gone)."""
+        try:
+            return self._recovery_store.check([self._key("restart")])
+        except (RuntimeError, dist.DistError) as e:
+            log.error("the recovery store (%s) is unreachable (%s): torch's restart path",
+                      self._location.describe(), str(e).strip().splitlines()[0] if str(e)
+                      else type(e).__name__)
+            return True
+
+    def _kill_hung(self, pc: SubprocessContext) -> None:
+        """SIGKILL each worker whose heartbeat file is older than
+        ``recovery.heartbeat_timeout_seconds`` (it is then replaced like a crashed one)."""
+        limit = self._cfg.heartbeat_timeout_seconds
+        if limit is None:
+            return
+        now = time.time()
+        for local_rank, handler in pc.subprocess_handlers.items():
+            beat = self._heartbeats / str(local_rank)
+            try:
+                age = now - beat.stat().st_mtime
+            except FileNotFoundError:  # not beating yet (starting) or already replaced
+                continue
+            if age <= limit or handler.proc.poll() is not None:
+                continue
+            log.warning("local_rank %d (pid %d) sent no heartbeat for %.1f s "
+                        "(recovery.heartbeat_timeout_seconds=%g): hung (stopped or frozen); "
+                        "killing it", local_rank, handler.proc.pid, age, limit)
+            beat.unlink(missing_ok=True)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(handler.proc.pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                handler.proc.wait(timeout=5)
 
     def _replace(self, worker_group: WorkerGroup, pc: SubprocessContext,
                  failed: dict[int, int]) -> None:
@@ -172,9 +258,11 @@ class InPlaceAgent(LocalElasticAgent):
                 and self._spare.proc.poll() is None)
         # continue shrunk: the survivors go on alone (generation g+1) and the replacement
         # joins them in g+2, announced once it is ready
-        shrink = self._cfg.continue_shrunk and not warm
-        announce = self._generation + 1
-        self._generation = announce + 1 if shrink else announce
+        # (one node only: a shrunk group's bookkeeping lives in this agent)
+        shrink = self._cfg.continue_shrunk and not warm and self._location.kind == "tcp"
+        # one counter for the whole job: two nodes' agents never announce the same generation
+        self._generation = self._recovery_store.add(self._key("generations"), 2 if shrink else 1)
+        announce = self._generation - 1 if shrink else self._generation
         self._remaining_restarts -= 1
         # the replacement is the rank's next attempt: restarts used so far, as torch counts them
         attempt = worker_group.spec.max_restarts - self._remaining_restarts
@@ -183,7 +271,8 @@ class InPlaceAgent(LocalElasticAgent):
             spare = self._take_spare(pc)
             env = {**pc.envs[local_rank], GENERATION_ENV: str(self._generation),
                    "TORCHELASTIC_RESTART_COUNT": str(attempt)}
-            self._recovery_store.set(self._key("spare", spare.number, "assign"), json.dumps(env))
+            self._recovery_store.set(self._key("spare", spare.name, "assign"), json.dumps(env))
+            (self._heartbeats / str(local_rank)).unlink(missing_ok=True)
             pc.subprocess_handlers[local_rank] = _Adopted(spare.proc, local_rank)  # type: ignore
             worker = worker_group.workers[local_rank]
             worker.id = spare.proc.pid
@@ -193,16 +282,16 @@ class InPlaceAgent(LocalElasticAgent):
         news: dict[str, Any] = {"failed": ranks, "exitcodes": list(failed.values())}
         if shrink:
             members = sorted(w.global_rank for w in worker_group.workers
-                             if w.global_rank not in ranks)
+                             if w.global_rank not in ranks)  # one node: every rank is here
             news.update(members=members, world_size=len(members))
             self._grow = (self._generation, spares)
         self._recovery_store.set(self._key("gen", announce), json.dumps(news))
         replacement = Replacement(announce, tuple(ranks), tuple(failed.values()), warm,
                                   time.perf_counter() - t0)
         log.warning("rank(s) %s exited with code(s) %s: replaced in place by %s spare(s) "
-                    "pid(s) %s (generation %d; %d restarts left)%s", ranks,
+                    "pid(s) %s (generation %d; node %d; %d restarts left)%s", ranks,
                     list(failed.values()), "warm" if warm else "cold", pids, announce,
-                    self._remaining_restarts,
+                    self._node, self._remaining_restarts,
                     "; the others go on without it until it is ready" if shrink else "")
         self._on_replacement(replacement)
 
@@ -212,7 +301,7 @@ class InPlaceAgent(LocalElasticAgent):
         if self._grow is None:
             return
         generation, spares = self._grow
-        if all(self._recovery_store.check([self._key("spare", s.number, "ready")])
+        if all(self._recovery_store.check([self._key("spare", s.name, "ready")])
                for s in spares):
             self._recovery_store.set(self._key("gen", generation), json.dumps({"grow": True}))
             self._grow = None
@@ -233,7 +322,7 @@ class InPlaceAgent(LocalElasticAgent):
         if not self._cfg.spare:
             return
         if self._spare is not None and self._spare.proc.poll() is not None:
-            log.warning("spare %d exited with code %s; starting another", self._spare.number,
+            log.warning("spare %s exited with code %s; starting another", self._spare.name,
                         self._spare.proc.returncode)
             self._spare = None
         spare = self._spare
@@ -244,22 +333,22 @@ class InPlaceAgent(LocalElasticAgent):
                 and time.monotonic() - self._built_since >= self._cfg.spare_delay_seconds:
             self._spare = self._start_spare(pc)
         elif (spare is not None and not spare.ready
-              and self._recovery_store.check([self._key("spare", spare.number, "ready")])):
+              and self._recovery_store.check([self._key("spare", spare.name, "ready")])):
             spare.ready = True
-            log.info("spare %d ready (task built) %.1f s after its start", spare.number,
+            log.info("spare %s ready (task built) %.1f s after its start", spare.name,
                      time.monotonic() - spare.started)
 
     def _start_spare(self, pc: SubprocessContext) -> _Spare:
-        number, self._spares = self._spares, self._spares + 1
+        name, self._spares = f"{self._node}.{self._spares}", self._spares + 1
         env = {**os.environ, **pc.envs[0]}
-        for name in _RANK_VARIABLES:
-            env.pop(name, None)
-        env.update({ENV: f"127.0.0.1:{self._recovery_store.port}/{self._prefix}",
-                    SPARE_ENV: str(number), "RANK": "-1"})
+        for variable in _RANK_VARIABLES:
+            env.pop(variable, None)
+        env.update({ENV: self._location.with_prefix(self._prefix).to_json(),
+                    HEARTBEAT_ENV: str(self._heartbeats), SPARE_ENV: name, "RANK": "-1"})
         proc = subprocess.Popen([pc.entrypoint, *map(str, pc.args[0])], env=env,
                                 start_new_session=True)
-        log.info("spare %d started (pid %d)", number, proc.pid)
-        return _Spare(number, proc, time.monotonic())
+        log.info("spare %s started (pid %d)", name, proc.pid)
+        return _Spare(name, proc, time.monotonic())
 
     def _drop_spare(self) -> None:
         spare, self._spare = self._spare, None

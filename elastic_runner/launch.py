@@ -57,6 +57,7 @@ from .etcd_check import (
 from .fencing import EXIT_FENCED
 from .inplace_agent import InPlaceAgent
 from .preempt import EXIT_PREEMPTED
+from .recovery_store import StoreLocation
 from .restart_budget import EXIT_CRASH_LOOP, cause_rank
 
 log = logging.getLogger(__name__)
@@ -185,12 +186,23 @@ def trainer_rendezvous(conf: str | None) -> tuple[str, str | None]:
 
 def in_place(args: argparse.Namespace) -> bool:
     """Whether this ``run`` recovers in place (``recovery.mode: in_place``, the built-in
-    trainer, one node); otherwise a failed worker makes torchrun restart all of them."""
+    trainer); otherwise a failed worker makes torchrun restart all of them."""
     recovery = getattr(args, "recovery", None)
-    if recovery is None or recovery.mode != "in_place" or getattr(args, "script", None):
-        return False
-    nnodes = args.nnodes or os.environ.get("PET_NNODES") or "1"
-    return nnodes.split(":")[-1] == "1"
+    return not (recovery is None or recovery.mode != "in_place" or getattr(args, "script", None))
+
+
+def multi_node(targs: argparse.Namespace) -> bool:
+    """Whether more than one node may join (``--nnodes``' maximum above 1)."""
+    return str(targs.nnodes).split(":")[-1] != "1"
+
+
+def recovery_location(targs: argparse.Namespace) -> StoreLocation | None:
+    """Where the in-place recovery store lives: None on one node (the agent hosts it), else
+    the rendezvous backend's store (:mod:`elastic_runner.recovery_store`)."""
+    if not multi_node(targs):
+        return None
+    return StoreLocation.for_rendezvous(targs.rdzv_backend, targs.rdzv_endpoint,
+                                        parse_conf(targs.rdzv_conf), targs.rdzv_id)
 
 
 def launch(args: argparse.Namespace) -> int:
@@ -241,11 +253,21 @@ def _launch_agent(args: argparse.Namespace, targs: argparse.Namespace) -> int:
             return 2
     code = 1
     agent = contextlib.nullcontext()
+    location = None
     if in_place(args):
+        try:
+            location = recovery_location(targs)
+        except ValueError as e:
+            log.warning("recovery: %s; a failed worker restarts every worker", e)
+    if in_place(args) and (location is not None or not multi_node(targs)):
         log.info("recovery: in place (a failed worker is replaced from a warm spare; the "
-                 "others keep their process)")
+                 "others keep their process); recovery store: %s",
+                 location.describe() if location else "this node's agent")
+        if location is not None and args.recovery.continue_shrunk:
+            log.warning("recovery.continue_shrunk applies on one node only: across nodes the "
+                        "survivors wait for the replacement")
         agent = compat.agent_class(functools.partial(
-            InPlaceAgent, recovery=args.recovery,
+            InPlaceAgent, recovery=args.recovery, location=location,
             on_replacement=endpoint.monitor.replaced if endpoint is not None else None))
     try:
         with agent:

@@ -14,7 +14,6 @@ import os
 import threading
 import time
 
-import psutil
 import torch
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
@@ -24,7 +23,9 @@ from .compat import check_torch
 from .config import Config, ConfigError, MetricsConfig, load_config
 from .dist import destroy_distributed, init_distributed, is_peer_failure, open_device
 from .fencing import EXIT_FENCED, FencedOut
+from .goodput import process_start_time
 from .health import MetricsServer
+from .heartbeat import Heartbeat
 from .inplace import SPARE_ENV, InPlaceRecovery, NoRecovery, Regroup, rejoin
 from .logs import setup_logging
 from .loop import Trainer, TrainingFailed
@@ -77,17 +78,21 @@ def _train(config_path: str, overrides: list[str], resume: bool, entered: float,
     recovery = InPlaceRecovery.from_env(cfg.recovery)
     spare = os.environ.get(SPARE_ENV) if recovery.active else None
     task = stand_by(cfg, recovery, spare, verbose) if spare else None
+    heartbeat = Heartbeat.from_env(cfg.recovery.heartbeat_timeout_seconds
+                                   if recovery.active else None)
     metrics, server = worker_metrics(cfg.metrics)
     metrics.phase("starting", None)  # joining the process group is not a hang
     info = None
     trainer = None
     linger = 0.0
     try:
-        marks = [psutil.Process().create_time(), entered]
+        marks = [process_start_time(), entered]
         open_device(int(os.environ.get("LOCAL_RANK", 0)))
         marks.append(time.time())
         store = recovery.group_store() if recovery.active else None
-        info = init_distributed(cfg.distributed.backend, cfg.distributed.timeout_seconds, store)
+        with recovery.sockets.forming():
+            info = init_distributed(cfg.distributed.backend, cfg.distributed.timeout_seconds,
+                                    store)
         recovery.backend = info.backend
         marks.append(time.time())
         if info.rank == 0:
@@ -115,6 +120,7 @@ def _train(config_path: str, overrides: list[str], resume: bool, entered: float,
         if server is not None:
             threading.Event().wait(linger)
             server.close()
+        heartbeat.close()
     return 0
 
 

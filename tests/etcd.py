@@ -10,8 +10,9 @@ certificates made with the ``openssl`` command, see ``ca_file``, ``client_cert``
 
     @pytest.mark.parametrize("etcd_server", [{"enable_v2": False}], indirect=True)
 
-Tests using it are skipped when ``etcd`` is not on PATH (Debian: ``apt-get install etcd-server``;
-``.ci/run`` installs it).
+Tests using it are skipped when ``etcd`` (or, for TLS, ``openssl``) is not on PATH, and fail
+when ``CI`` is set (tests/needs.py; Debian: ``apt-get install etcd-server``; ``.ci/run``
+installs it).
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import shutil
 import ssl
 import subprocess
 import urllib.request
@@ -28,6 +28,7 @@ from pathlib import Path
 
 import pytest
 
+from .needs import debian, require_command
 from .procs import free_port, kill_and_reap, wait_until
 
 START_TIMEOUT_S = 30.0
@@ -37,9 +38,11 @@ _GOARCH = {"x86_64": "amd64", "amd64": "amd64", "aarch64": "arm64", "arm64": "ar
 
 
 class EtcdServer:
-    """One etcd member on 127.0.0.1; ``endpoint`` is ``"127.0.0.1:PORT"`` (client port)."""
+    """One etcd member on ``host`` (127.0.0.1 unless given: e.g. the bridge address of
+    network-namespace nodes); ``endpoint`` is ``"HOST:PORT"`` (client port)."""
 
-    def __init__(self, workdir: Path, enable_v2: bool = True, tls: bool = False) -> None:
+    def __init__(self, workdir: Path, enable_v2: bool = True, tls: bool = False,
+                 host: str = "127.0.0.1") -> None:
         self.workdir = workdir
         self.data_dir = workdir / "data"
         self.log_path = workdir / "etcd.log"
@@ -47,7 +50,8 @@ class EtcdServer:
         self.client_port = self.peer_port = free_port()
         while self.peer_port == self.client_port:
             self.peer_port = free_port()
-        self.endpoint = f"127.0.0.1:{self.client_port}"
+        self.host = host
+        self.endpoint = f"{host}:{self.client_port}"
         self.url = f"{'https' if tls else 'http'}://{self.endpoint}"
         self.tls = tls
         self.ca_file = self.client_cert = self.client_key = None
@@ -59,7 +63,7 @@ class EtcdServer:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def argv(self) -> list[str]:
-        peer = f"http://127.0.0.1:{self.peer_port}"
+        peer = f"http://{self.host}:{self.peer_port}"
         tls = []
         if self.tls:
             d = self.workdir / "tls"
@@ -126,11 +130,10 @@ def make_certificates(d: Path) -> tuple[Path, Path, Path]:
 
 @pytest.fixture
 def etcd_server(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[EtcdServer]:
-    if shutil.which("etcd") is None:
-        pytest.skip("etcd not on PATH (Debian: apt-get install etcd-server)")
+    require_command("etcd", debian("etcd-server"))
     options = getattr(request, "param", {})
-    if options.get("tls") and shutil.which("openssl") is None:
-        pytest.skip("openssl not on PATH (needed for the TLS certificates)")
+    if options.get("tls"):
+        require_command("openssl", debian("openssl") + " for the TLS certificates")
     workdir = tmp_path / "etcd"
     workdir.mkdir()
     server = EtcdServer(workdir, **options)

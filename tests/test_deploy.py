@@ -9,6 +9,8 @@ what the training operator does: two "pods" run the PyTorchJob's container comma
 from __future__ import annotations
 
 import json
+import re
+import signal
 import subprocess
 import sys
 from functools import cache
@@ -18,11 +20,12 @@ from typing import Any
 import pytest
 import yaml
 
+from elastic_runner import audit, health
 from elastic_runner import checkpoint as ckpt
-from elastic_runner import health
 from elastic_runner.cli import build_parser
 from elastic_runner.config import load_config
 
+from .etcd import EtcdServer
 from .k8s import K8S, by_kind, problems, render
 from .procs import REPO, free_port, wait_until
 from .test_metrics import get
@@ -344,3 +347,54 @@ def test_operator_rehearsal_two_pods_one_killed_the_other_finishes(
     assert "rendezvous: etcd" in survivor.output
     ranks = [json.loads((ck / "ranks" / f"rank-{r}.json").read_text()) for r in (0, 1)]
     assert {r["world_size"] for r in ranks} == {2} and {r["step"] for r in ranks} == {40}
+
+
+@pytest.mark.slow
+def test_operator_rehearsal_a_worker_killed_in_one_pod_is_replaced_in_place(
+        launch, netns_nodes, tmp_path):
+    """Two pods, each a network namespace with its own IP (the manifest's ``status.podIP``),
+    etcd on the pods' network: a worker process killed inside one pod is replaced in place from
+    that pod's spare while the other pod's workers go on in their processes."""
+    job = one("cpu", "PyTorchJob")
+    env = operator_env(job)
+    nodes = netns_nodes(2)
+    workdir = tmp_path / "etcd"
+    workdir.mkdir()
+    etcd = EtcdServer(workdir, host=nodes.host_address)  # the etcd Service, on the pod network
+    etcd.start()
+    try:
+        env["PET_RDZV_ENDPOINT"] = etcd.endpoint
+        env["PET_RDZV_ID"] = f"rehearsal-{tmp_path.name}"
+        env["PET_NNODES"] = "2"  # both pods in the first round (elastic joins: test_multinode)
+        cfg_dir = tmp_path / "etc"
+        cfg_dir.mkdir()
+        config = cfg_dir / "job.yaml"
+        config.write_text(_config_map("cpu", "job.yaml"))
+        ck, trace = tmp_path / "checkpoints" / "elastic-runner", tmp_path / "trace"
+        args, cmd = command_args("cpu"), container("cpu")["command"]
+        pods = []
+        for i in range(2):
+            argv = [sys.executable, "-m", "elastic_runner", *cmd[1:]]
+            argv[argv.index(args.config)] = str(config)  # the ConfigMap, "mounted" here
+            argv += [f"checkpoint.dir={ck}", "training.max_steps=300",
+                     "early_stopping.enabled=false", "data.num_workers=0",
+                     f"audit.trace_dir={trace}", "recovery.spare_delay_seconds=1",
+                     "faults.inject=[{kind: slow, rank: 0, step: 1, count: 100000, "
+                     "seconds: 0.05}]"]
+            pods.append(launch(nodes.argv(i, argv), name=f"worker-{i}",
+                               env={**env, **nodes.env(i)}))
+        ready = re.compile(r"spare \S+ ready")
+        wait_until(lambda: ready.search(pods[1].output) is not None, 240, "pod 1's spare")
+        others = {p.pid for p in pods[0].workers().values()}
+        victim = max(r for r in pods[1].workers() if r >= 0)
+        pods[1].workers()[victim].send_signal(signal.SIGKILL)
+        for pod in pods:
+            assert pod.wait(timeout=300) == 0, pod.output[-3000:]
+    finally:
+        etcd.stop()
+    assert f"rank(s) [{victim}] exited with code(s) [-9]: replaced in place" in pods[1].output
+    assert "resumed from" not in pods[0].output + pods[1].output
+    assert others <= {p.pid for p in pods[0].descendants()}  # the same processes throughout
+    assert json.loads((ck / "results.json").read_text())["step"] == 300
+    for report in audit.audit(trace):
+        assert report.ok, report

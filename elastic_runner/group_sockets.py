@@ -1,0 +1,89 @@
+"""Cut a process group's TCP connections, so that every peer's blocked collective fails now.
+
+Gloo cannot abort a collective: ``ProcessGroupGloo.abort()``/``shutdown()`` and
+``destroy_process_group()`` leave its connections open until the process exits (measured on
+torch 2.13 with three ranks: a peer blocked in ``all_reduce`` failed only when the aborting
+process exited, whichever of the three was called). A rank that learns of a failure in a
+collective therefore keeps the ranks that wait on *it* blocked until the collective timeout:
+with three ranks or more, those not next to the dead one in the ring stay in the old group.
+
+:class:`GroupSockets` records the sockets a process group opened (the TCP sockets that appear
+in ``/proc/self/fd`` while the group forms) and :meth:`GroupSockets.cut` shuts down their
+sending side (``shutdown(2)``, ``SHUT_WR``; the descriptors stay open and owned by gloo). Each
+peer then reads end-of-file, which is what it would see if this process had died: its
+collective fails with "Connection closed by peer" and it follows the same recovery. Only the
+sending side: shutting down both (``SHUT_RDWR``) makes gloo's own event loop in *this* process
+raise ``gloo::EnforceNotMet`` outside any handler, which aborts the process (seen with four
+ranks on two nodes). torchft solves the same
+problem by running gloo in a child process it can kill (``ProcessGroupBabyGloo``), which costs a
+copy through shared memory per collective; shutting the sockets down costs nothing per step.
+
+Linux only (``/proc``); elsewhere nothing is recorded and :meth:`cut` does nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+from collections.abc import Iterator
+
+_FD_DIR = "/proc/self/fd"
+
+
+def _sockets() -> dict[int, str]:
+    """This process's socket descriptors: fd -> ``socket:[inode]``."""
+    found: dict[int, str] = {}
+    with contextlib.suppress(OSError):
+        for name in os.listdir(_FD_DIR):
+            with contextlib.suppress(OSError, ValueError):
+                target = os.readlink(f"{_FD_DIR}/{name}")
+                if target.startswith("socket:"):
+                    found[int(name)] = target
+    return found
+
+
+class GroupSockets:
+    """The sockets of the process groups formed inside :meth:`forming` since the last
+    :meth:`cut`."""
+
+    def __init__(self) -> None:
+        self._owned: dict[int, str] = {}
+
+    @contextlib.contextmanager
+    def forming(self) -> Iterator[None]:
+        """Record the sockets opened inside the ``with`` block (a process group forming)."""
+        before = _sockets()
+        try:
+            yield
+        finally:
+            after = _sockets()
+            self._owned.update({fd: t for fd, t in after.items() if before.get(fd) != t})
+
+    def cut(self) -> int:
+        """Shut down every recorded socket that is still the one recorded (a closed fd may
+        have been reused). Returns how many were shut down."""
+        owned, self._owned = self._owned, {}
+        current = _sockets()
+        count = 0
+        for fd, target in owned.items():
+            if current.get(fd) != target:
+                continue
+            with contextlib.suppress(OSError):
+                sock = socket.socket(fileno=fd)
+                try:
+                    sock.shutdown(socket.SHUT_WR)
+                    count += 1
+                finally:
+                    sock.detach()  # the descriptor stays gloo's
+        return count
+
+
+class NoSockets:
+    """Nothing to cut (no in-place recovery: torchrun restarts every worker)."""
+
+    def forming(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def cut(self) -> int:
+        return 0

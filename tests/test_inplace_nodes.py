@@ -1,0 +1,190 @@
+"""In-place recovery across nodes: each "node" a network namespace with its own address
+(tests/netns.py), one ``elastic-runner run`` per node, the recovery store in the rendezvous
+backend (the c10d store on the rendezvous host, or etcd). A worker SIGKILLed on the node that
+does not host the store, a worker frozen by SIGSTOP (found by its heartbeat), the store host's
+own worker, and one killed while it writes a checkpoint are each replaced from their node's warm
+spare while every other worker keeps its process; the runs end equal to an uninterrupted one
+(bitwise at world size 2; to float32 rounding at 4, see :func:`check_run`) with an exact sample
+audit, and no checkpoint is read."""
+
+from __future__ import annotations
+
+import re
+import signal
+
+import psutil
+import pytest
+import torch
+
+from elastic_runner import audit
+
+from .etcd import EtcdServer
+from .netns import Nodes
+from .procs import Job, cli, wait_until
+from .test_inplace import DIGITS, done, replacements
+from .test_train_torchrun import assert_same_tensors, final_state
+
+pytestmark = pytest.mark.slow
+
+RDZV_PORT = 29400  # each node has its own port space: the default c10d port is free
+_READY = re.compile(r"spare (\S+) ready")
+_HUNG = re.compile(r"local_rank \d+ \(pid (\d+)\) sent no heartbeat for ([\d.]+) s")
+
+
+def common(steps: int, slow_s: float) -> list[str]:
+    return [DIGITS, "logging.tensorboard_dir=null", "early_stopping.enabled=false",
+            f"training.max_steps={steps}", "training.max_epochs=1000", "eval.every_steps=0",
+            "checkpoint.every_steps=40", "training.log_every_steps=10",
+            f"faults.inject=[{{kind: slow, rank: 0, step: 1, count: 100000, seconds: {slow_s}}}]"]
+
+
+def start_nodes(launch, nodes: Nodes, tmp_path, args: list[str], nproc: int,
+                rdzv: list[str]) -> list[Job]:
+    """One ``elastic-runner run`` per node of ``nodes`` (``rdzv``: the rendezvous options;
+    ``{host}`` in them becomes ``true`` on node 0 and ``false`` elsewhere)."""
+    jobs = []
+    for i in range(nodes.count):
+        opts = [o.replace("{host}", "true" if i == 0 else "false") for o in rdzv]
+        argv = cli("run", *args, "recovery.spare_delay_seconds=1",
+                   "recovery.heartbeat_timeout_seconds=2", f"checkpoint.dir={tmp_path / 'ck'}",
+                   f"faults.once_dir={tmp_path / 'once'}", "--trace-samples",
+                   str(tmp_path / "trace"), "--nnodes", str(nodes.count), "--nproc-per-node",
+                   str(nproc), "--rdzv-id", "nodes", "--max-restarts", "10", *opts)
+        jobs.append(launch(nodes.argv(i, argv), name=f"node{i}", env=nodes.env(i)))
+    return jobs
+
+
+def reference(launch, tmp_path, args: list[str], world_size: int) -> Job:
+    """The same training uninterrupted, on one node (gloo sums in the same order)."""
+    return launch(cli("run", *args, f"checkpoint.dir={tmp_path / 'ref'}", "--nproc-per-node",
+                      str(world_size)), name="reference")
+
+
+def ranks(job: Job) -> dict[int, psutil.Process]:
+    """The node's original workers by rank (a spare's RANK is -1)."""
+    return {rank: p for rank, p in job.workers().items() if rank >= 0}
+
+
+def spares_ready(job: Job) -> int:
+    return len(_READY.findall(job.output))
+
+
+def live_pid(job: Job, rank: int) -> int:
+    """The pid of ``rank``'s process on ``job``'s node: its replacement's, once replaced."""
+    replaced = [r[3] for r in replacements(job.output) if r[0] == rank]
+    return replaced[-1] if replaced else ranks(job)[rank].pid
+
+
+def recoveries(jobs: list[Job]) -> dict[int, int]:
+    found: dict[int, int] = {}
+    for job in jobs:
+        found.update(done(job.output))
+    return found
+
+
+def check_run(jobs: list[Job], ref: Job, tmp_path, generations: int,
+              bitwise: bool = True) -> None:
+    """Every node's run and the reference succeeded, ``generations`` recoveries committed, no
+    checkpoint was read, the audit is exact and the final model and optimizer state equal the
+    reference's: bitwise, or (``bitwise=False``, world size 4) to within 1e-3 (absolute and
+    relative): the recovered run differs at rounding level and Adam carries that on. The likely
+    cause of the latter (not yet confirmed): gloo's ring all-reduce over more than two ranks sums each element in an order set by
+    its place in the DDP bucket, and a recovery re-wraps the model in a new DDP whose first step
+    uses DDP's initial bucket layout, not the layout rebuilt after the first step of the
+    uninterrupted run. Measured on digits (weights up to 0.44): one kill from outside, largest
+    difference 3e-8; with the kill during a checkpoint write as well, 9e-5. A two-node run at
+    world size 4 without faults is bitwise equal to the one-node reference."""
+    for job in jobs:
+        assert job.wait(timeout=300) == 0, job.output[-4000:]
+    assert ref.wait(timeout=300) == 0, ref.output[-3000:]
+    logs = "".join(job.output for job in jobs)
+    assert "resumed from" not in logs  # every state came from a live peer
+    assert sorted(recoveries(jobs)) == list(range(1, generations + 1))
+    for r in audit.audit(tmp_path / "trace"):
+        assert r.ok, r
+    ours, theirs = final_state(tmp_path / "ck"), final_state(tmp_path / "ref")
+    if bitwise:
+        assert_same_tensors(theirs["model"], ours["model"])
+        assert_same_tensors(theirs["optimizer"]["state"][0], ours["optimizer"]["state"][0])
+    else:
+        close = {"atol": 1e-3, "rtol": 1e-3}
+        torch.testing.assert_close(ours["model"], theirs["model"], **close)
+        torch.testing.assert_close(ours["optimizer"]["state"][0],
+                                   theirs["optimizer"]["state"][0], **close)
+
+
+def test_c10d_two_nodes_crash_hang_and_the_store_hosts_worker(launch, netns_nodes, tmp_path):
+    args = common(steps=700, slow_s=0.05)
+    ref = reference(launch, tmp_path, args, 2)
+    nodes = netns_nodes(2)
+    host, other = start_nodes(launch, nodes, tmp_path, args, 1, [
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{nodes.address(0)}:{RDZV_PORT}",
+        "--rdzv-conf", "is_host={host}"])
+    wait_until(lambda: len(ranks(host)) == len(ranks(other)) == 1, 180, "both workers")
+    (victim,), (keeper,) = ranks(other), ranks(host)
+    host_pid = ranks(host)[keeper].pid
+
+    # 1. a crash on the node that does not host the store
+    wait_until(lambda: spares_ready(other) >= 1, 180, "node 1's spare")
+    psutil.Process(live_pid(other, victim)).send_signal(signal.SIGKILL)
+    wait_until(lambda: 1 in recoveries([host, other]), 120, "recovery 1")
+    assert psutil.Process(host_pid).is_running()  # the other node's worker kept its process
+
+    # 2. a hang (SIGSTOP) there: the agent sees the heartbeat stop, kills and replaces it
+    wait_until(lambda: spares_ready(other) >= 2, 180, "node 1's second spare")
+    frozen = live_pid(other, victim)
+    psutil.Process(frozen).send_signal(signal.SIGSTOP)
+    wait_until(lambda: 2 in recoveries([host, other]), 120, "recovery 2 (hang)")
+    hung = _HUNG.findall(other.output)
+    assert [int(pid) for pid, _ in hung] == [frozen], other.output[-3000:]
+    assert replacements(other.output)[-1][:2] == (victim, -9)
+
+    # 3. the worker on the store's host (the store lives in its agent, not in the worker)
+    wait_until(lambda: spares_ready(host) >= 1, 180, "node 0's spare")
+    psutil.Process(host_pid).send_signal(signal.SIGKILL)
+    wait_until(lambda: 3 in recoveries([host, other]), 120, "recovery 3")
+
+    check_run([host, other], ref, tmp_path, generations=3)
+    # one generation counter for the job: node 1 announced 1 and 2, node 0 announced 3
+    assert [r[4] for r in replacements(other.output)] == [1, 2]
+    assert [r[4] for r in replacements(host.output)] == [3]
+
+
+@pytest.fixture
+def bridged_etcd(tmp_path, netns_nodes):
+    """Two nodes and an etcd server in the root namespace, on the nodes' bridge."""
+    nodes = netns_nodes(2)
+    workdir = tmp_path / "etcd"
+    workdir.mkdir()
+    server = EtcdServer(workdir, host=nodes.host_address)
+    try:
+        server.start()
+        yield nodes, server
+    finally:
+        server.stop()
+
+
+def test_etcd_two_nodes_of_two_a_crash_during_a_checkpoint_write_and_one_outside(
+        launch, bridged_etcd, tmp_path):
+    nodes, etcd = bridged_etcd
+    args = common(steps=400, slow_s=0.05)
+    ref = reference(launch, tmp_path, args, 4)
+    # rank 0 dies while step 80's checkpoint is written (after the snapshot, in the background
+    # write): on etcd no node is special, so its own node's spare replaces it
+    faults = args[:-1] + ["faults.inject=[{kind: slow, rank: 0, step: 1, count: 100000, "
+                          "seconds: 0.05}, {kind: sigkill, rank: 0, step: 80, "
+                          "during: checkpoint}]"]
+    jobs = start_nodes(launch, nodes, tmp_path, faults, 2, [
+        "--rdzv-backend", "etcd-v2", "--rdzv-endpoint", etcd.endpoint])
+    wait_until(lambda: 1 in recoveries(jobs), 240, "recovery 1 (the checkpoint write)")
+    ck = tmp_path / "ck" / "step-00000080"
+    assert not ck.exists() or (ck / "manifest.json").exists()  # never half published
+
+    # then a worker of the node without rank 0, from outside
+    far = next(job for job in jobs if 0 not in {r[0] for r in replacements(job.output)}
+               and 0 not in ranks(job))
+    wait_until(lambda: spares_ready(far) >= 1, 180, "the other node's spare")
+    victim = max(ranks(far))
+    psutil.Process(live_pid(far, victim)).send_signal(signal.SIGKILL)
+    wait_until(lambda: 2 in recoveries(jobs), 120, "recovery 2")
+    check_run(jobs, ref, tmp_path, generations=2, bitwise=False)

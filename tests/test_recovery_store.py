@@ -1,0 +1,127 @@
+"""The pieces in-place recovery across nodes is built from, each against the real thing: where
+the recovery store lives and how every node agrees on an attempt's keys (real TCPStores), the
+restart key that stops in-place replacements, a group's sockets cut so a waiting peer reads
+end-of-file, and the heartbeat an agent uses to find a frozen (SIGSTOPped) worker."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from datetime import timedelta
+from types import SimpleNamespace
+
+import pytest
+import torch.distributed as dist
+
+from elastic_runner.config import RecoveryConfig
+from elastic_runner.group_sockets import GroupSockets, NoSockets
+from elastic_runner.heartbeat import HEARTBEAT_ENV, Heartbeat, NoHeartbeat
+from elastic_runner.inplace import InPlaceRecovery
+from elastic_runner.inplace_agent import InPlaceAgent
+from elastic_runner.recovery_store import StoreLocation, agree_prefix, connect
+
+from .procs import wait_until
+
+
+def test_location_of_each_rendezvous_backend_round_trips_through_json():
+    c10d = StoreLocation.for_rendezvous("c10d", "node-0", {}, "job")
+    assert (c10d.kind, c10d.endpoint) == ("c10d", "node-0:29400")  # torchrun's default port
+    etcd = StoreLocation.for_rendezvous("etcd", "10.0.0.1:2379", {"cacert": "/ca.pem"}, "job")
+    assert etcd.kind == "etcd" and etcd.conf["ca_cert"] == "/ca.pem"  # etcd-v2's spelling
+    moved = etcd.with_prefix("elastic_runner/job/abc")
+    assert StoreLocation.from_json(moved.to_json()) == moved
+    with pytest.raises(ValueError, match="c10d or etcd"):
+        StoreLocation.for_rendezvous("static", "h:1", {}, "job")
+
+
+def test_every_node_agrees_on_the_attempt_prefix_through_the_round_store():
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                           timeout=timedelta(seconds=10))
+    location = StoreLocation("c10d", f"127.0.0.1:{server.port}", run_id="job")
+    stores = [connect(location, 10) for _ in range(3)]
+    got: dict[int, str] = {}
+    threads = [threading.Thread(target=lambda n=n: got.update(
+        {n: agree_prefix(dist.PrefixStore("round-1/", stores[n]), n, "job")}))
+        for n in (2, 1, 0)]  # the other nodes ask before node rank 0 has drawn it
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=20)
+    assert len(set(got.values())) == 1 and got[0].startswith("elastic_runner/job/")
+    again = agree_prefix(dist.PrefixStore("round-2/", stores[0]), 0, "job")
+    assert again != got[0]  # a new rendezvous round, new keys
+
+
+def test_a_restart_asked_for_ends_the_wait_for_a_generation():
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                           timeout=timedelta(seconds=10))
+    worker = InPlaceRecovery(connect(StoreLocation("tcp", f"127.0.0.1:{server.port}"), 10),
+                             "p", 0, detect_timeout_s=0.2, join_timeout_s=5)
+    assert worker._wait_generation(1, 0.2) is None  # nothing announced: times out
+    server.set("p/gen/1", json.dumps({"failed": [1]}))
+    assert worker._wait_generation(1, 5) == {"failed": [1]}
+    worker._ask_restart()
+    assert worker._wait_generation(2, 5) == {"restart": True}
+
+
+def test_cut_sockets_make_the_peer_read_end_of_file_and_leave_others_alone():
+    listener = socket.create_server(("127.0.0.1", 0))
+    kept = socket.create_connection(listener.getsockname())  # opened before: not the group's
+    kept_peer, _ = listener.accept()
+    group = GroupSockets()
+    with group.forming():
+        ours = socket.create_connection(listener.getsockname())
+    peer, _ = listener.accept()
+    assert group.cut() == 1
+    peer.settimeout(5)
+    assert peer.recv(16) == b""  # end-of-file, as if this process had died
+    kept.sendall(b"x")
+    assert kept_peer.recv(16) == b"x"
+    assert group.cut() == 0 and NoSockets().cut() == 0
+    for s in (listener, kept, kept_peer, ours, peer):
+        s.close()
+
+
+def test_heartbeat_touches_its_file_and_removes_it_when_closed(tmp_path, monkeypatch):
+    assert isinstance(Heartbeat.from_env(10), NoHeartbeat)  # no agent's directory
+    monkeypatch.setenv(HEARTBEAT_ENV, str(tmp_path))
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert isinstance(Heartbeat.from_env(None), NoHeartbeat)  # the check is off
+    beat = Heartbeat.from_env(0.2)
+    path = tmp_path / "3"
+    first = path.stat().st_mtime_ns
+    wait_until(lambda: path.stat().st_mtime_ns > first, 10, "a second beat")
+    beat.close()
+    assert not path.exists()
+
+
+def test_the_agent_kills_a_worker_whose_heartbeat_stopped(tmp_path):
+    """A real worker-like process beating through :class:`Heartbeat`, then SIGSTOPped."""
+    code = ("import os, sys, threading; from pathlib import Path; "
+            "from elastic_runner.heartbeat import Heartbeat; "
+            "Heartbeat(Path(sys.argv[1]), 0.05); threading.Event().wait()")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "0")])
+    try:
+        wait_until(lambda: (tmp_path / "0").exists(), 60, "the first beat")
+        agent = SimpleNamespace(_cfg=RecoveryConfig(heartbeat_timeout_seconds=0.5),
+                                _heartbeats=tmp_path)
+        pc = SimpleNamespace(subprocess_handlers={0: SimpleNamespace(proc=proc)})
+        deadline = time.monotonic() + 2
+        while time.monotonic() < deadline:  # beating: never killed
+            InPlaceAgent._kill_hung(agent, pc)
+            assert proc.poll() is None
+            time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGSTOP)
+        wait_until(lambda: (InPlaceAgent._kill_hung(agent, pc), proc.poll())[1] is not None,
+                   30, "the agent killing the frozen process")
+        assert proc.returncode == -signal.SIGKILL and not (tmp_path / "0").exists()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=30)
