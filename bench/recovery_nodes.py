@@ -11,7 +11,7 @@ the target node's warm spare is ready, then
   ``recovery.heartbeat_timeout_seconds``, and kills it),
 
 and measures, from the sample trace's commit times, the seconds from the signal to the first
-step committed after it, and the steps redone (the last step committed before the signal minus
+step all of whose ranks committed it after the signal, and the steps redone (the last step committed before the signal minus
 the step the group went on from, plus one if positive). Recoveries are counted from the logs
 (``in-place recovery N done``), not from the signals sent; a fault that did not lead to an
 in-place recovery (a restart) is reported in ``restarts``.
@@ -62,9 +62,11 @@ def _argv(nodes: Nodes, i: int, workdir: Path, nproc: int, backend: str,
         "--rdzv-id", "bench", "--max-restarts", "1000", *conf])
 
 
-def _commits(trace: Path) -> dict[int, float]:
-    """step -> commit time (unix seconds) of every committed step in the trace."""
+def _commits(trace: Path, latest: bool = True) -> dict[int, float]:
+    """step -> commit time (unix seconds) of every committed step in the trace: the latest of
+    its ranks' entries, or (``latest=False``) the earliest."""
     out: dict[int, float] = {}
+    pick = max if latest else min
     for path in trace.glob("rank-*.jsonl"):
         for line in path.read_text().splitlines():
             try:
@@ -72,7 +74,8 @@ def _commits(trace: Path) -> dict[int, float]:
             except ValueError:
                 continue
             if "time" in entry and "step" in entry:
-                out[entry["step"]] = max(out.get(entry["step"], 0.0), entry["time"])
+                step = entry["step"]
+                out[step] = pick(out[step], entry["time"]) if step in out else entry["time"]
     return out
 
 
@@ -124,8 +127,10 @@ def layout(nodes_count: int, nproc: int, backend: str, faults: int, workdir: Pat
                                             else signal.SIGSTOP)
             wait_until(lambda d=done: len(_generations(jobs[0].output)) > d, 300,
                        f"{kind} {n // 2 + 1}: a committed step")
-            first = min(step for step, t in _commits(workdir / "trace").items()
-                        if t >= t_fault)
+            # the first step every rank committed after the signal (a step in flight then,
+            # which some ranks committed before it, is not the recovery's)
+            earliest = _commits(workdir / "trace", latest=False)
+            first = min(step for step, t in earliest.items() if t >= t_fault)
             seconds = _commits(workdir / "trace")[first] - t_fault
             results[kind].append((seconds, max(0, last - first + 1)))
         logs = "".join(j.output for j in jobs)

@@ -15,17 +15,21 @@ in another order and the weights drift by a few ulps (2 ranks hide it: a + b == 
 Fault classes (the plan holds every class ``n // 7`` times, the remainder drawn; the order, the
 victims and the variants come from ``random.Random(seed)``):
 
-* ``worker-sigkill`` / ``worker-sigterm``: the signal to one worker (by rank, by pid);
-* ``worker-hang``: SIGSTOP of one worker; its peers' step watchdog fires
-  (``watchdog.hang_timeout_seconds``); SIGCONT once a peer logged the hang;
+* ``worker-sigkill`` / ``worker-sigterm``: the signal to one worker (by rank, by pid; a
+  replaced rank's replacement, by the pid its agent logged): a SIGKILL is recovered in place
+  (the agents' recovery store is etcd), a SIGTERM is a preemption (the restart path);
+* ``worker-hang``: SIGSTOP of one worker; its agent finds its heartbeat stale
+  (``recovery.heartbeat_timeout_seconds``, :attr:`Settings.heartbeat_timeout_s`, below the step
+  watchdog's ``hang_timeout_s``), kills it and replaces it in place; were the watchdog first,
+  its peers would report the hang and the group restart; SIGCONT once either was logged;
 * ``node-kill``: SIGKILL of one node's agent and its workers (by pid; torchrun workers live in
   their own sessions), then that node's agent is started again;
 * ``etcd-outage``: etcd SIGSTOPped (a hung server) or SIGKILLed, for at least ``hold_s`` seconds
   and until the job committed 5 steps without it, then SIGCONTed or restarted (same data dir);
 * ``ckpt-corrupt``: once a checkpoint was committed, every worker is SIGSTOPped, the newest
   checkpoint has its ``state.pt`` truncated or one bit flipped (a new file: a hard-linked best
-  checkpoint keeps its bytes), rank 0 (the writer) is SIGKILLed and the others SIGCONTed: the
-  group must resume from an older checkpoint;
+  checkpoint keeps its bytes), and every worker is SIGKILLed: with no survivor to copy, the
+  replacements must resume from an older checkpoint;
 * ``nan``: ``nan rank=R`` written to the job's ``faults.trigger_file`` (``faults.py``): rank R's
   next loss is NaN and every rank must skip that update (the trace marks it ``skipped``).
 
@@ -33,10 +37,11 @@ One at a time: a fault is injected only after the job recovered from the previou
 committed a new checkpoint and a step after it (so a crash-loop guard sees checkpoint progress);
 every wait polls the agents' logs and the sample trace (no sleep stands in for an event).
 
-Per fault: ``recovery_s`` = the fault -> the first step committed after the recovery (after the
-resume for a restart; after etcd is back for an outage; the first committed step after the
-skipped one for a NaN); ``steps_redone`` = the last step committed before the fault minus the
-step resumed from. For the job: completed (both agents exit 0, the final checkpoint is at
+Per fault: ``path`` (``in_place``: an ``in-place recovery N done`` line, no checkpoint read;
+``restart``: rank 0 resumed from a checkpoint), ``recovery_s`` = the fault -> the first step
+committed after the recovery (after the resume for a restart; after etcd is back for an outage;
+the first committed step after the skipped one for a NaN); ``steps_redone`` = the last step
+committed before the fault minus the step the group went on from. For the job: completed (both agents exit 0, the final checkpoint is at
 ``max_steps``), the sample audit per completed epoch (``elastic_runner.audit``), resumes from a
 checkpoint that the driver had corrupted (must be 0; read from the ``resumed from`` lines), and
 the final model tensors against a reference run of the same config (same launch, no faults
@@ -152,6 +157,7 @@ class Settings:
     steps: int
     every_steps: int = 5
     hang_timeout_s: float = 6.0
+    heartbeat_timeout_s: float = 3.0
     fault_timeout_s: float = 300.0
     timeout_s: float = 5400.0
 
@@ -176,6 +182,10 @@ _COMMITTED = re.compile(r"^committed checkpoint (.+) \(written in")
 _SKIPPING = re.compile(r"^skipping checkpoint (\S+): (.*)$")
 _POISON = re.compile(r"^fault injection: rank (\d+) poisons its loss at step (\d+)")
 _HANG = re.compile(r"^rank \d+: .* exceeded its .* budget \(hang\)")
+_IN_PLACE = re.compile(r"^in-place recovery (\d+) done: step (\d+) committed")
+_REPLACED = re.compile(r"^rank\(s\) \[([\d, ]+)\] exited with code\(s\) .*: replaced in place by "
+                       r"\w+ spare\(s\) pid\(s\) \[([\d, ]+)\]")
+_HEARTBEAT = re.compile(r"^local_rank \d+ \(pid \d+\) sent no heartbeat")
 
 
 @dataclass
@@ -186,7 +196,10 @@ class Events:
     commits: list[tuple[float, str, int]] = field(default_factory=list)  # step checkpoints
     skips: list[tuple[float, str, str]] = field(default_factory=list)
     poisons: list[tuple[float, int, int]] = field(default_factory=list)
-    hangs: list[float] = field(default_factory=list)
+    hangs: list[float] = field(default_factory=list)  # a watchdog's report, or a heartbeat kill
+    in_place: dict[int, tuple[float, int]] = field(default_factory=dict)  # generation -> (t,
+    #   the first step committed after it)
+    replaced: dict[int, int] = field(default_factory=dict)  # rank -> its replacement's pid
 
     def add(self, t: float, rank: int | None, text: str) -> None:
         if (m := _RESUMED.match(text)) and rank == 0:
@@ -199,8 +212,13 @@ class Events:
             self.skips.append((t, m[1], m[2]))
         elif m := _POISON.match(text):
             self.poisons.append((t, int(m[1]), int(m[2])))
-        elif _HANG.match(text):
+        elif _HANG.match(text) or _HEARTBEAT.match(text):
             self.hangs.append(t)
+        elif m := _IN_PLACE.match(text):
+            self.in_place.setdefault(int(m[1]), (t, int(m[2])))
+        elif m := _REPLACED.match(text):
+            for r, pid in zip(m[1].split(", "), m[2].split(", "), strict=True):
+                self.replaced[int(r)] = int(pid)
 
 
 class LogTail:
@@ -295,6 +313,8 @@ class Cluster:
                    f"training.max_steps={s.steps}", "training.max_epochs=100000",
                    f"eval.every_steps={s.steps + 1}",
                    f"watchdog.hang_timeout_seconds={s.hang_timeout_s}",
+                   f"recovery.heartbeat_timeout_seconds={s.heartbeat_timeout_s}",
+                   "recovery.spare_delay_seconds=2",
                    "watchdog.long_op_timeout_seconds=300", "watchdog.dump_grace_seconds=1",
                    f"faults.trigger_file={self.trigger}", *EXACT_DDP, *self.extra,
                    "--nnodes", "2:2", "--nproc-per-node", "2", "--rdzv-backend", "etcd-v2",
@@ -357,6 +377,12 @@ class Cluster:
     def worker(self, rank: int) -> psutil.Process:
         """The live worker of global ``rank`` (waits for the group to be complete)."""
         def find() -> psutil.Process | None:
+            self.update()
+            if rank in self.events.replaced:  # a spare's RANK variable is -1: its agent's line
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    p = psutil.Process(self.events.replaced[rank])
+                    if p.status() != psutil.STATUS_ZOMBIE:
+                        return p
             for job in self.nodes.values():
                 if (p := job.workers().get(rank)) is not None:
                     return p
@@ -365,6 +391,10 @@ class Cluster:
 
     def resume_after(self, t: float) -> tuple[float, str, int] | None:
         return next((r for r in self.events.resumes if r[0] > t - LOG_SLACK_S), None)
+
+    def in_place_after(self, t: float) -> tuple[float, int] | None:
+        return next((r for r in sorted(self.events.in_place.values()) if r[0] > t - LOG_SLACK_S),
+                    None)
 
     def commit_after(self, t: float) -> tuple[float, str, int] | None:
         return next((c for c in self.events.commits if c[0] > t - LOG_SLACK_S), None)
@@ -380,17 +410,19 @@ class Cluster:
 
 
 def _after_restart(c: Cluster, t_fault: float, last_before: int) -> dict[str, Any]:
-    """Wait for the group to resume after ``t_fault`` and commit a step; the recovery."""
-    def recovered() -> tuple[tuple[float, str, int], tuple[float, int]] | None:
-        r = c.resume_after(t_fault)
-        first = c.trace.first_commit_after(r[0]) if r else None
-        return (r, first) if r and first else None
+    """Wait for the group to recover after ``t_fault`` (in place, or resumed from a
+    checkpoint) and commit a step; the recovery."""
+    def recovered() -> dict[str, Any] | None:
+        if (r := c.resume_after(t_fault)) and (first := c.trace.first_commit_after(r[0])):
+            return {"path": "restart", "t_recovered": first[0], "resumed_from": r[1],
+                    "resumed_step": r[2], "steps_redone": max(0, last_before - r[2])}
+        if c.in_place_after(t_fault) and (first := c.trace.first_commit_after(t_fault)):
+            return {"path": "in_place", "t_recovered": first[0],
+                    "steps_redone": max(0, last_before - (first[1] - 1))}
+        return None
 
-    (_, path, step), (t_rec, _) = c.wait(recovered, c.settings.fault_timeout_s,
-                                         "the group to resume and commit a step")
-    return {"t_recovered": t_rec, "recovery_s": t_rec - t_fault,
-            "steps_redone": max(0, last_before - step), "resumed_from": path,
-            "resumed_step": step}
+    rec = c.wait(recovered, c.settings.fault_timeout_s, "the group to recover and commit a step")
+    return {**rec, "recovery_s": rec["t_recovered"] - t_fault}
 
 
 def _last_step(c: Cluster) -> tuple[int, float]:
@@ -412,7 +444,8 @@ def fault_worker_hang(c: Cluster, f: Fault) -> dict[str, Any]:
     victim.suspend()  # SIGSTOP
     try:
         t_seen = c.wait(lambda: next((h for h in c.events.hangs if h > t - LOG_SLACK_S), None),
-                        c.settings.hang_timeout_s + 60, "a peer's watchdog to report the hang")
+                        c.settings.hang_timeout_s + 60,
+                        "its agent's heartbeat check or a peer's watchdog to report the hang")
     finally:
         with contextlib.suppress(psutil.NoSuchProcess):
             victim.resume()  # SIGCONT: the agent's SIGTERM, pending while stopped, ends it
@@ -472,8 +505,8 @@ def corrupt(state: Path, variant: str, where: float) -> None:
 def fault_ckpt_corrupt(c: Cluster, f: Fault, corrupted: list[tuple[float, str]]
                        ) -> dict[str, Any]:
     """Once a new checkpoint was committed: every worker SIGSTOPped (nothing commits now), the
-    newest checkpoint corrupted, rank 0 SIGKILLed (the writer: no later commit of its own can
-    land), the others SIGCONTed; the group must resume from an older checkpoint."""
+    newest checkpoint corrupted, every worker SIGKILLed (no survivor holds the state: the
+    replacements must resume from an older checkpoint)."""
     t_mark = time.time()
     c.wait(lambda: c.commit_after(t_mark), c.settings.fault_timeout_s,
            "a new checkpoint to corrupt")
@@ -486,11 +519,10 @@ def fault_ckpt_corrupt(c: Cluster, f: Fault, corrupted: list[tuple[float, str]]
         assert newest is not None  # one was just committed
         corrupt(Path(newest.path) / ckpt.STATE_FILE, f.variant, f.where)
         corrupted.append((t, newest.path))
-        workers[0].kill()
     finally:
-        for p in workers[1:]:
+        for p in workers:
             with contextlib.suppress(psutil.NoSuchProcess):
-                p.resume()
+                p.kill()
     out = {"t_fault": t, "corrupted": newest.path, "corrupted_step": newest.step,
            **_after_restart(c, t, last)}
     out["warned"] = any(p == newest.path and ts > t for ts, p, _ in c.events.skips)
@@ -539,7 +571,7 @@ def inject(c: Cluster, f: Fault, corrupted: list[tuple[float, str]]) -> dict[str
 def survived(f: Fault, rec: dict[str, Any]) -> bool:
     """The class's own outcome on top of the recovery itself."""
     if f.kind == "ckpt-corrupt":  # the corrupted one was the newest: an older one, not it
-        return rec["resumed_from"] != rec["corrupted"] and \
+        return rec.get("path") == "restart" and rec["resumed_from"] != rec["corrupted"] and \
             rec["resumed_step"] < rec["corrupted_step"]
     if f.kind == "nan":
         return rec["skipped_on_all_ranks"] and rec["restarts"] == 0
@@ -734,7 +766,11 @@ def summarize(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
         recs = [r for r in result["faults"] if r["kind"] == kind]
         times = [r["recovery_s"] for r in recs if "recovery_s" in r]
         redone = [r.get("steps_redone", 0) for r in recs]
+        in_place = [r["recovery_s"] for r in recs
+                    if r.get("path") == "in_place" and "recovery_s" in r]
         out[kind] = {"injected": len(recs), "survived": sum(r["survived"] for r in recs),
+                     "in_place": len(in_place),
+                     "in_place_median_s": statistics.median(in_place) if in_place else None,
                      "recovery_median_s": statistics.median(times) if times else None,
                      "recovery_max_s": max(times) if times else None,
                      "steps_redone_total": sum(redone), "steps_redone_max": max(redone,
@@ -742,16 +778,18 @@ def summarize(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def _s(v: float | None) -> str:
-    return "-" if v is None else f"{v:.1f}"
+def _s(v: float | None, digits: int = 1) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"
 
 
 def table(result: dict[str, Any]) -> str:
     """The markdown tables of a soak record."""
-    rows = ["| fault | injected | survived | recovery median (s) | recovery max (s) | "
-            "steps redone (total, max) |", "| --- | --- | --- | --- | --- | --- |"]
+    rows = ["| fault | injected | survived | in place (median s) | recovery median (s) | "
+            "recovery max (s) | steps redone (total, max) |",
+            "| --- | --- | --- | --- | --- | --- | --- |"]
     for kind, s in result["summary"].items():
         rows.append(f"| {kind} | {s['injected']} | {s['survived']} | "
+                    f"{s.get('in_place', 0)} ({_s(s.get('in_place_median_s'), 2)}) | "
                     f"{_s(s['recovery_median_s'])} | {_s(s['recovery_max_s'])} | "
                     f"{s['steps_redone_total']}, {s['steps_redone_max']} |")
     job = result.get("job", {})

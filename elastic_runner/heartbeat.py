@@ -43,10 +43,7 @@ class Heartbeat:
 
     def _run(self) -> None:
         while not self._closed.wait(self.interval_s):
-            try:
-                os.utime(self.path)
-            except FileNotFoundError:  # the agent removed it: it is replacing this process
-                return
+            self.path.touch()  # creates it again if it was removed
 
     def close(self) -> None:
         """Stop beating and remove the file (a process on its way out is not hung)."""

@@ -271,8 +271,9 @@ class InPlaceAgent(LocalElasticAgent):
             spare = self._take_spare(pc)
             env = {**pc.envs[local_rank], GENERATION_ENV: str(self._generation),
                    "TORCHELASTIC_RESTART_COUNT": str(attempt)}
-            self._recovery_store.set(self._key("spare", spare.name, "assign"), json.dumps(env))
+            # the dead worker's file goes before the spare can start beating into it
             (self._heartbeats / str(local_rank)).unlink(missing_ok=True)
+            self._recovery_store.set(self._key("spare", spare.name, "assign"), json.dumps(env))
             pc.subprocess_handlers[local_rank] = _Adopted(spare.proc, local_rank)  # type: ignore
             worker = worker_group.workers[local_rank]
             worker.id = spare.proc.pid

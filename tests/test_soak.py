@@ -82,9 +82,10 @@ def test_ten_faults_of_every_class_on_two_nodes(tmp_path):
             assert f["skipped_on_all_ranks"] and f["restarts"] == 0, f
         if f["kind"] == "etcd-outage":
             assert f["steps_during_outage"] >= soak.OUTAGE_STEPS and f["restarts"] == 0, f
-        if f["kind"] in ("worker-sigkill", "worker-sigterm", "worker-hang", "node-kill",
-                         "ckpt-corrupt"):
-            assert f["restarts"] == 1, f
+        if f["kind"] in ("worker-sigkill", "worker-hang"):  # replaced in place
+            assert f["path"] == "in_place" and f["restarts"] == 0, f
+        if f["kind"] in ("worker-sigterm", "node-kill", "ckpt-corrupt"):
+            assert f["path"] == "restart" and f["restarts"] == 1, f
     weights = job["final_weights"]
     assert weights["unexplained_skips"] == [] and weights["bitwise"], weights
     assert soak.passed(result), soak.table(result)
