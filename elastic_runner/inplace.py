@@ -15,9 +15,11 @@ Protocol (sequence diagram in ``docs/recovery.md``):
    :meth:`InPlaceRecovery.recover` waits up to ``recovery.detect_timeout_seconds`` for an agent
    (the dead worker's, on whichever node) to publish generation ``g+1`` (``<prefix>/gen/<g+1>``:
    the failed ranks; generations are numbered by one counter in the store, ``<prefix>/
-   generations``). When no worker died (a bug, a timeout), or an agent took torch's restart
-   path (``<prefix>/restart``), the worker sets ``<prefix>/restart`` itself (so no agent
-   replaces anyone in place any more) and the error is re-raised: torchrun restarts everyone.
+   generations``). When a collective failed and no worker died (a timeout, a lost node whose
+   agent cannot announce), the worker sets ``<prefix>/restart`` (so no agent replaces anyone
+   in place any more) and re-raises: torchrun restarts everyone; so it does once an agent took
+   torch's restart path and set that key. This rank's own error (not a collective's) is
+   re-raised as it is: its agent replaces this rank in place.
 2. The agent hands the failed rank to its warm spare (a process that has imported torch and
    built the task's data and model, waiting for ``<prefix>/spare/<n>/assign``).
 3. Survivors destroy the old group; all members create group ``g+1`` (same ranks, same world
@@ -53,6 +55,7 @@ import torch
 import torch.distributed as dist
 
 from .config import ConfigError
+from .dist import is_peer_failure
 from .group_sockets import GroupSockets, NoSockets
 from .recovery_store import StoreLocation, connect
 
@@ -210,6 +213,8 @@ class InPlaceRecovery:
                       "the restart path", self.location.describe(), _first_line(e))
             return None
         if announced is None:
+            if not is_peer_failure(error):  # this rank's own error: its agent replaces it
+                return None
             log.error("collective failed and no peer died within %.0f s "
                       "(recovery.detect_timeout_seconds): %s; restarting every worker",
                       self.detect_timeout_s, _first_line(error))

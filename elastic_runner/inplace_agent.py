@@ -56,7 +56,7 @@ from .fencing import EXIT_FENCED
 from .heartbeat import HEARTBEAT_ENV
 from .inplace import ENV, GENERATION_ENV, SPARE_ENV
 from .preempt import EXIT_PREEMPTED
-from .recovery_store import StoreLocation, agree_prefix, connect
+from .recovery_store import StoreLocation, agree_attempt, connect
 from .watchdog import EXIT_HANG
 
 log = logging.getLogger(__name__)
@@ -111,11 +111,14 @@ class InPlaceAgent(LocalElasticAgent):
         self._on_replacement = on_replacement or (lambda r: None)
         # (not _store: torch's agent has one of its own)
         self._rstore: dist.Store | None = None
-        if location is None:  # one node: the store lives in this process
-            self._rstore = dist.TCPStore(
+        self._hosted: dist.TCPStore | None = None  # one node, or node rank 0 with etcd
+        if location is None or location.kind == "node0":
+            self._hosted = dist.TCPStore(
                 "127.0.0.1", 0, is_master=True, wait_for_workers=False,
                 timeout=timedelta(seconds=recovery.join_timeout_seconds))
-            location = StoreLocation("tcp", f"127.0.0.1:{self._rstore.port}")
+        if location is None:  # one node: the store lives in this process
+            self._rstore = self._hosted
+            location = StoreLocation("tcp", f"127.0.0.1:{self._hosted.port}")
         self._location = location
         self._heartbeats = Path(tempfile.mkdtemp(prefix="elastic-runner-heartbeats-"))
         self._node = 0
@@ -131,9 +134,20 @@ class InPlaceAgent(LocalElasticAgent):
 
     @property
     def _recovery_store(self) -> dist.Store:
-        if self._rstore is None:  # after the first rendezvous: the c10d store exists then
+        if self._rstore is None:  # after the rendezvous: the store exists then
             self._rstore = connect(self._location, self._cfg.join_timeout_seconds)
         return self._rstore
+
+    def _agree(self, worker_group: WorkerGroup) -> None:
+        """Several nodes: this round's key prefix and store endpoint, as node rank 0 says
+        (``node0``: its own hosted store at the address its workers' MASTER_ADDR names)."""
+        offer = self._location.endpoint
+        if self._hosted is not None and self._location.kind == "node0":
+            offer = f"{worker_group.master_addr}:{self._hosted.port}"
+        self._prefix, endpoint = agree_attempt(worker_group.store, self._node,
+                                               self._location.run_id, offer)
+        if endpoint != self._location.endpoint:  # node rank 0 changed: another store
+            self._location, self._rstore = self._location.at(endpoint, ""), None
 
     # ------------------------------------------------------------ torch's agent hooks
 
@@ -142,13 +156,13 @@ class InPlaceAgent(LocalElasticAgent):
         if self._location.kind == "tcp":
             self._prefix = f"attempt-{uuid.uuid4().hex[:12]}"
         else:  # the same prefix on every node, new every rendezvous round
-            self._prefix = agree_prefix(worker_group.store, self._node, self._location.run_id)
+            self._agree(worker_group)
         self._generation, self._grow, self._built_since = 0, None, None
         self._heartbeats.mkdir(parents=True, exist_ok=True)
         for beat in self._heartbeats.iterdir():  # the previous attempt's workers
             beat.unlink(missing_ok=True)
         saved = {name: os.environ.get(name) for name in (ENV, HEARTBEAT_ENV)}
-        os.environ[ENV] = self._location.with_prefix(self._prefix).to_json()
+        os.environ[ENV] = self._location.at(self._location.endpoint, self._prefix).to_json()
         os.environ[HEARTBEAT_ENV] = str(self._heartbeats)
         try:
             self._recovery_store.check([self._key("restart")])  # connect before the workers
@@ -186,8 +200,13 @@ class InPlaceAgent(LocalElasticAgent):
             with contextlib.suppress(RuntimeError, dist.DistError):
                 self._recovery_store.set(self._key("restart"), json.dumps({"restart": True}))
             return super()._monitor_workers(worker_group)
-        self._announce_grow()
-        self._keep_spare(pc)
+        try:
+            self._announce_grow()
+            self._keep_spare(pc)
+        except Exception as e:  # noqa: BLE001 - any client error of an unreachable store
+            # (etcd down or restarting: python-etcd, urllib3 and torch raise their own types):
+            # training goes on, the spare bookkeeping waits for the store
+            log.debug("recovery store unavailable this round: %s", e)
         if any(code is None for code in codes.values()):
             # torch's optional check for workers stuck in the kernel (off unless configured)
             timeout = getattr(self, "_uninterruptible_state_timeout", 0.0)
@@ -344,7 +363,7 @@ class InPlaceAgent(LocalElasticAgent):
         env = {**os.environ, **pc.envs[0]}
         for variable in _RANK_VARIABLES:
             env.pop(variable, None)
-        env.update({ENV: self._location.with_prefix(self._prefix).to_json(),
+        env.update({ENV: self._location.at(self._location.endpoint, self._prefix).to_json(),
                     HEARTBEAT_ENV: str(self._heartbeats), SPARE_ENV: name, "RANK": "-1"})
         proc = subprocess.Popen([pc.entrypoint, *map(str, pc.args[0])], env=env,
                                 start_new_session=True)

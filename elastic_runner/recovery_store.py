@@ -9,28 +9,31 @@ its generation/assignment protocol and the process groups of every generation in
   the rendezvous host (the ``--rdzv-endpoint`` node, ``is_host``); agents and workers on every
   node connect to it as clients (``c10d``). When that node is lost the store is gone with it,
   and so is the rendezvous: the job takes torch's restart path;
-* **several nodes, etcd** (``etcd-v2`` or ``etcd``): the etcd server through torch's
-  ``EtcdStore`` under ``/torch/elastic/store`` (what ``etcd-v2``'s ``create_backend`` builds),
-  so no node is special (``etcd``).
+* **several nodes, etcd rendezvous** (``etcd-v2`` or ``etcd``): a ``TCPStore`` that the agent
+  of node rank 0 hosts (``node0``), at the address its workers' ``MASTER_ADDR`` names. Not
+  etcd itself: the process groups of every generation live in the recovery store, and a
+  process group touches its store while it trains, so groups in etcd stopped training when
+  etcd did (seen: "No more machines in the cluster" in a step during an etcd outage, where
+  the restart path trains on). Losing node 0 is a lost node (a membership change), which
+  takes the restart path with either backend.
 
 Every attempt (rendezvous round) gets its own key prefix, ``elastic_runner/<run id>/<attempt>``:
-the agent of node rank 0 draws it and publishes it through the round's rendezvous store
-(:func:`agree_prefix`), so a re-formed group never reads an earlier attempt's keys.
+the agent of node rank 0 draws it and publishes it, with the store's endpoint, through the
+round's rendezvous store (:func:`agree_attempt`), so a re-formed group never reads an earlier
+attempt's keys.
 """
 
 from __future__ import annotations
 
 import json
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from datetime import timedelta
 
 import torch.distributed as dist
-from torch.distributed.elastic.rendezvous import RendezvousParameters
-from torch.distributed.elastic.rendezvous.etcd_rendezvous_backend import create_backend
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
-from .etcd_check import ETCD_BACKENDS, with_aliases
+from .etcd_check import ETCD_BACKENDS
 
 C10D_DEFAULT_PORT = 29400  # torchrun's default c10d rendezvous port
 _PREFIX_KEY = "elastic_runner/recovery_prefix"
@@ -42,18 +45,15 @@ class StoreLocation:
 
     Attributes:
         kind: ``tcp`` (a TCPStore that this node's agent hosts), ``c10d`` (the c10d
-            rendezvous' TCPStore) or ``etcd`` (the etcd rendezvous server).
-        endpoint: ``host:port`` of the store (etcd: of the etcd server).
+            rendezvous' TCPStore) or ``node0`` (a TCPStore in node rank 0's agent).
+        endpoint: ``host:port`` of the store (``node0``: known once the round is).
         prefix: this attempt's keys (set by the agent once the rendezvous round is known).
-        conf: etcd client options in ``etcd-v2``'s spelling (``protocol``, ``ca_cert``,
-            ``ssl_cert``, ``ssl_cert_key``, ``read_timeout``); empty for TCP stores.
         run_id: the rendezvous id (``--rdzv-id``).
     """
 
     kind: str
     endpoint: str
     prefix: str = ""
-    conf: dict[str, str] = field(default_factory=dict)
     run_id: str = ""
 
     @classmethod
@@ -66,15 +66,16 @@ class StoreLocation:
             ValueError: a backend other than ``c10d``, ``etcd-v2`` or ``etcd``.
         """
         if backend in ETCD_BACKENDS:
-            return cls("etcd", endpoint, conf=with_aliases(conf, "etcd-v2"), run_id=run_id)
+            return cls("node0", "", run_id=run_id)
         if backend == "c10d":
             host, port = parse_rendezvous_endpoint(endpoint, default_port=C10D_DEFAULT_PORT)
             return cls("c10d", f"{host}:{port}", run_id=run_id)
         raise ValueError(f"in-place recovery across nodes needs a c10d or etcd rendezvous, "
                          f"not {backend!r}")
 
-    def with_prefix(self, prefix: str) -> StoreLocation:
-        return StoreLocation(self.kind, self.endpoint, prefix, dict(self.conf), self.run_id)
+    def at(self, endpoint: str, prefix: str) -> StoreLocation:
+        """This location with the round's ``endpoint`` and ``prefix``."""
+        return StoreLocation(self.kind, endpoint, prefix, self.run_id)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
@@ -87,31 +88,29 @@ class StoreLocation:
         """For log lines: which store, where."""
         return {"tcp": f"this node's agent ({self.endpoint})",
                 "c10d": f"the c10d rendezvous store at {self.endpoint}",
-                "etcd": f"etcd at {self.endpoint}"}[self.kind]
+                "node0": f"node rank 0's agent ({self.endpoint or 'at each rendezvous'})",
+                }[self.kind]
 
 
 def connect(location: StoreLocation, timeout_s: float) -> dist.Store:
     """A client of the store at ``location`` (``timeout_s``: its operations' limit, seconds).
 
     Raises:
-        torch.distributed.DistStoreError: a TCP store that does not answer within
-            ``timeout_s``; ``RendezvousConnectionError``: etcd's client could not be made.
+        torch.distributed.DistStoreError: a store that does not answer within ``timeout_s``.
     """
-    if location.kind == "etcd":
-        params = RendezvousParameters("etcd-v2", location.endpoint, location.run_id, 1, 1,
-                                      **location.conf)
-        store = create_backend(params)[1]  # torch's EtcdStore under /torch/elastic/store
-        store.set_timeout(timedelta(seconds=timeout_s))
-        return store
     host, port = location.endpoint.rsplit(":", 1)
     return dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
                          timeout=timedelta(seconds=timeout_s))
 
 
-def agree_prefix(round_store: dist.Store, node_rank: int, run_id: str) -> str:
-    """This attempt's key prefix, the same on every node: node rank 0's agent draws it and
-    sets it in ``round_store`` (the rendezvous round's store, new every round), the others
-    read it (blocking until it is there, within the store's timeout)."""
+def agree_attempt(round_store: dist.Store, node_rank: int, run_id: str, endpoint: str
+                  ) -> tuple[str, str]:
+    """This attempt's key prefix and the recovery store's endpoint, the same on every node:
+    node rank 0's agent draws the prefix and sets both (``endpoint``: its offer) in
+    ``round_store`` (the rendezvous round's store, new every round); the others read them
+    (blocking until they are there, within the store's timeout) and ignore their own offer."""
     if node_rank == 0:
-        round_store.set(_PREFIX_KEY, f"elastic_runner/{run_id}/{uuid.uuid4().hex[:12]}")
-    return round_store.get(_PREFIX_KEY).decode()
+        round_store.set(_PREFIX_KEY, json.dumps(
+            [f"elastic_runner/{run_id}/{uuid.uuid4().hex[:12]}", endpoint]))
+    prefix, agreed = json.loads(round_store.get(_PREFIX_KEY))
+    return prefix, agreed

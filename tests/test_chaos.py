@@ -4,7 +4,9 @@ ranks. The signals come from outside: the test sends SIGKILL and SIGTERM to the 
 the exception, the hang (a process really stuck in its step) and the NaN loss are injected in
 the worker. The job must finish with an exact sample audit and the same final weights as a
 fault-free run: the world size ends where it began, skipped NaN steps are rolled back and
-replayed, and every other fault only costs redone steps."""
+replayed, and every other fault only costs redone steps. The restart path
+(``recovery.mode=restart``, as under plain torchrun): in place across nodes is
+``test_inplace_nodes.py``'s."""
 
 from __future__ import annotations
 
@@ -29,7 +31,8 @@ SEED = 20261121
 COMMON = [str(CONFIGS / "digits.yaml"), "logging.tensorboard_dir=null",
           "early_stopping.enabled=false", "training.max_steps=60", "checkpoint.every_steps=5",
           "training.max_bad_steps=2", "watchdog.hang_timeout_seconds=3",
-          "watchdog.long_op_timeout_seconds=120", "watchdog.dump_grace_seconds=1"]
+          "watchdog.long_op_timeout_seconds=120", "watchdog.dump_grace_seconds=1",
+          "recovery.mode=restart"]
 
 
 KINDS = ("sigkill", "raise", "sigterm", "hang", "nan")

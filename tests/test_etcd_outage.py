@@ -1,5 +1,7 @@
 """An etcd outage during training: training goes on (rendezvous is needed only at (re)start);
-a restart while etcd is down waits and proceeds once etcd is back."""
+a restart while etcd is down waits and proceeds once etcd is back. On the restart path
+(``recovery.mode=restart``): in place, the worker killed during the outage is replaced without a
+rendezvous (the recovery store is in node rank 0's agent, not in etcd)."""
 
 from __future__ import annotations
 
@@ -24,7 +26,8 @@ def test_training_survives_an_etcd_outage_and_restarts_after_it(launch, etcd_ser
     job = launch(cli(
         "run", str(CONFIGS / "digits.yaml"), "logging.tensorboard_dir=null",
         "early_stopping.enabled=false", f"checkpoint.dir={ck}", "checkpoint.every_steps=10",
-        "training.max_epochs=1000", "--nnodes", "1:2", "--nproc-per-node", "2",
+        "training.max_epochs=1000", "recovery.mode=restart", "--nnodes", "1:2",
+        "--nproc-per-node", "2",
         "--rdzv-backend", "etcd-v2", "--rdzv-endpoint", etcd_server.endpoint,
         "--rdzv-id", "outage", "--rdzv-conf", "join_timeout=120,last_call_timeout=1",
         "--max-restarts", "3", "--monitor-interval", "0.2", "--trace-samples", str(trace)),

@@ -24,7 +24,7 @@ from elastic_runner.group_sockets import GroupSockets, NoSockets
 from elastic_runner.heartbeat import HEARTBEAT_ENV, Heartbeat, NoHeartbeat
 from elastic_runner.inplace import InPlaceRecovery
 from elastic_runner.inplace_agent import InPlaceAgent
-from elastic_runner.recovery_store import StoreLocation, agree_prefix, connect
+from elastic_runner.recovery_store import StoreLocation, agree_attempt, connect
 
 from .procs import wait_until
 
@@ -32,30 +32,32 @@ from .procs import wait_until
 def test_location_of_each_rendezvous_backend_round_trips_through_json():
     c10d = StoreLocation.for_rendezvous("c10d", "node-0", {}, "job")
     assert (c10d.kind, c10d.endpoint) == ("c10d", "node-0:29400")  # torchrun's default port
-    etcd = StoreLocation.for_rendezvous("etcd", "10.0.0.1:2379", {"cacert": "/ca.pem"}, "job")
-    assert etcd.kind == "etcd" and etcd.conf["ca_cert"] == "/ca.pem"  # etcd-v2's spelling
-    moved = etcd.with_prefix("elastic_runner/job/abc")
+    etcd = StoreLocation.for_rendezvous("etcd-v2", "10.0.0.1:2379", {}, "job")
+    assert (etcd.kind, etcd.endpoint) == ("node0", "")  # node rank 0 names it each round
+    moved = etcd.at("10.0.0.2:4000", "elastic_runner/job/abc")
     assert StoreLocation.from_json(moved.to_json()) == moved
     with pytest.raises(ValueError, match="c10d or etcd"):
         StoreLocation.for_rendezvous("static", "h:1", {}, "job")
 
 
-def test_every_node_agrees_on_the_attempt_prefix_through_the_round_store():
+def test_every_node_agrees_on_the_attempt_and_store_through_the_round_store():
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                            timeout=timedelta(seconds=10))
     location = StoreLocation("c10d", f"127.0.0.1:{server.port}", run_id="job")
     stores = [connect(location, 10) for _ in range(3)]
-    got: dict[int, str] = {}
+    got: dict[int, tuple[str, str]] = {}
     threads = [threading.Thread(target=lambda n=n: got.update(
-        {n: agree_prefix(dist.PrefixStore("round-1/", stores[n]), n, "job")}))
+        {n: agree_attempt(dist.PrefixStore("round-1/", stores[n]), n, "job", f"node{n}:1")}))
         for n in (2, 1, 0)]  # the other nodes ask before node rank 0 has drawn it
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=20)
-    assert len(set(got.values())) == 1 and got[0].startswith("elastic_runner/job/")
-    again = agree_prefix(dist.PrefixStore("round-2/", stores[0]), 0, "job")
-    assert again != got[0]  # a new rendezvous round, new keys
+    assert len(set(got.values())) == 1, got
+    prefix, endpoint = got[0]
+    assert prefix.startswith("elastic_runner/job/") and endpoint == "node0:1"  # node 0's offer
+    again = agree_attempt(dist.PrefixStore("round-2/", stores[0]), 0, "job", "node0:1")
+    assert again[0] != prefix  # a new rendezvous round, new keys
 
 
 def test_a_restart_asked_for_ends_the_wait_for_a_generation():
