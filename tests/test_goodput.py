@@ -321,8 +321,11 @@ def test_a_killed_worker_and_the_causes_still_add_up_to_the_wall_time(launch, tm
                      "faults.inject=[{kind: slow, rank: 0, step: 1, count: 100000, "
                      "seconds: 0.02}]", f"checkpoint.dir={ck}", "--trace-samples", str(trace),
                      "--nproc-per-node", "2", "--max-restarts", "3"), name=mode)
-    wait_until(lambda: 0 in job.workers(), 120, "the first worker")
-    t_first_seen = time.time()  # after the first workers started
+    # after both workers started: rank 0's account at the end may be rank 1's (in place, the
+    # survivor's account goes to the replacement), and under load torchrun spawns rank 1
+    # noticeably later than rank 0 (seen in CI: the bound below missed by a spawn's delay)
+    wait_until(lambda: {0, 1} <= set(job.workers()), 120, "both workers")
+    t_first_seen = time.time()
     wait_until(lambda: max(audit.steps_recorded(trace, 0), default=0) >= 60, 240, "60 steps")
     job.workers()[0].kill()
     wait_until(lambda: _RECOVERED[mode].search(job.output) is not None, 240, "the recovery")
@@ -337,7 +340,9 @@ def test_a_killed_worker_and_the_causes_still_add_up_to_the_wall_time(launch, tm
     wall, ettr = float(m[3]), float(m[2])
     # the line's figures are rounded to 0.1 s (0.001 for the ETTR)
     assert sum(line.values()) == pytest.approx(wall, rel=0.01, abs=0.05 * len(CAUSES))
-    assert ettr == pytest.approx(line["productive"] / wall, abs=2e-3)
+    # productive and wall are each rounded by up to 0.05 s: their ratio by up to 0.1 / wall
+    # (seen in CI: 10.5 / 19.1 = 0.5497 for an ETTR of 0.552 = 10.53 / 19.09)
+    assert ettr == pytest.approx(line["productive"] / wall, abs=0.1 / wall + 1e-3)
 
     figures = json.loads((ck / "results.json").read_text())["goodput"]
     seconds = figures["seconds"]
