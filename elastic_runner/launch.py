@@ -201,8 +201,7 @@ def recovery_location(targs: argparse.Namespace) -> StoreLocation | None:
     the rendezvous backend's store (:mod:`elastic_runner.recovery_store`)."""
     if not multi_node(targs):
         return None
-    return StoreLocation.for_rendezvous(targs.rdzv_backend, targs.rdzv_endpoint,
-                                        parse_conf(targs.rdzv_conf), targs.rdzv_id)
+    return StoreLocation.for_rendezvous(targs.rdzv_backend, targs.rdzv_endpoint, targs.rdzv_id)
 
 
 def launch(args: argparse.Namespace) -> int:

@@ -57,10 +57,9 @@ class StoreLocation:
     run_id: str = ""
 
     @classmethod
-    def for_rendezvous(cls, backend: str, endpoint: str, conf: dict[str, str],
-                       run_id: str) -> StoreLocation:
+    def for_rendezvous(cls, backend: str, endpoint: str, run_id: str) -> StoreLocation:
         """The store of a multi-node job's rendezvous (``--rdzv-backend``/``-endpoint``/
-        ``-conf``/``-id``).
+        ``-id``).
 
         Raises:
             ValueError: a backend other than ``c10d``, ``etcd-v2`` or ``etcd``.

@@ -30,14 +30,14 @@ from .procs import wait_until
 
 
 def test_location_of_each_rendezvous_backend_round_trips_through_json():
-    c10d = StoreLocation.for_rendezvous("c10d", "node-0", {}, "job")
+    c10d = StoreLocation.for_rendezvous("c10d", "node-0", "job")
     assert (c10d.kind, c10d.endpoint) == ("c10d", "node-0:29400")  # torchrun's default port
-    etcd = StoreLocation.for_rendezvous("etcd-v2", "10.0.0.1:2379", {}, "job")
+    etcd = StoreLocation.for_rendezvous("etcd-v2", "10.0.0.1:2379", "job")
     assert (etcd.kind, etcd.endpoint) == ("node0", "")  # node rank 0 names it each round
     moved = etcd.at("10.0.0.2:4000", "elastic_runner/job/abc")
     assert StoreLocation.from_json(moved.to_json()) == moved
     with pytest.raises(ValueError, match="c10d or etcd"):
-        StoreLocation.for_rendezvous("static", "h:1", {}, "job")
+        StoreLocation.for_rendezvous("static", "h:1", "job")
 
 
 def test_every_node_agrees_on_the_attempt_and_store_through_the_round_store():
