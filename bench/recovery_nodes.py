@@ -11,7 +11,8 @@ the target node's warm spare is ready, then
   ``recovery.heartbeat_timeout_seconds``, and kills it),
 
 and measures, from the sample trace's commit times, the seconds from the signal to the first
-step all of whose ranks committed it after the signal, and the steps redone (the last step committed before the signal minus
+step that every rank committed after the signal and after the victim's own last one (no rank
+can commit that step before the victim's place is filled), and the steps redone (the last step committed before the signal minus
 the step the group went on from, plus one if positive). Recoveries are counted from the logs
 (``in-place recovery N done``), not from the signals sent; a fault that did not lead to an
 in-place recovery (a restart) is reported in ``restarts``.
@@ -63,11 +64,11 @@ def _argv(nodes: Nodes, i: int, workdir: Path, nproc: int, backend: str,
 
 
 def _commits(trace: Path, latest: bool = True) -> dict[int, float]:
-    """step -> commit time (unix seconds) of every committed step in the trace: the latest of
-    its ranks' entries, or (``latest=False``) the earliest."""
+    """step -> commit time (unix seconds) of every committed step in the trace directory (or
+    one rank's file): the latest of its ranks' entries, or (``latest=False``) the earliest."""
     out: dict[int, float] = {}
     pick = max if latest else min
-    for path in trace.glob("rank-*.jsonl"):
+    for path in trace.glob("rank-*.jsonl") if trace.is_dir() else [trace]:
         for line in path.read_text().splitlines():
             try:
                 entry = json.loads(line)
@@ -84,14 +85,34 @@ def _generations(log: str) -> set[int]:
     return {int(m[1]) for m in _DONE.finditer(log)}
 
 
-def _victim(job: Job) -> int:
-    """The pid of the node's highest-ranked live worker (a replacement's once replaced)."""
+def _victim(job: Job) -> tuple[int, int]:
+    """The rank and pid of the node's highest-ranked live worker (a replacement's once
+    replaced)."""
     replaced = [(int(m[1]), int(m[4])) for m in _REPLACED.finditer(job.output)]
     ranks = {r: p.pid for r, p in job.workers().items() if r >= 0}
     for rank, pid in replaced:
         ranks[rank] = pid
     alive = {r: pid for r, pid in ranks.items() if psutil.pid_exists(pid)}
-    return alive[max(alive)]
+    return max(alive), alive[max(alive)]
+
+
+def _halted(pid: int) -> None:
+    """Wait (up to 5 s) until the signalled process is stopped or gone: it writes no trace
+    entry after this."""
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() in (psutil.STATUS_STOPPED, psutil.STATUS_ZOMBIE):
+                return
+        except psutil.NoSuchProcess:
+            return
+        time.sleep(0.001)
+    raise TimeoutError(f"pid {pid} neither stopped nor exited within 5 s of the signal")
+
+
+def _last_step(trace: Path, rank: int) -> int:
+    """The newest step in ``rank``'s trace file (0: none)."""
+    return max(_commits(trace / f"rank-{rank}.jsonl"), default=0)
 
 
 def layout(nodes_count: int, nproc: int, backend: str, faults: int, workdir: Path
@@ -121,16 +142,22 @@ def layout(nodes_count: int, nproc: int, backend: str, faults: int, workdir: Pat
             before = _commits(workdir / "trace")
             last = max(before, default=0)
             done = len(_generations(jobs[0].output))
-            pid = _victim(target)
+            rank, pid = _victim(target)
             t_fault = time.time()
             psutil.Process(pid).send_signal(signal.SIGKILL if kind == "sigkill"
                                             else signal.SIGSTOP)
+            _halted(pid)
+            # the victim may have committed a step between t_fault and the signal's delivery:
+            # the recovery's step is the first after the victim's own last one (no rank
+            # commits it without the victim's place filled)
+            victims_last = _last_step(workdir / "trace", rank)
             wait_until(lambda d=done: len(_generations(jobs[0].output)) > d, 300,
                        f"{kind} {n // 2 + 1}: a committed step")
-            # the first step every rank committed after the signal (a step in flight then,
-            # which some ranks committed before it, is not the recovery's)
+            # (and not one that some rank committed before the signal: the victim died after
+            # its all-reduce, before writing its entry; rank 0 repairs that entry later)
             earliest = _commits(workdir / "trace", latest=False)
-            first = min(step for step, t in earliest.items() if t >= t_fault)
+            first = min(step for step, t in earliest.items()
+                        if step > victims_last and t >= t_fault)
             seconds = _commits(workdir / "trace")[first] - t_fault
             results[kind].append((seconds, max(0, last - first + 1)))
         logs = "".join(j.output for j in jobs)
