@@ -12,8 +12,8 @@ the target node's warm spare is ready, then
 
 and measures, from the sample trace's commit times, the seconds from the signal to the first
 step that every rank committed after the signal and after the victim's own last one (no rank
-can commit that step before the victim's place is filled), and the steps redone (the last step committed before the signal minus
-the step the group went on from, plus one if positive). Recoveries are counted from the logs
+can commit that step before the victim's place is filled), and the steps redone (the last step
+committed before the signal minus the step the group went on from, plus one if positive). Recoveries are counted from the logs
 (``in-place recovery N done``), not from the signals sent; a fault that did not lead to an
 in-place recovery (a restart) is reported in ``restarts``.
 

@@ -197,8 +197,9 @@ class Events:
     skips: list[tuple[float, str, str]] = field(default_factory=list)
     poisons: list[tuple[float, int, int]] = field(default_factory=list)
     hangs: list[float] = field(default_factory=list)  # a watchdog's report, or a heartbeat kill
-    in_place: dict[int, tuple[float, int]] = field(default_factory=dict)  # generation -> (t,
-    #   the first step committed after it)
+    # (generation, the first step committed after it) -> (t, that step); generations count
+    # from 1 in every attempt (a restart starts a new one), so the step tells them apart
+    in_place: dict[tuple[int, int], tuple[float, int]] = field(default_factory=dict)
     replaced: dict[int, int] = field(default_factory=dict)  # rank -> its replacement's pid
 
     def add(self, t: float, rank: int | None, text: str) -> None:
@@ -215,7 +216,7 @@ class Events:
         elif _HANG.match(text) or _HEARTBEAT.match(text):
             self.hangs.append(t)
         elif m := _IN_PLACE.match(text):
-            self.in_place.setdefault(int(m[1]), (t, int(m[2])))
+            self.in_place.setdefault((int(m[1]), int(m[2])), (t, int(m[2])))
         elif m := _REPLACED.match(text):
             for r, pid in zip(m[1].split(", "), m[2].split(", "), strict=True):
                 self.replaced[int(r)] = int(pid)
