@@ -307,9 +307,3 @@ class Trainer:
 def _fmt(d: dict[str, Any]) -> str:
     return " ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in d.items())
 
-
-def build_trainer(cfg: Config, info: DistInfo, metrics: Any = None) -> Trainer:
-    """See :func:`elastic_runner.build.build_trainer` (kept here for existing imports)."""
-    from .build import build_trainer as build
-
-    return build(cfg, info, metrics)

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from elastic_runner import checkpoint as ckpt
+from elastic_runner.build import build_trainer
 from elastic_runner.config import load_config
 from elastic_runner.dist import init_distributed
-from elastic_runner.loop import build_trainer
 
 from .procs import CONFIGS
 

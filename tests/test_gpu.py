@@ -19,11 +19,11 @@ import pytest
 import torch
 
 from elastic_runner import checkpoint as ckpt
+from elastic_runner.build import build_trainer
 from elastic_runner.callbacks import Callback
 from elastic_runner.config import load_config
 from elastic_runner.consensus import LaggedConsensus
 from elastic_runner.dist import init_distributed
-from elastic_runner.loop import build_trainer
 
 from .procs import CONFIGS, cli, free_port, wait_until
 from .test_metrics import get, samples

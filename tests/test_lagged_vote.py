@@ -12,11 +12,11 @@ import signal
 import pytest
 import torch
 
+from elastic_runner.build import build_trainer
 from elastic_runner.callbacks import Callback
 from elastic_runner.config import ConfigError, load_config
 from elastic_runner.consensus import LaggedConsensus, LocalConsensus, skips_on_device
 from elastic_runner.dist import init_distributed
-from elastic_runner.loop import build_trainer
 from elastic_runner.preempt import Preempted
 
 from .ft_helpers import weights

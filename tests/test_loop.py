@@ -7,9 +7,10 @@ import time
 import pytest
 import torch
 
+from elastic_runner.build import build_trainer
 from elastic_runner.config import load_config
 from elastic_runner.dist import init_distributed
-from elastic_runner.loop import build_trainer, lr_factor
+from elastic_runner.loop import lr_factor
 from elastic_runner.stop import StopReason
 
 from .procs import CONFIGS
