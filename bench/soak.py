@@ -417,7 +417,10 @@ def _after_restart(c: Cluster, t_fault: float, last_before: int) -> dict[str, An
         if (r := c.resume_after(t_fault)) and (first := c.trace.first_commit_after(r[0])):
             return {"path": "restart", "t_recovered": first[0], "resumed_from": r[1],
                     "resumed_step": r[2], "steps_redone": max(0, last_before - r[2])}
-        if c.in_place_after(t_fault) and (first := c.trace.first_commit_after(t_fault)):
+        # the step the recovery line names, not the first entry after the fault: the other
+        # ranks may commit the step in flight just after the kill (a 0.0 s "recovery")
+        if ((done := c.in_place_after(t_fault))
+                and (first := c.trace.first_commit_after(t_fault, step_above=done[1] - 1))):
             return {"path": "in_place", "t_recovered": first[0],
                     "steps_redone": max(0, last_before - (first[1] - 1))}
         return None
