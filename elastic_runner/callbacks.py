@@ -140,6 +140,10 @@ class Callback:
         """The first step after an in-place recovery is committed; ``report``:
         :class:`~elastic_runner.inplace.RecoveryReport` with every phase's seconds."""
 
+    def on_membership_change(self, reason: str) -> None:
+        """The group changed its nodes in place (``reason``: ``preempted`` or ``lost``, see
+        :mod:`elastic_runner.membership`); a new group at the new world size follows."""
+
     # CheckpointListener
     def checkpoint_stall(self, seconds: float) -> None:
         pass
@@ -213,6 +217,9 @@ class Callbacks(Callback):
 
     def on_recovery_report(self, report: Any) -> None:
         self._each("on_recovery_report", report)
+
+    def on_membership_change(self, reason: str) -> None:
+        self._each("on_membership_change", reason)
 
     def checkpoint_stall(self, seconds: float) -> None:
         self._each("checkpoint_stall", seconds)

@@ -200,6 +200,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     args.shutdown_timeout = cfg.preemption.grace_seconds
     args.metrics = cfg.metrics
     args.recovery = cfg.recovery
+    args.batch = cfg.batch  # which world sizes a node's departure may leave
     args.restarts = RestartBudget(cfg.restarts.preemption, cfg.restarts.peer_lost,
                                   cfg.restarts.crash_loop,
                                   newest_checkpoint_step(cfg.checkpoint.dir))

@@ -290,6 +290,21 @@ class RecoveryConfig(_Section):
     heartbeat_timeout_seconds: Float | None = Field(10.0, gt=0)  # the agent kills and replaces
     #   a worker whose heartbeat thread is silent this long (SIGSTOP, a frozen process); keep
     #   it below watchdog.hang_timeout_seconds, whose expiry restarts every worker; None: off
+    node_timeout_seconds: Float | None = Field(5.0, gt=0)  # several nodes: a node whose
+    #   agent's heartbeat in the recovery store is silent this long (killed, partitioned) is
+    #   lost, and the others go on without it in place (membership.py); below
+    #   detect_timeout_seconds, which the survivors wait for that; None: a lost node restarts
+    #   every worker
+
+    @model_validator(mode="after")
+    def _lost_before_given_up(self) -> RecoveryConfig:
+        if (self.node_timeout_seconds is not None
+                and self.node_timeout_seconds >= self.detect_timeout_seconds):
+            raise _invalid(f"must be below recovery.detect_timeout_seconds "
+                           f"({self.detect_timeout_seconds:g}): the survivors of a lost node "
+                           "wait that long for the generation without it",
+                           "node_timeout_seconds")
+        return self
 
 
 class RestartsConfig(_Section):

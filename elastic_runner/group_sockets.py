@@ -11,10 +11,13 @@ with three ranks or more, those not next to the dead one in the ring stay in the
 in ``/proc/self/fd`` while the group forms) and :meth:`GroupSockets.cut` shuts down their
 sending side (``shutdown(2)``, ``SHUT_WR``; the descriptors stay open and owned by gloo). Each
 peer then reads end-of-file, which is what it would see if this process had died: its
-collective fails with "Connection closed by peer" and it follows the same recovery. Only the
-sending side: shutting down both (``SHUT_RDWR``) makes gloo's own event loop in *this* process
-raise ``gloo::EnforceNotMet`` outside any handler, which aborts the process (seen with four
-ranks on two nodes). torchft solves the same
+collective fails with "Connection closed by peer" and it follows the same recovery. Shutting
+down the reading side as well (``SHUT_RD``/``SHUT_RDWR``) also fails *this* process's own
+waiting collective the same way: a partitioned peer sends nothing, no reset and no error, and
+this is how a rank leaves such a collective (:class:`~elastic_runner.inplace.GenerationWatch`).
+The group's *listening* socket is never shut down: gloo's accept loop then raises
+``gloo::EnforceNotMet`` ("accept: Invalid argument") outside any handler, which aborts the
+process (measured with three ranks, one of them stopped). torchft solves the same
 problem by running gloo in a child process it can kill (``ProcessGroupBabyGloo``), which costs a
 copy through shared memory per collective; shutting the sockets down costs nothing per step.
 
@@ -26,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import threading
 from collections.abc import Iterator
 
 _FD_DIR = "/proc/self/fd"
@@ -49,21 +53,30 @@ class GroupSockets:
 
     def __init__(self) -> None:
         self._owned: dict[int, str] = {}
+        self._lock = threading.Lock()
+        self.epoch = 0  # which group's sockets are recorded (one more per forming)
 
     @contextlib.contextmanager
     def forming(self) -> Iterator[None]:
         """Record the sockets opened inside the ``with`` block (a process group forming)."""
+        with self._lock:
+            self.epoch += 1
         before = _sockets()
         try:
             yield
         finally:
             after = _sockets()
-            self._owned.update({fd: t for fd, t in after.items() if before.get(fd) != t})
+            with self._lock:
+                self._owned.update({fd: t for fd, t in after.items() if before.get(fd) != t})
 
-    def cut(self) -> int:
-        """Shut down every recorded socket that is still the one recorded (a closed fd may
-        have been reused). Returns how many were shut down."""
-        owned, self._owned = self._owned, {}
+    def cut(self, epoch: int | None = None, how: int = socket.SHUT_WR) -> int:
+        """Shut down (``how``) every recorded socket that is still the one recorded (a closed
+        fd may have been reused); with ``epoch``, only if no group formed since that epoch
+        (another thread's view of which group to cut). Returns how many were shut down."""
+        with self._lock:
+            if epoch is not None and epoch != self.epoch:
+                return 0
+            owned, self._owned = self._owned, {}
         current = _sockets()
         count = 0
         for fd, target in owned.items():
@@ -72,7 +85,9 @@ class GroupSockets:
             with contextlib.suppress(OSError):
                 sock = socket.socket(fileno=fd)
                 try:
-                    sock.shutdown(socket.SHUT_WR)
+                    if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                        continue  # the listener: see the module docstring
+                    sock.shutdown(how)
                     count += 1
                 finally:
                     sock.detach()  # the descriptor stays gloo's
@@ -82,8 +97,10 @@ class GroupSockets:
 class NoSockets:
     """Nothing to cut (no in-place recovery: torchrun restarts every worker)."""
 
+    epoch = 0
+
     def forming(self) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
 
-    def cut(self) -> int:
+    def cut(self, epoch: int | None = None, how: int = socket.SHUT_WR) -> int:
         return 0

@@ -46,6 +46,8 @@ import io
 import json
 import logging
 import os
+import socket
+import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -56,7 +58,10 @@ import torch.distributed as dist
 
 from .config import ConfigError
 from .dist import is_peer_failure
+from .fencing import FencedOut
 from .group_sockets import GroupSockets, NoSockets
+from .membership import MIN_NODES_ENV, Policy, announce_departure, read_view
+from .preempt import Preempted
 from .recovery_store import StoreLocation, connect
 
 if TYPE_CHECKING:
@@ -120,6 +125,17 @@ class NoRecovery:
     def regroup_due(self, trainer: Trainer) -> None:
         pass
 
+    def leave(self, trainer: Trainer) -> None:
+        pass
+
+    def watch(self) -> _NoWatch:
+        return _NoWatch()
+
+
+class _NoWatch:
+    def close(self) -> None:
+        pass
+
 
 class InPlaceRecovery:
     """This worker's side of the protocol in the module docstring.
@@ -133,15 +149,21 @@ class InPlaceRecovery:
         join_timeout_s: the limit for forming a new group (covers a replacement still
             starting).
         backend: the process-group backend (``gloo``/``nccl``).
+        node, nnodes: this worker's node rank and the attempt's number of nodes (torchrun's
+            ``GROUP_RANK``/``GROUP_WORLD_SIZE``; the node rank stays when ranks are renumbered).
+        min_nodes: ``--nnodes`` MIN: a departure may not leave fewer nodes.
     """
 
     active = True
 
     def __init__(self, store: dist.Store, prefix: str, generation: int, detect_timeout_s: float,
                  join_timeout_s: float, backend: str = "gloo",
-                 location: StoreLocation | None = None) -> None:
+                 location: StoreLocation | None = None, node: int = 0, nnodes: int = 1,
+                 min_nodes: int = 1) -> None:
         self.store, self.prefix, self.generation = store, prefix, generation
         self.location = location or StoreLocation("tcp", "?")
+        self.node, self.nnodes, self.min_nodes = node, nnodes, min_nodes
+        self.multi_node = self.location.kind != "tcp"
         self.detect_timeout_s, self.join_timeout_s = detect_timeout_s, join_timeout_s
         self.backend = backend
         self.sockets = GroupSockets()  # the current group's connections (cut on a failure)
@@ -158,7 +180,19 @@ class InPlaceRecovery:
         location = StoreLocation.from_json(address)
         store = connect(location, cfg.join_timeout_seconds)
         return cls(store, location.prefix, int(os.environ.get(GENERATION_ENV, 0)),
-                   cfg.detect_timeout_seconds, cfg.join_timeout_seconds, location=location)
+                   cfg.detect_timeout_seconds, cfg.join_timeout_seconds, location=location,
+                   node=int(os.environ.get("GROUP_RANK", 0)),
+                   nnodes=int(os.environ.get("GROUP_WORLD_SIZE", 1)),
+                   min_nodes=int(os.environ.get(MIN_NODES_ENV, 1)))
+
+    def watch(self) -> GenerationWatch | _NoWatch:
+        """Several nodes: a :class:`GenerationWatch` on this worker (close it at the end)."""
+        return GenerationWatch(self) if self.multi_node else _NoWatch()
+
+    def policy(self, trainer: Trainer) -> Policy:
+        """The departure policy: ``--nnodes`` MIN, and a world size the global batch
+        divides."""
+        return Policy.for_batch(self.min_nodes, trainer.cfg.batch)
 
     def key(self, *parts: object) -> str:
         return "/".join([self.prefix, *map(str, parts)])
@@ -222,6 +256,8 @@ class InPlaceRecovery:
             return None
         if announced.get("restart"):  # an agent restarts every worker
             return None
+        if "departed" in announced:  # a node left: the group goes on without it
+            self._follow_departure(announced, trainer, t0)
         report = RecoveryReport(self.generation + 1, announced["failed"], trainer.state.step)
         log.warning("in-place recovery: rank(s) %s died (%s); generation %d, the rest keep "
                     "their process", announced["failed"], _first_line(error),
@@ -250,6 +286,87 @@ class InPlaceRecovery:
         rejoin(trainer, joining=False, report=report)
         report.phases["state"] = time.perf_counter() - t3
         return report
+
+    def _follow_departure(self, announced: dict[str, Any], trainer: Trainer, t0: float
+                          ) -> None:
+        """An agent announced that node(s) left (lost: no heartbeat). This node's workers, if
+        it is one of them (a healed partition), are fenced out; the others go on without it.
+
+        Raises:
+            FencedOut: this node was declared lost.
+            Regroup: as this rank's new number in the smaller group.
+        """
+        generation = self.generation + 1
+        if self.node in announced["departed"]:
+            raise FencedOut(f"node {self.node} was declared lost in generation {generation} "
+                            f"({announced['reason']}: no heartbeat within "
+                            "recovery.node_timeout_seconds); the group went on without it and "
+                            "this node commits nothing")
+        report = RecoveryReport(generation, announced["failed"], trainer.state.step)
+        report.phases["detection"] = time.perf_counter() - t0
+        log.warning("membership: node(s) %s %s (ranks %s); generation %d goes on at world "
+                    "size %d, this rank %d -> %d", announced["departed"], announced["reason"],
+                    announced["failed"], generation, announced["world_size"], trainer.info.rank,
+                    announced["members"].index(trainer.info.rank))
+        trainer.session.callbacks.on_phase("recovering", "membership change", True)
+        self.sockets.cut()
+        dist.destroy_process_group()
+        self._changed(trainer, announced["reason"])
+        members = announced["members"]
+        raise Regroup(members.index(trainer.info.rank), len(members), generation, report)
+
+    def _changed(self, trainer: Trainer, reason: str) -> None:
+        trainer.session.callbacks.on_membership_change(reason)
+
+    def leave(self, trainer: Trainer) -> None:
+        """At the step boundary where the vote said stop (SIGTERM on some rank): if whole nodes
+        were asked to stop and the rest may go on (:class:`~elastic_runner.membership.Policy`),
+        those nodes' ranks leave and the others re-form the group without them, from their own
+        state (the discarded step is redone at the new world size; nothing committed is).
+        Returns when every rank stops instead (one node, every node preempted, or the policy
+        refuses): the caller checkpoints and exits 143. Collective (the old group).
+
+        Raises:
+            Regroup: this rank stays, renumbered.
+            Preempted: this rank's node leaves; the others go on.
+        """
+        if not self.multi_node:
+            return
+        mine = (self.node, trainer.preempt.requested)
+        everyone: list[Any] = [None] * trainer.info.world_size
+        dist.all_gather_object(everyone, mine)
+        leaving = sorted({node for node, asked in everyone if asked})
+        members = [r for r, (node, _) in enumerate(everyone) if node not in leaving]
+        view = read_view(self.store, self.key, self.nnodes)
+        why = self.policy(trainer).refuses(view, leaving) if members else "every node"
+        if why is not None:
+            if trainer.info.rank == 0 and members:
+                log.warning("membership: node(s) %s preempted, but the rest may not go on (%s): "
+                            "every node stops", leaving, why)
+            return
+        announced = [0]
+        if trainer.info.rank == members[0]:
+            done = announce_departure(self.store, self.key, view, leaving, "preempted")
+            announced[0] = done[0] if done is not None else 0
+        dist.broadcast_object_list(announced, src=members[0])
+        generation = announced[0]
+        if generation == 0:  # another process announced these departures: not expected
+            return
+        step = trainer.state.step
+        self._changed(trainer, "preempted")
+        if trainer.info.rank not in members:
+            dist.destroy_process_group()
+            raise Preempted(f"node {self.node} preempted: it left the job after step {step}; "
+                            f"the others go on at world size {len(members)} (generation "
+                            f"{generation})")
+        log.warning("membership: node(s) %s preempted after step %d; generation %d goes on at "
+                    "world size %d, this rank %d -> %d", leaving, step, generation,
+                    len(members), trainer.info.rank, members.index(trainer.info.rank))
+        self.sockets.cut()
+        dist.destroy_process_group()
+        report = RecoveryReport(generation, [r for r in range(len(everyone))
+                                             if r not in members], step)
+        raise Regroup(members.index(trainer.info.rank), len(members), generation, report)
 
     def _wait_generation(self, generation: int, timeout_s: float) -> dict[str, Any] | None:
         """Generation ``generation``'s announcement, ``{"restart": True}`` once any agent or
@@ -337,6 +454,39 @@ class InPlaceRecovery:
         env = json.loads(self.store.get(key))
         self.generation = int(env[GENERATION_ENV])
         return env
+
+
+class GenerationWatch:
+    """Breaks this worker's collective when a newer generation (or torch's restart path) is
+    announced while it waits: a partitioned node's peers get no reset and no error, their
+    collective just never completes (gloo has no abort, see :mod:`elastic_runner.group_sockets`).
+    A daemon thread looks every ``interval_s`` through its own store client and, once the
+    announcement is there, shuts down the current group's connections both ways, so this
+    rank's waiting collective (and any peer's that waits on this rank) fails at once and :meth:`InPlaceRecovery.recover` follows the
+    announcement. Several nodes only (on one node a dead peer's connections reset)."""
+
+    def __init__(self, recovery: InPlaceRecovery, interval_s: float = 0.1) -> None:
+        self.recovery, self.interval_s = recovery, interval_s
+        self._store = connect(recovery.location, recovery.join_timeout_s)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="generation-watch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        recovery = self.recovery
+        while not self._stop.wait(self.interval_s):
+            epoch = recovery.sockets.epoch  # before the generation: see GroupSockets.cut
+            keys = [recovery.key("gen", recovery.generation + 1), recovery.key("restart")]
+            try:
+                announced = any(self._store.check([k]) for k in keys)
+            except (RuntimeError, dist.DistError):  # store unreachable (partitioned): wait
+                continue
+            if announced and recovery.sockets.cut(epoch, socket.SHUT_RDWR):
+                log.warning("generation %d was announced while this rank waited in a "
+                            "collective: leaving it", recovery.generation + 1)
+
+    def close(self) -> None:
+        self._stop.set()
 
 
 def rejoin(trainer: Trainer, joining: bool, report: RecoveryReport | None = None) -> None:

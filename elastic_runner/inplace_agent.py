@@ -55,6 +55,15 @@ from .config import RecoveryConfig
 from .fencing import EXIT_FENCED
 from .heartbeat import HEARTBEAT_ENV
 from .inplace import ENV, GENERATION_ENV, SPARE_ENV
+from .membership import (
+    MIN_NODES_ENV,
+    NodeWatch,
+    Policy,
+    View,
+    announce_departure,
+    read_view,
+    register,
+)
 from .preempt import EXIT_PREEMPTED
 from .recovery_store import StoreLocation, agree_attempt, connect
 from .watchdog import EXIT_HANG
@@ -105,9 +114,13 @@ class InPlaceAgent(LocalElasticAgent):
 
     def __init__(self, *args: Any, recovery: RecoveryConfig,
                  location: StoreLocation | None = None, on_replacement: Any = None,
+                 policy: Policy | None = None, hosts_store: bool = False,
                  **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._cfg = recovery
+        self._policy = policy or Policy()
+        self._hosts_store = hosts_store  # c10d: this node is the rendezvous host
+        self._watch: NodeWatch | None = None  # several nodes with node_timeout_seconds
         self._on_replacement = on_replacement or (lambda r: None)
         # (not _store: torch's agent has one of its own)
         self._rstore: dist.Store | None = None
@@ -161,11 +174,13 @@ class InPlaceAgent(LocalElasticAgent):
         self._heartbeats.mkdir(parents=True, exist_ok=True)
         for beat in self._heartbeats.iterdir():  # the previous attempt's workers
             beat.unlink(missing_ok=True)
-        saved = {name: os.environ.get(name) for name in (ENV, HEARTBEAT_ENV)}
+        saved = {name: os.environ.get(name) for name in (ENV, HEARTBEAT_ENV, MIN_NODES_ENV)}
         os.environ[ENV] = self._location.at(self._location.endpoint, self._prefix).to_json()
         os.environ[HEARTBEAT_ENV] = str(self._heartbeats)
+        os.environ[MIN_NODES_ENV] = str(self._policy.min_nodes)
         try:
             self._recovery_store.check([self._key("restart")])  # connect before the workers
+            self._join_membership(worker_group)
             return super()._start_workers(worker_group)
         finally:
             for name, value in saved.items():
@@ -174,11 +189,27 @@ class InPlaceAgent(LocalElasticAgent):
                 else:
                     os.environ[name] = value
 
+    def _exit_barrier(self) -> None:
+        """torch's barrier of every node's agent at the end waits for the nodes of the
+        rendezvous round; nodes that left in place never arrive (it would wait its whole
+        timeout, 300 s): only the nodes still in the group count."""
+        if self._location.kind != "tcp":
+            try:
+                self._worker_group.group_world_size = len(self._current_view().nodes)
+            except (RuntimeError, dist.DistError) as e:
+                log.warning("membership: the recovery store is unreachable at the end (%s)", e)
+        super()._exit_barrier()
+
     def _stop_workers(self, worker_group: WorkerGroup, *args: Any, **kwargs: Any) -> None:
         self._drop_spare()
         super()._stop_workers(worker_group, *args, **kwargs)
 
     def _shutdown(self, *args: Any, **kwargs: Any) -> None:
+        if self._watch is not None and self._running():
+            # stopped from outside (SIGTERM: an eviction) while the workers run: they leave
+            # at their next step boundary; the other nodes must not count this node lost
+            with contextlib.suppress(Exception):
+                self._recovery_store.set(self._key("node", self._node, "leaving"), "1")
         self._drop_spare()
         super()._shutdown(*args, **kwargs)
         shutil.rmtree(self._heartbeats, ignore_errors=True)
@@ -195,12 +226,15 @@ class InPlaceAgent(LocalElasticAgent):
         if failed and self._replaceable(codes, failed):
             self._replace(worker_group, pc, failed)
             return RunResult(state=WorkerState.HEALTHY)
+        if failed and (reason := self._departed()) is not None:
+            return self._leave(worker_group, reason)
         if failed:  # torch's restart path: release survivors (on every node) waiting for an
             # announcement, and keep the other nodes' agents from replacing anyone meanwhile
             with contextlib.suppress(RuntimeError, dist.DistError):
                 self._recovery_store.set(self._key("restart"), json.dumps({"restart": True}))
             return super()._monitor_workers(worker_group)
         try:
+            self._watch_nodes()
             self._announce_grow()
             self._keep_spare(pc)
         except Exception as e:  # noqa: BLE001 - any client error of an unreachable store
@@ -214,6 +248,88 @@ class InPlaceAgent(LocalElasticAgent):
                      if timeout > 0 else None)
             return stuck or RunResult(state=WorkerState.HEALTHY)
         return super()._monitor_workers(worker_group)  # all succeeded
+
+    # ------------------------------------------------------------ membership
+
+    def _join_membership(self, worker_group: WorkerGroup) -> None:
+        """Several nodes: register this node's ranks and start watching the others'
+        heartbeats (:mod:`elastic_runner.membership`)."""
+        self._watch = None
+        if self._location.kind == "tcp":
+            return
+        register(self._recovery_store, self._key, self._node,
+                 [w.global_rank for w in worker_group.workers],
+                 self._hosts_store or self._hosted is not None)
+        if self._cfg.node_timeout_seconds is not None:
+            self._watch = NodeWatch(self._recovery_store, self._key, self._node,
+                                    self._cfg.node_timeout_seconds)
+            self._watch.beat()
+
+    def _current_view(self) -> View:
+        nnodes = self._worker_group.group_world_size or 1
+        return read_view(self._recovery_store, self._key, nnodes)
+
+    def _watch_nodes(self) -> None:
+        """Beat; announce the generation without each node whose heartbeat stopped
+        (``recovery.node_timeout_seconds``), or take torch's restart path when the rest may
+        not go on (:class:`~elastic_runner.membership.Policy`)."""
+        if self._watch is None or not self._watch.due():
+            return
+        self._watch.beat()
+        view = self._current_view()
+        if self._node in view.departed:  # cut off and left behind: its workers are fenced out
+            return
+        lost = self._watch.lost(n for n in view.nodes if n not in view.departed)
+        if not lost or self._restart_asked():
+            return
+        silent = max(lost.values())
+        why = self._policy.refuses(view, lost)
+        if why is not None:
+            log.error("membership: node(s) %s lost (no heartbeat for %.1f s) and the rest may "
+                      "not go on without them (%s): torch's restart path", sorted(lost),
+                      silent, why)
+            self._recovery_store.set(self._key("restart"), json.dumps({"restart": True}))
+            return
+        done = announce_departure(self._recovery_store, self._key, view, sorted(lost), "lost")
+        if done is not None:
+            generation, new, _ = done
+            log.warning("membership: node(s) %s lost: no heartbeat for %.1f s "
+                        "(recovery.node_timeout_seconds=%g); generation %d goes on without "
+                        "them at world size %d", sorted(lost), silent,
+                        self._cfg.node_timeout_seconds, generation, new.world_size)
+
+    def _departed(self) -> str | None:
+        """Why this node left the group in place (``preempted``, or ``lost``: the others
+        declared it lost while it was cut off), or None while it is a member."""
+        if self._watch is None:
+            return None
+        try:
+            key = self._key("departed", self._node)
+            if self._recovery_store.check([key]):
+                return self._recovery_store.get(key).decode().split(":")[0]
+        except (RuntimeError, dist.DistError):
+            pass
+        return None
+
+    def _leave(self, worker_group: WorkerGroup, reason: str) -> RunResult:
+        """This node left the group (``reason``): end this agent without a restart and without
+        closing the rendezvous (torch closes it when an agent fails; the job goes on without
+        this node). Its workers' exit codes are the agent's (143 preempted, 3 fenced out)."""
+        if reason == "lost":
+            log.error("membership: this node (%d) was declared lost while cut off; its workers "
+                      "were fenced out and committed nothing; the job goes on without it",
+                      self._node)
+        else:
+            log.warning("membership: this node (%d) was %s and left the job; the others go on "
+                        "without it", self._node, reason)
+        self._remaining_restarts = 0
+        worker_group.spec.rdzv_handler.shutdown = lambda: False  # type: ignore[method-assign]
+        return super()._monitor_workers(worker_group)
+
+    def _running(self) -> bool:
+        pc = self._pcontext
+        return isinstance(pc, SubprocessContext) and any(
+            h.proc.poll() is None for h in pc.subprocess_handlers.values())
 
     # ------------------------------------------------------------ replacement
 
@@ -286,10 +402,16 @@ class InPlaceAgent(LocalElasticAgent):
         # the replacement is the rank's next attempt: restarts used so far, as torch counts them
         attempt = worker_group.spec.max_restarts - self._remaining_restarts
         ranks, pids, spares = [], [], []
+        view = self._current_view() if self._location.kind != "tcp" else None
         for local_rank in sorted(failed):
             spare = self._take_spare(pc)
             env = {**pc.envs[local_rank], GENERATION_ENV: str(self._generation),
                    "TORCHELASTIC_RESTART_COUNT": str(attempt)}
+            if view is not None:  # ranks renumbered since the start (a node left)
+                rank = view.nodes[self._node][local_rank]
+                env.update(RANK=str(rank), WORLD_SIZE=str(view.world_size))
+                worker_group.workers[local_rank].global_rank = rank
+                worker_group.workers[local_rank].world_size = view.world_size
             # the dead worker's file goes before the spare can start beating into it
             (self._heartbeats / str(local_rank)).unlink(missing_ok=True)
             self._recovery_store.set(self._key("spare", spare.name, "assign"), json.dumps(env))

@@ -41,6 +41,10 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousError,
     RendezvousTimeoutError,
 )
+from torch.distributed.elastic.rendezvous.utils import (
+    _matches_machine_hostname,
+    parse_rendezvous_endpoint,
+)
 from torch.distributed.launcher.api import elastic_launch
 
 from . import compat
@@ -56,8 +60,9 @@ from .etcd_check import (
 )
 from .fencing import EXIT_FENCED
 from .inplace_agent import InPlaceAgent
+from .membership import Policy
 from .preempt import EXIT_PREEMPTED
-from .recovery_store import StoreLocation
+from .recovery_store import C10D_DEFAULT_PORT, StoreLocation
 from .restart_budget import EXIT_CRASH_LOOP, cause_rank
 
 log = logging.getLogger(__name__)
@@ -191,6 +196,19 @@ def in_place(args: argparse.Namespace) -> bool:
     return not (recovery is None or recovery.mode != "in_place" or getattr(args, "script", None))
 
 
+def hosts_c10d_store(targs: argparse.Namespace) -> bool:
+    """Whether this node hosts the c10d rendezvous store (torch's rule in
+    ``c10d_rendezvous_backend._create_tcp_store``: ``is_host`` in ``--rdzv-conf``, else whether
+    the endpoint's host names this machine)."""
+    if targs.rdzv_backend != "c10d":
+        return False
+    conf = parse_conf(targs.rdzv_conf)
+    if "is_host" in conf:
+        return conf["is_host"].lower() in ("1", "true", "yes", "y")
+    host, _ = parse_rendezvous_endpoint(targs.rdzv_endpoint, default_port=C10D_DEFAULT_PORT)
+    return _matches_machine_hostname(host)
+
+
 def multi_node(targs: argparse.Namespace) -> bool:
     """Whether more than one node may join (``--nnodes``' maximum above 1)."""
     return str(targs.nnodes).split(":")[-1] != "1"
@@ -265,8 +283,10 @@ def _launch_agent(args: argparse.Namespace, targs: argparse.Namespace) -> int:
         if location is not None and args.recovery.continue_shrunk:
             log.warning("recovery.continue_shrunk applies on one node only: across nodes the "
                         "survivors wait for the replacement")
+        policy = Policy.for_batch(config.min_nodes, getattr(args, "batch", None))
         agent = compat.agent_class(functools.partial(
-            InPlaceAgent, recovery=args.recovery, location=location,
+            InPlaceAgent, recovery=args.recovery, location=location, policy=policy,
+            hosts_store=location is not None and hosts_c10d_store(targs),
             on_replacement=endpoint.monitor.replaced if endpoint is not None else None))
     try:
         with agent:

@@ -96,6 +96,12 @@ class Trainer:
     def checkpoints(self) -> CheckpointManager:
         return self.session.checkpoints
 
+    def attach(self, recovery: InPlaceRecovery | NoRecovery) -> None:
+        """Recover through ``recovery`` (in place, or not at all); a preemption of some nodes
+        then lets them leave while the others go on."""
+        self.recovery = recovery
+        self.session.leave = lambda: recovery.leave(self)
+
     def close(self) -> None:
         """Commit the in-flight checkpoint and stop the reporting threads (idempotent)."""
         self.session.close()

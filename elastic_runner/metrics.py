@@ -38,6 +38,7 @@ PHASES = ("starting", "loading", "training", "evaluating", "checkpointing", "rec
           "finished")
 FINISH_REASONS = ("max_steps", "max_epochs", "early_stopping", "failed", "preempted")
 RECOVERY_PHASES = ("detection", "teardown", "group", "state", "first step")
+MEMBERSHIP_REASONS = ("preempted", "lost")  # membership.py: why a node left in place
 GOODPUT_CAUSES = ("productive", "startup", "recovery", "redone", "checkpoint", "evaluation",
                   "other")
 # set by elastic-runner run for its workers: the agent serves the node's endpoint
@@ -180,6 +181,14 @@ class RankMetrics:
                                     "blocked by one checkpoint save.", _CKPT_BUCKETS)
         self.recoveries = counter("in_place_recoveries_total", "In-place recoveries this "
                                   "rank took part in (a peer died; this process went on).")
+        changes = Counter(PREFIX + "membership_changes_total", "Changes of the group's nodes "
+                          "in place that this rank went through, by reason (preempted: a node "
+                          "got SIGTERM and left; lost: a node's heartbeat stopped; see "
+                          "membership.py).", (*RANK_LABELS, "reason"), registry=r)
+        self._membership = {why: changes.labels(**labels, reason=why)
+                            for why in MEMBERSHIP_REASONS}
+        for c in self._membership.values():
+            c.inc(0)
         recovery = gauge("last_recovery_seconds", "Phases of the last in-place recovery: "
                          "detection, teardown, group, state, first step (see inplace.py).",
                          "mostrecent", extra=("phase",))
@@ -312,6 +321,12 @@ class RankMetrics:
         self.recoveries.inc()
         for phase, gauge in self._recovery.items():
             gauge.set(phases.get(phase, 0.0))
+
+    def membership_changed(self, reason: str) -> None:
+        """The group changed its nodes in place (``reason``: one of
+        :data:`MEMBERSHIP_REASONS`)."""
+        if self.enabled:
+            self._membership[reason].inc()
 
     def goodput(self, seconds: dict[str, float], ettr: float) -> None:
         """The job's seconds by cause and its ETTR (:mod:`elastic_runner.goodput`)."""

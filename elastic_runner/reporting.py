@@ -66,6 +66,9 @@ class MetricsReporter(Callback):
     def on_recovery_report(self, report: Any) -> None:
         self.metrics.recovered(report.phases)
 
+    def on_membership_change(self, reason: str) -> None:
+        self.metrics.membership_changed(reason)
+
     def on_eval(self, step: int, metrics: dict[str, float]) -> None:
         self._eval = metrics
 

@@ -86,6 +86,9 @@ class TrainingSession:
     # the loader's record of what it handed out (ElasticDataLoader.take_fetched): the dataset
     # indices of each micro-batch since the last call; None: steps report the sampler's plan
     fetched: Callable[[], list[list[int]]] | None = None
+    # at a preemption stop, before the checkpoint: whole nodes may leave in place
+    # (inplace.InPlaceRecovery.leave raises for every rank then); returns when all stop
+    leave: Callable[[], None] = lambda: None
     steps_this_attempt: int = 0
     _t0: float = 0.0
     _t_data: float = 0.0
@@ -344,7 +347,14 @@ class TrainingSession:
 
     def _stop_for_preemption(self, discarded: bool = True) -> None:
         """All ranks: discard the step in flight (``discarded``), commit a checkpoint of the
-        last applied step, then leave with 143."""
+        last applied step, then leave with 143. Across nodes, when only some nodes were asked
+        to stop, those leave and the others go on without them (:attr:`leave`).
+
+        Raises:
+            Preempted: this rank stops (or leaves; the others go on).
+            inplace.Regroup: this rank goes on in a smaller group.
+        """
+        self.leave()
         step = self.state.step
         log.warning("preemption: checkpointing step %d, then stopping (SIGTERM or SIGINT on at "
                     "least one rank; %s)", step, f"step {step + 1} discarded, redone after the "

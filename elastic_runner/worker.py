@@ -80,6 +80,7 @@ def _train(config_path: str, overrides: list[str], resume: bool, entered: float,
     task = stand_by(cfg, recovery, spare, verbose) if spare else None
     heartbeat = Heartbeat.from_env(cfg.recovery.heartbeat_timeout_seconds
                                    if recovery.active else None)
+    watch = recovery.watch()  # several nodes: a partitioned peer's collective is left
     metrics, server = worker_metrics(cfg.metrics)
     metrics.phase("starting", None)  # joining the process group is not a hang
     info = None
@@ -99,7 +100,7 @@ def _train(config_path: str, overrides: list[str], resume: bool, entered: float,
             log.info("process group: backend %s, world size %d, rank 0 on %s%s", info.backend,
                      info.world_size, info.device, _device_name(info.device))
         trainer = build_trainer(cfg, info, metrics, task, joining=task is not None)
-        trainer.recovery = recovery
+        trainer.attach(recovery)
         trainer.preempt.install()
         marks.append(time.time())
         if task is not None:
@@ -121,6 +122,7 @@ def _train(config_path: str, overrides: list[str], resume: bool, entered: float,
             threading.Event().wait(linger)
             server.close()
         heartbeat.close()
+        watch.close()
     return 0
 
 
@@ -156,7 +158,7 @@ def regroup(cfg: Config, old: Trainer, recovery: InPlaceRecovery | NoRecovery,
     info = dataclasses.replace(old.info, rank=r.rank, world_size=r.world_size)
     metrics.world(r.world_size)
     trainer = build_trainer(cfg, info, metrics, (old.bundle, old.fingerprint), joining=True)
-    trainer.recovery = recovery
+    trainer.attach(recovery)
     trainer.preempt.install()
     trainer.checkpoints.load_from_peer(state, r.rank)
     # the new trainer's clock goes on from the old one's account, not from the process start

@@ -37,6 +37,7 @@ CALLS = {
     "on_finish": (StopReason.MAX_STEPS, "max_steps reached"),
     "on_recovered": (5, True, lambda: (0, [1, 2])),
     "on_recovery_report": (RecoveryReport(1, [1], 5, {"detection": 0.01}),),
+    "on_membership_change": ("preempted",),
     "checkpoint_stall": (0.01,),
     "checkpoint_committed": (COMMITTED,),
     "checkpoint_loaded": (INFO,),

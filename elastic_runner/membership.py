@@ -1,0 +1,246 @@
+"""Which nodes are in a multi-node job's group, and a node that leaves without a restart.
+
+torchrun's elasticity is restart-all: a node that leaves stops every worker on every node.
+Under ``elastic-runner run`` with in-place recovery across nodes (``recovery_store.py``) a
+node that leaves is instead one more *generation* of the process group
+(:mod:`elastic_runner.inplace`): the survivors re-form it without the node, renumbered, at the
+smaller world size (``batch.global_batch_size`` keeps the global batch), from their own state;
+no process starts and no checkpoint is read. Two ways a node leaves:
+
+* **preempted** (SIGTERM to its agent: a pod eviction, a spot notice): its workers leave at the
+  next step boundary (the step vote carries the stop; :meth:`InPlaceRecovery.leave
+  <elastic_runner.inplace.InPlaceRecovery.leave>` tells the ranks that stay from those that go)
+  and exit 143;
+* **lost** (killed, or cut off by a partition): its agent's heartbeat in the recovery store
+  stops; after ``recovery.node_timeout_seconds`` another node's agent announces the generation
+  without it (:class:`NodeWatch`). A lost node that comes back (a healed partition) finds itself
+  departed: its workers exit 3 (fenced out) and commit nothing.
+
+Keys, under the attempt's prefix in the recovery store:
+
+``node/<n>/ranks``
+    node rank ``n``'s workers' global ranks at the attempt's start, by local rank (its agent
+    sets it before starting them).
+``node/<n>/beat``
+    a counter node ``n``'s agent adds to every :attr:`NodeWatch.interval_s`.
+``node/<n>/leaving``
+    set by node ``n``'s agent when it got SIGTERM: the others do not count it lost meanwhile.
+``view``
+    the current :class:`View` (JSON), replaced by compare-and-set on every change.
+``departed/<n>``
+    the claim of whoever announces node ``n``'s departure (so it is announced once).
+
+The generation announcement itself (``gen/<g>``) is :mod:`elastic_runner.inplace`'s, with
+``departed``, ``members`` (the old global ranks that stay, in their new order: new rank = index)
+and ``world_size`` added.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+from .config import BatchConfig, ConfigError
+
+log = logging.getLogger(__name__)
+
+Key = Callable[..., str]  # the attempt's key for the given parts
+MIN_NODES_ENV = "ELASTIC_RUNNER_MIN_NODES"  # --nnodes MIN, from the agent to its workers
+
+
+@dataclass(frozen=True)
+class View:
+    """The group's membership after generation :attr:`generation`.
+
+    Attributes:
+        generation: the generation that made this view (0: the attempt's start).
+        nodes: node rank -> the global ranks of its workers, indexed by local rank.
+        departed: node ranks that left during this attempt.
+        store_node: the node whose agent hosts the recovery store (-1: none known): it cannot
+            leave in place, the store goes with it.
+    """
+
+    generation: int
+    nodes: dict[int, list[int]]
+    departed: tuple[int, ...] = ()
+    store_node: int = -1  # the node whose agent hosts the recovery store (-1: unknown)
+
+    @property
+    def world_size(self) -> int:
+        return sum(len(ranks) for ranks in self.nodes.values())
+
+    def node_of(self, rank: int) -> int:
+        """The node of global rank ``rank``.
+
+        Raises:
+            KeyError: no node has it.
+        """
+        return next(n for n, ranks in self.nodes.items() if rank in ranks)
+
+    def without(self, leaving: Iterable[int], generation: int) -> tuple[View, list[int]]:
+        """The view once the nodes ``leaving`` left in ``generation``, and the members: the old
+        global ranks that stay, sorted (a member's new rank is its index; the ranks of a node
+        stay contiguous, as torchrun numbers them)."""
+        gone = set(leaving)
+        members = sorted(r for n, ranks in self.nodes.items() if n not in gone for r in ranks)
+        renumber = {old: new for new, old in enumerate(members)}
+        nodes = {n: [renumber[r] for r in ranks] for n, ranks in self.nodes.items()
+                 if n not in gone}
+        return View(generation, nodes, tuple(sorted({*self.departed, *gone})),
+                    self.store_node), members
+
+    def to_json(self) -> str:
+        return json.dumps({"generation": self.generation, "departed": list(self.departed),
+                           "store_node": self.store_node,
+                           "nodes": {str(n): r for n, r in sorted(self.nodes.items())}},
+                          separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> View:
+        data = json.loads(text)
+        return cls(data["generation"], {int(n): r for n, r in data["nodes"].items()},
+                   tuple(data["departed"]), data["store_node"])
+
+
+def register(store: dist.Store, key: Key, node: int, ranks: list[int], hosts_store: bool
+             ) -> None:
+    """Node ``node``'s agent: its workers' global ``ranks`` (by local rank), before it starts
+    them; ``hosts_store``: its process hosts the recovery store."""
+    store.set(key("node", node, "ranks"), json.dumps(ranks))
+    if hosts_store:
+        store.set(key("store_node"), str(node))
+
+
+def read_view(store: dist.Store, key: Key, nnodes: int) -> View:
+    """The current view; at the attempt's start, assembled from the ``nnodes`` nodes'
+    registrations (blocking until every one registered, within the store's timeout)."""
+    if store.check([key("view")]):
+        return View.from_json(store.get(key("view")))
+    nodes = {n: json.loads(store.get(key("node", n, "ranks"))) for n in range(nnodes)}
+    host = int(store.get(key("store_node"))) if store.check([key("store_node")]) else -1
+    return View(0, nodes, store_node=host)
+
+
+def announce_departure(store: dist.Store, key: Key, view: View, leaving: list[int],
+                       reason: str) -> tuple[int, View, list[int]] | None:
+    """Announce the generation without the nodes ``leaving`` (``reason``: ``preempted`` or
+    ``lost``): claim each node's departure, draw the generation from the job's counter, publish
+    the view, then the announcement the survivors wait for.
+
+    Returns:
+        ``(generation, new view, members)``, or None when another process claimed one of these
+        departures first (it announces them).
+    """
+    me = f"{reason}:{time.time_ns()}"
+    for node in leaving:
+        if store.compare_set(key("departed", node), "", me).decode() != me:
+            return None
+    generation = store.add(key("generations"), 1)
+    new, members = view.without(leaving, generation)
+    store.set(key("view"), new.to_json())
+    failed = sorted(r for n in leaving for r in view.nodes.get(n, []))
+    store.set(key("gen", generation), json.dumps({
+        "departed": leaving, "failed": failed, "members": members,
+        "world_size": len(members), "reason": reason}))
+    return generation, new, members
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Which groups a node's departure may leave: at least ``min_nodes`` nodes (``--nnodes``
+    MIN) and a world size the global batch divides (``fits``; without
+    ``batch.global_batch_size`` any). Below that the job takes torch's restart path, where
+    torchrun waits for enough nodes (its ``join_timeout``)."""
+
+    min_nodes: int = 1
+    fits: Callable[[int], bool] = lambda world_size: True
+
+    @classmethod
+    def for_batch(cls, min_nodes: int, batch: BatchConfig | None) -> Policy:
+        """``--nnodes`` MIN and the config's ``batch`` section (None: a script's own loop,
+        whose batch the runner does not know: any world size)."""
+        if batch is None:
+            return cls(min_nodes)
+
+        def fits(world_size: int) -> bool:
+            try:
+                batch.accumulation_for(world_size)
+            except ConfigError:
+                return False
+            return True
+
+        return cls(min_nodes, fits)
+
+    def refuses(self, view: View, leaving: Iterable[int]) -> str | None:
+        """Why the group of ``view`` may not go on without the nodes ``leaving`` (None: it
+        may)."""
+        gone = set(leaving)
+        if view.store_node in gone:
+            return (f"node {view.store_node} hosts the recovery store (the c10d rendezvous "
+                    "host, or node rank 0 with etcd): the store leaves with it")
+        nodes = len([n for n in view.nodes if n not in gone])
+        world_size = sum(len(r) for n, r in view.nodes.items() if n not in gone)
+        if nodes < self.min_nodes:
+            return f"{nodes} node(s) left, fewer than --nnodes MIN {self.min_nodes}"
+        if world_size < 1:
+            return "no rank left"
+        if not self.fits(world_size):
+            return f"batch.global_batch_size is not divisible at world size {world_size}"
+        return None
+
+
+@dataclass
+class NodeWatch:
+    """An agent's view of the other nodes' heartbeats: :meth:`beat` adds to this node's counter
+    (at most every :attr:`interval_s`), :meth:`lost` names the nodes whose counter has not moved
+    for ``timeout_s`` by this process's monotonic clock (clocks of different machines are never
+    compared). A node's silence counts from when this watch first read its counter, so a node
+    still starting gets the whole timeout.
+
+    Args:
+        store: the recovery store; ``key``: the attempt's key function; ``node``: this node.
+        timeout_s: ``recovery.node_timeout_seconds``.
+    """
+
+    store: dist.Store
+    key: Key
+    node: int
+    timeout_s: float
+    interval_s: float = 0.25
+    _last_beat: float = float("-inf")
+    _seen: dict[int, tuple[int, float]] = field(default_factory=dict)  # node -> (count, when)
+
+    def due(self) -> bool:
+        """Whether :attr:`interval_s` passed since the last :meth:`beat`."""
+        return time.monotonic() - self._last_beat >= self.interval_s
+
+    def beat(self) -> None:
+        self.store.add(self.key("node", self.node, "beat"), 1)
+        self._last_beat = time.monotonic()
+
+    def lost(self, nodes: Iterable[int]) -> dict[int, float]:
+        """Of ``nodes`` (not this one), those silent longer than the timeout: node -> seconds
+        of silence. A node whose agent announced it is leaving (SIGTERM) is not lost."""
+        now = time.monotonic()
+        out: dict[int, float] = {}
+        for node in nodes:
+            if node == self.node or self.store.check([self.key("node", node, "leaving")]):
+                continue
+            count = self.store.add(self.key("node", node, "beat"), 0)
+            seen = self._seen.get(node)
+            if seen is None or seen[0] != count:
+                self._seen[node] = (count, now)
+            elif now - seen[1] > self.timeout_s:
+                out[node] = now - seen[1]
+        return out
+
+    def forget(self) -> None:
+        """A new attempt: every node's silence counts afresh."""
+        self._seen.clear()
+        self._last_beat = float("-inf")
+

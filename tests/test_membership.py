@@ -1,0 +1,101 @@
+"""Unit tests of the membership protocol's pieces against a real TCPStore (no launcher)."""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from elastic_runner.config import BatchConfig, ConfigError, load_config
+from elastic_runner.membership import (
+    NodeWatch,
+    Policy,
+    View,
+    announce_departure,
+    read_view,
+    register,
+)
+
+
+@pytest.fixture
+def store() -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                         timeout=timedelta(seconds=5))
+
+
+def key(*parts: object) -> str:
+    return "/".join(["job/attempt", *map(str, parts)])
+
+
+def test_without_renumbers_the_remaining_nodes_contiguously() -> None:
+    view = View(0, {0: [0, 1], 1: [2, 3], 2: [4, 5]}, store_node=0)
+    new, members = view.without([1], 7)
+    assert members == [0, 1, 4, 5]
+    assert new.nodes == {0: [0, 1], 2: [2, 3]}
+    assert (new.generation, new.departed, new.world_size, new.store_node) == (7, (1,), 4, 0)
+    again, members = new.without([0], 9)
+    assert members == [2, 3] and again.nodes == {2: [0, 1]} and again.departed == (0, 1)
+    assert View.from_json(again.to_json()) == again
+
+
+def test_read_view_assembles_the_registrations(store: dist.TCPStore) -> None:
+    register(store, key, 1, [2, 3], hosts_store=False)
+    register(store, key, 0, [0, 1], hosts_store=True)
+    view = read_view(store, key, 2)
+    assert view == View(0, {0: [0, 1], 1: [2, 3]}, store_node=0)
+
+
+def test_departure_is_announced_once_with_the_new_ranks(store: dist.TCPStore) -> None:
+    view = View(0, {0: [0, 1], 1: [2, 3], 2: [4, 5]}, store_node=0)
+    store.add(key("generations"), 3)  # replacements before
+    generation, new, members = announce_departure(store, key, view, [2], "lost")
+    assert generation == 4 and members == [0, 1, 2, 3]
+    announced = json.loads(store.get(key("gen", 4)))
+    assert announced == {"departed": [2], "failed": [4, 5], "members": [0, 1, 2, 3],
+                         "world_size": 4, "reason": "lost"}
+    assert read_view(store, key, 3) == new
+    # a second agent that saw the same silence claims nothing and announces nothing
+    assert announce_departure(store, key, view, [2], "lost") is None
+    assert store.add(key("generations"), 0) == 4
+
+
+def test_policy_refuses_below_min_nodes_the_store_host_and_an_indivisible_batch() -> None:
+    view = View(0, {0: [0, 1], 1: [2, 3], 2: [4, 5]}, store_node=0)
+    batch = BatchConfig(micro_batch_size=4, global_batch_size=32)  # world sizes 1, 2, 4, 8
+    policy = Policy.for_batch(1, batch)
+    assert policy.refuses(view, [2]) is None  # 6 -> 4 ranks
+    assert "hosts the recovery store" in policy.refuses(view, [0])
+    assert "fewer than --nnodes MIN 3" in Policy.for_batch(3, batch).refuses(view, [2])
+    uneven = View(0, {0: [0, 1, 2], 1: [3]}, store_node=0)
+    assert "not divisible at world size 3" in policy.refuses(uneven, [1])
+    assert Policy.for_batch(1, None).refuses(uneven, [1]) is None  # a script's own batch
+
+
+def test_node_watch_counts_silence_on_its_own_clock(store: dist.TCPStore,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    now = [100.0]
+    monkeypatch.setattr("elastic_runner.membership.time.monotonic", lambda: now[0])
+    me = NodeWatch(store, key, 0, timeout_s=5)
+    other = NodeWatch(store, key, 1, timeout_s=5)
+    other.beat()
+    assert me.lost([0, 1, 2]) == {}  # first sight: the silence counts from now
+    now[0] += 4
+    other.beat()
+    assert me.lost([0, 1, 2]) == {}
+    now[0] += 3  # node 1 beat 3 s ago; node 2 never beat, first seen 7 s ago
+    assert me.lost([0, 1, 2]) == {2: 7.0}
+    now[0] += 3
+    assert me.lost([1, 2]) == {1: 6.0, 2: 10.0}
+    store.set(key("node", 1, "leaving"), "1")  # SIGTERM: leaving at its next step boundary
+    assert me.lost([1, 2]) == {2: 10.0}
+
+
+def test_node_timeout_must_be_below_the_detect_timeout(tmp_path) -> None:
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("task: digits\n")
+    assert load_config(str(cfg), []).recovery.node_timeout_seconds == 5.0
+    with pytest.raises(ConfigError, match=r"recovery.node_timeout_seconds.*must be below "
+                                          r"recovery.detect_timeout_seconds \(10\)"):
+        load_config(str(cfg), ["recovery.node_timeout_seconds=12"])
