@@ -835,7 +835,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    metavar=("MIN", "MAX"), help="range of the etcd outages' length")
     p.add_argument("--timeout", type=float, default=5400.0, help="the whole soak, seconds")
     p.add_argument("--dir", default=None, help="keep the runs here (default: a temporary "
-                   "directory, removed)")
+                   "directory, removed when the soak passed)")
     p.add_argument("--json", default=None, help="write the record here, after every fault")
     args = p.parse_args(argv)
     if shutil.which("etcd") is None:
@@ -852,10 +852,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             tmp.write_text(json.dumps(r, indent=1, default=str))
             os.replace(tmp, args.json)
 
-    with contextlib.ExitStack() as stack:
-        d = args.dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="soak-"))
-        result = soak(plan, args.seed, settings, Path(d), save)
+    d = Path(args.dir or tempfile.mkdtemp(prefix="soak-"))
+    result = soak(plan, args.seed, settings, d, save)
     print(table(result))
+    if args.dir is None and passed(result):
+        shutil.rmtree(d, ignore_errors=True)
+    elif args.dir is None:  # a failed run's agent logs are what explains it
+        print(f"the run's logs and checkpoints are kept in {d}", file=sys.stderr)
     return result
 
 

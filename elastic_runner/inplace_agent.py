@@ -57,6 +57,8 @@ from .heartbeat import HEARTBEAT_ENV
 from .inplace import ENV, GENERATION_ENV, SPARE_ENV
 from .membership import (
     MIN_NODES_ENV,
+    NoBeat,
+    NodeBeat,
     NodeWatch,
     Policy,
     View,
@@ -121,6 +123,7 @@ class InPlaceAgent(LocalElasticAgent):
         self._policy = policy or Policy()
         self._hosts_store = hosts_store  # c10d: this node is the rendezvous host
         self._watch: NodeWatch | None = None  # several nodes with node_timeout_seconds
+        self._beat: NodeBeat | NoBeat = NoBeat()
         self._on_replacement = on_replacement or (lambda r: None)
         # (not _store: torch's agent has one of its own)
         self._rstore: dist.Store | None = None
@@ -201,6 +204,7 @@ class InPlaceAgent(LocalElasticAgent):
         super()._exit_barrier()
 
     def _stop_workers(self, worker_group: WorkerGroup, *args: Any, **kwargs: Any) -> None:
+        self._beat.close()
         self._drop_spare()
         super()._stop_workers(worker_group, *args, **kwargs)
 
@@ -210,6 +214,7 @@ class InPlaceAgent(LocalElasticAgent):
             # at their next step boundary; the other nodes must not count this node lost
             with contextlib.suppress(Exception):
                 self._recovery_store.set(self._key("node", self._node, "leaving"), "1")
+        self._beat.close()
         self._drop_spare()
         super()._shutdown(*args, **kwargs)
         shutil.rmtree(self._heartbeats, ignore_errors=True)
@@ -252,30 +257,33 @@ class InPlaceAgent(LocalElasticAgent):
     # ------------------------------------------------------------ membership
 
     def _join_membership(self, worker_group: WorkerGroup) -> None:
-        """Several nodes: register this node's ranks and start watching the others'
-        heartbeats (:mod:`elastic_runner.membership`)."""
+        """Several nodes: register this node's ranks, beat, and watch the others' heartbeats
+        (:mod:`elastic_runner.membership`)."""
         self._watch = None
+        self._beat.close()
         if self._location.kind == "tcp":
             return
+        # the store's host: c10d's rendezvous host; with etcd node rank 0, whose offer every
+        # node took (each etcd agent hosts a store, only that one is used)
+        hosts = self._node == 0 if self._location.kind == "node0" else self._hosts_store
         register(self._recovery_store, self._key, self._node,
-                 [w.global_rank for w in worker_group.workers],
-                 self._hosts_store or self._hosted is not None)
+                 [w.global_rank for w in worker_group.workers], hosts)
         if self._cfg.node_timeout_seconds is not None:
             self._watch = NodeWatch(self._recovery_store, self._key, self._node,
                                     self._cfg.node_timeout_seconds)
-            self._watch.beat()
+            self._beat = NodeBeat(connect(self._location, self._cfg.join_timeout_seconds),
+                                  self._key, self._node).start()
 
     def _current_view(self) -> View:
         nnodes = self._worker_group.group_world_size or 1
         return read_view(self._recovery_store, self._key, nnodes)
 
     def _watch_nodes(self) -> None:
-        """Beat; announce the generation without each node whose heartbeat stopped
+        """Announce the generation without each node whose heartbeat stopped
         (``recovery.node_timeout_seconds``), or take torch's restart path when the rest may
         not go on (:class:`~elastic_runner.membership.Policy`)."""
         if self._watch is None or not self._watch.due():
             return
-        self._watch.beat()
         view = self._current_view()
         if self._node in view.departed:  # cut off and left behind: its workers are fenced out
             return

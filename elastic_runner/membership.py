@@ -22,7 +22,7 @@ Keys, under the attempt's prefix in the recovery store:
     node rank ``n``'s workers' global ranks at the attempt's start, by local rank (its agent
     sets it before starting them).
 ``node/<n>/beat``
-    a counter node ``n``'s agent adds to every :attr:`NodeWatch.interval_s`.
+    a counter node ``n``'s agent adds to every :attr:`NodeBeat.interval_s` (from a thread).
 ``node/<n>/leaving``
     set by node ``n``'s agent when it got SIGTERM: the others do not count it lost meanwhile.
 ``view``
@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -194,17 +195,68 @@ class Policy:
         return None
 
 
+class NodeBeat:
+    """This node's heartbeat in the recovery store: a daemon thread adds to ``node/<n>/beat``
+    every ``interval_s`` through its own store client. A thread rather than the agent's monitor
+    loop: that loop also waits on torch's rendezvous backend (``num_nodes_waiting``), which
+    blocks for as long as etcd is stopped, and a node whose loop waited would look lost (seen:
+    7 s of silence during an etcd outage in the soak). A killed agent stops beating with its
+    process; so does one cut off from the store.
+
+    Args:
+        store: a client of the recovery store for this thread alone.
+        key: the attempt's key function; ``node``: this node's rank.
+        interval_s: seconds between beats.
+    """
+
+    def __init__(self, store: dist.Store, key: Key, node: int, interval_s: float = 0.25
+                 ) -> None:
+        self.store, self.key, self.node, self.interval_s = store, key, node, interval_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def beat(self) -> None:
+        self.store.add(self.key("node", self.node, "beat"), 1)
+
+    def start(self) -> NodeBeat:
+        """Beat once now, then from the thread; returns self."""
+        self.beat()
+        self._thread = threading.Thread(target=self._run, name="node-beat", daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.beat()
+            except (RuntimeError, dist.DistError):  # the store unreachable: silence
+                continue
+
+    def close(self) -> None:
+        self._stop.set()
+
+
+class NoBeat:
+    """No heartbeat (one node, or ``recovery.node_timeout_seconds: null``)."""
+
+    def close(self) -> None:
+        pass
+
+
 @dataclass
 class NodeWatch:
-    """An agent's view of the other nodes' heartbeats: :meth:`beat` adds to this node's counter
-    (at most every :attr:`interval_s`), :meth:`lost` names the nodes whose counter has not moved
-    for ``timeout_s`` by this process's monotonic clock (clocks of different machines are never
-    compared). A node's silence counts from when this watch first read its counter, so a node
-    still starting gets the whole timeout.
+    """An agent's view of the other nodes' heartbeats (:class:`NodeBeat`): :meth:`lost` names
+    the nodes whose counter has not moved for ``timeout_s`` by this process's monotonic clock
+    (clocks of different machines are never compared). A node's silence counts from when this
+    watch first read its counter, so a node still starting gets the whole timeout; and when
+    this watch itself did not look for more than half the timeout (its agent's loop was
+    blocked), every node's silence counts afresh: it cannot tell a silent node from its own
+    absence.
 
     Args:
         store: the recovery store; ``key``: the attempt's key function; ``node``: this node.
         timeout_s: ``recovery.node_timeout_seconds``.
+        interval_s: :meth:`due` says a look is due this often (seconds).
     """
 
     store: dist.Store
@@ -212,21 +264,20 @@ class NodeWatch:
     node: int
     timeout_s: float
     interval_s: float = 0.25
-    _last_beat: float = float("-inf")
+    _looked: float = float("-inf")
     _seen: dict[int, tuple[int, float]] = field(default_factory=dict)  # node -> (count, when)
 
     def due(self) -> bool:
-        """Whether :attr:`interval_s` passed since the last :meth:`beat`."""
-        return time.monotonic() - self._last_beat >= self.interval_s
-
-    def beat(self) -> None:
-        self.store.add(self.key("node", self.node, "beat"), 1)
-        self._last_beat = time.monotonic()
+        """Whether :attr:`interval_s` passed since the last :meth:`lost`."""
+        return time.monotonic() - self._looked >= self.interval_s
 
     def lost(self, nodes: Iterable[int]) -> dict[int, float]:
         """Of ``nodes`` (not this one), those silent longer than the timeout: node -> seconds
         of silence. A node whose agent announced it is leaving (SIGTERM) is not lost."""
         now = time.monotonic()
+        if now - self._looked > self.timeout_s / 2:
+            self._seen.clear()
+        self._looked = now
         out: dict[int, float] = {}
         for node in nodes:
             if node == self.node or self.store.check([self.key("node", node, "leaving")]):
@@ -238,9 +289,3 @@ class NodeWatch:
             elif now - seen[1] > self.timeout_s:
                 out[node] = now - seen[1]
         return out
-
-    def forget(self) -> None:
-        """A new attempt: every node's silence counts afresh."""
-        self._seen.clear()
-        self._last_beat = float("-inf")
-

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from datetime import timedelta
 
 import pytest
@@ -10,6 +11,7 @@ import torch.distributed as dist
 
 from elastic_runner.config import BatchConfig, ConfigError, load_config
 from elastic_runner.membership import (
+    NodeBeat,
     NodeWatch,
     Policy,
     View,
@@ -78,18 +80,58 @@ def test_node_watch_counts_silence_on_its_own_clock(store: dist.TCPStore,
     now = [100.0]
     monkeypatch.setattr("elastic_runner.membership.time.monotonic", lambda: now[0])
     me = NodeWatch(store, key, 0, timeout_s=5)
-    other = NodeWatch(store, key, 1, timeout_s=5)
+    other = NodeBeat(store, key, 1)
     other.beat()
     assert me.lost([0, 1, 2]) == {}  # first sight: the silence counts from now
-    now[0] += 4
-    other.beat()
+    now[0] += 2
     assert me.lost([0, 1, 2]) == {}
-    now[0] += 3  # node 1 beat 3 s ago; node 2 never beat, first seen 7 s ago
-    assert me.lost([0, 1, 2]) == {2: 7.0}
-    now[0] += 3
+    other.beat()
+    now[0] += 2
+    assert me.lost([0, 1, 2]) == {}
+    now[0] += 2  # node 1 beat 2 s ago (seen at 104); node 2 never beat, first seen at 100
+    assert me.lost([0, 1, 2]) == {2: 6.0}
+    now[0] += 2
+    assert me.lost([0, 1, 2]) == {2: 8.0}
+    now[0] += 2
     assert me.lost([1, 2]) == {1: 6.0, 2: 10.0}
     store.set(key("node", 1, "leaving"), "1")  # SIGTERM: leaving at its next step boundary
     assert me.lost([1, 2]) == {2: 10.0}
+
+
+def test_a_watch_that_did_not_look_counts_every_silence_afresh(
+        store: dist.TCPStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The watching agent's own loop blocked (torch's rendezvous call waiting for a stopped
+    etcd): it cannot tell a silent node from its own absence."""
+    now = [100.0]
+    monkeypatch.setattr("elastic_runner.membership.time.monotonic", lambda: now[0])
+    me = NodeWatch(store, key, 0, timeout_s=5)
+    NodeBeat(store, key, 1).beat()
+    assert me.lost([1]) == {}
+    now[0] += 7  # no look for 7 s, node 1 silent as well
+    assert me.lost([1]) == {}
+    now[0] += 2
+    assert me.lost([1]) == {}
+    for _ in range(2):  # looking again: 6 s of silence seen is lost
+        now[0] += 2
+    assert me.lost([1]) == {}  # the last look was 4 s ago: afresh again
+    for _ in range(3):
+        now[0] += 2
+        found = me.lost([1])
+    assert found == {1: 6.0}
+
+
+def test_the_beat_thread_beats_until_closed(store: dist.TCPStore) -> None:
+    beat = NodeBeat(store, key, 3, interval_s=0.01).start()
+    counter = key("node", 3, "beat")
+    deadline = time.monotonic() + 10
+    while store.add(counter, 0) < 5:
+        assert time.monotonic() < deadline, "the thread did not beat"
+        time.sleep(0.01)
+    beat.close()
+    beat._thread.join(5)
+    assert not beat._thread.is_alive()
+    after = store.add(counter, 0)
+    assert store.add(counter, 0) == after
 
 
 def test_node_timeout_must_be_below_the_detect_timeout(tmp_path) -> None:
