@@ -57,18 +57,29 @@ def test_node_loss_and_join_keep_every_sample_exactly_once(launch, etcd_server, 
                "20 steps at world size 2 after node C joined")
     sizes = world_sizes(trace)
     assert sizes[0] == 2 and 1 in sizes and sizes[-1] == 2
-    # node A's endpoint counted the join as a membership restart (B's loss broke A's collective)
+    # node A's endpoint counted the join as a membership restart; B's loss took no round when
+    # A's worker went on without it in place (B was not node rank 0, whose agent hosts the
+    # recovery store), else one
     _, text = get(port)
     assert samples(text, "elastic_runner_restarts_total", job="multinode",
                    reason="membership")[0] >= 1
-    assert samples(text, "elastic_runner_rendezvous_total")[0] >= 3
+    in_place = "membership: node(s) [1] lost" in a.output
+    assert in_place or "resumed from" in a.output
+    assert samples(text, "elastic_runner_rendezvous_total")[0] >= (2 if in_place else 3)
     assert samples(text, "elastic_runner_world_size", job="multinode") == [2]
 
-    c.proc.send_signal(signal.SIGTERM)  # node C is evicted: every rank checkpoints that step
+    c.proc.send_signal(signal.SIGTERM)  # node C is evicted
     assert c.wait(timeout=60) == 143, c.output[-3000:]
-    evicted_at = ckpt.latest_valid(ck).step
-    wait_until(lambda: f"step-{evicted_at:08d}: step {evicted_at}," in a.output, 120,
-               "node A to resume alone from the eviction checkpoint")
+
+    def went_on() -> bool:
+        """In place (C was node rank 1: A's worker goes on without it), or every rank
+        checkpointed that step and node A resumed alone from it (C hosted the store)."""
+        if "membership: node(s) [1] preempted" in a.output:
+            return True
+        evicted_at = ckpt.latest_valid(ck).step
+        return f"step-{evicted_at:08d}: step {evicted_at}," in a.output
+
+    wait_until(went_on, 120, "node A to go on alone (in place, or from the eviction checkpoint)")
     wait_until(lambda: world_sizes(trace)[-10:] == [1] * 10, 120, "10 more steps on node A")
 
     a.proc.send_signal(signal.SIGTERM)  # the last node is evicted too
