@@ -120,7 +120,10 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
     RendezvousTimeout,
 )
-from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+from torch.distributed.elastic.rendezvous.utils import (
+    _matches_machine_hostname,
+    parse_rendezvous_endpoint,
+)
 from torch.distributed.run import config_from_args, determine_local_world_size, get_args_parser
 from torch.nn.parallel import DistributedDataParallel
 from torch.torch_version import TorchVersion
@@ -588,3 +591,12 @@ def _mentions_name(fn: object, name: str) -> bool:
     """Whether ``fn`` itself (not unwrapped) uses the global or attribute ``name``."""
     code = getattr(fn, "__code__", None)
     return code is not None and name in code.co_names
+
+
+def names_this_machine(host: str) -> bool:
+    """Whether ``host`` (a name or address) is this machine, by torch's own rule for whether an
+    agent hosts the c10d rendezvous store (``_matches_machine_hostname`` in
+    ``torch.distributed.elastic.rendezvous.utils``, private; kept here with the other uses of
+    torch internals)."""
+    return _matches_machine_hostname(host)
+

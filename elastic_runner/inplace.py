@@ -51,7 +51,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -309,11 +309,8 @@ class InPlaceRecovery:
                     announced["failed"], generation, announced["world_size"], trainer.info.rank,
                     announced["members"].index(trainer.info.rank))
         trainer.session.callbacks.on_phase("recovering", "membership change", True)
-        self.sockets.cut()
-        dist.destroy_process_group()
         self._changed(trainer, announced["reason"])
-        members = announced["members"]
-        raise Regroup(members.index(trainer.info.rank), len(members), generation, report)
+        self._go_on_without(trainer, announced["members"], generation, report)
 
     def _changed(self, trainer: Trainer, reason: str) -> None:
         trainer.session.callbacks.on_membership_change(reason)
@@ -362,10 +359,20 @@ class InPlaceRecovery:
         log.warning("membership: node(s) %s preempted after step %d; generation %d goes on at "
                     "world size %d, this rank %d -> %d", leaving, step, generation,
                     len(members), trainer.info.rank, members.index(trainer.info.rank))
-        self.sockets.cut()
-        dist.destroy_process_group()
         report = RecoveryReport(generation, [r for r in range(len(everyone))
                                              if r not in members], step)
+        self._go_on_without(trainer, members, generation, report)
+
+    def _go_on_without(self, trainer: Trainer, members: list[int], generation: int,
+                       report: RecoveryReport) -> NoReturn:
+        """Leave the old group (its connections cut, so no peer waits on this rank) and
+        re-form it as ``members``: the old global ranks that stay, new rank = index.
+
+        Raises:
+            Regroup: always, as this rank's new number.
+        """
+        self.sockets.cut()
+        dist.destroy_process_group()
         raise Regroup(members.index(trainer.info.rank), len(members), generation, report)
 
     def _wait_generation(self, generation: int, timeout_s: float) -> dict[str, Any] | None:

@@ -41,10 +41,7 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousError,
     RendezvousTimeoutError,
 )
-from torch.distributed.elastic.rendezvous.utils import (
-    _matches_machine_hostname,
-    parse_rendezvous_endpoint,
-)
+from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 from torch.distributed.launcher.api import elastic_launch
 
 from . import compat
@@ -206,7 +203,7 @@ def hosts_c10d_store(targs: argparse.Namespace) -> bool:
     if "is_host" in conf:
         return conf["is_host"].lower() in ("1", "true", "yes", "y")
     host, _ = parse_rendezvous_endpoint(targs.rdzv_endpoint, default_port=C10D_DEFAULT_PORT)
-    return _matches_machine_hostname(host)
+    return compat.names_this_machine(host)
 
 
 def multi_node(targs: argparse.Namespace) -> bool:
