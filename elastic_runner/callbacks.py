@@ -27,6 +27,9 @@ from .stop import StopReason
 # the phases of a rank, also the values of the metrics' ``phase`` label
 PHASES = ("starting", "loading", "training", "evaluating", "checkpointing", "recovering",
           "finished")
+# the operation of a replacement's "recovering" phase: it joined a running group and agrees with
+# it on the state to go on from
+JOINING = "joining the running group"
 
 
 @dataclass(frozen=True)

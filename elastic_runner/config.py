@@ -248,9 +248,10 @@ class FaultSpec(_Section):
     count: StrictInt = 1
     repeat: StrictBool = False
     seconds: Float = 0.0  # ``slow``: extra time each of ``count`` steps takes on this rank
-    during: Literal["step", "checkpoint", "evaluation"] = "step"  # sigkill/sigterm/raise:
-    #   after the step (default), while the step's checkpoint is written (after the snapshot),
-    #   or as the evaluation after the step begins
+    during: Literal["step", "checkpoint", "evaluation", "joining"] = "step"  # sigkill/sigterm/
+    #   raise: after the step (default), while the step's checkpoint is written (after the
+    #   snapshot), as the evaluation after the step begins, or as a replacement joins a running
+    #   group (its process group formed, the state not yet agreed; its own steps: after_steps 0)
 
 
 class FaultConfig(_Section):

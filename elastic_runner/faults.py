@@ -114,8 +114,9 @@ class FaultInjector:
 
     def after_step(self, step: int, steps_this_attempt: int, during: str = "step") -> None:
         """Fire ``sigkill`` / ``sigterm`` / ``raise`` faults due after ``step`` completed
-        (``during``: ``"step"``), while its checkpoint is written (``"checkpoint"``) or as its
-        evaluation begins (``"evaluation"``)."""
+        (``during``: ``"step"``), while its checkpoint is written (``"checkpoint"``), as its
+        evaluation begins (``"evaluation"``) or as a replacement joins a running group
+        (``"joining"``)."""
         for i, spec in self.specs:
             if spec.kind not in ("sigkill", "sigterm", "raise") or spec.during != during:
                 continue

@@ -283,7 +283,14 @@ class InPlaceRecovery:
         report.generation = self.generation  # a later one if the replacement died too
         t3 = time.perf_counter()
         report.phases["group"] = t3 - t2
-        rejoin(trainer, joining=False, report=report)
+        try:
+            rejoin(trainer, joining=False, report=report)
+        except (RuntimeError, dist.DistError) as e:
+            if not is_peer_failure(e):
+                raise
+            # a member (the replacement, another survivor) died after the group formed, while
+            # it agreed on the state: nothing was installed yet, so this is one more failure
+            return self.recover(e, trainer)
         report.phases["state"] = time.perf_counter() - t3
         return report
 

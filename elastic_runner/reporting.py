@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from . import audit
-from .callbacks import Callback, LogEvent, StepEnd
+from .callbacks import JOINING, Callback, LogEvent, StepEnd
 from .checkpoint import CheckpointInfo
 from .checkpointing import CheckpointEvent
 from .dist import barrier
@@ -289,6 +289,8 @@ class FaultInjection(Callback):
     def on_phase(self, phase: str, what: str, long: bool) -> None:
         if phase == "evaluating":
             self.injector.after_step(self._step, self._attempt_steps, "evaluation")
+        elif phase == "recovering" and what == JOINING:
+            self.injector.after_step(self._step, self._attempt_steps, "joining")
 
     def checkpoint_stall(self, seconds: float) -> None:
         # the snapshot is taken; an asynchronous save is now writing in the background

@@ -18,6 +18,7 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
 from .build import build_optimizer, build_task, build_trainer
+from .callbacks import JOINING
 from .checkpoint import CheckpointError
 from .compat import check_torch
 from .config import Config, ConfigError, MetricsConfig, load_config
@@ -104,6 +105,7 @@ def _train(config_path: str, overrides: list[str], resume: bool, entered: float,
         trainer.preempt.install()
         marks.append(time.time())
         if task is not None:
+            trainer.session.callbacks.on_phase("recovering", JOINING, True)
             rejoin(trainer, joining=True)
         elif cfg.checkpoint.resume:
             trainer.resume()

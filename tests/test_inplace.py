@@ -1,6 +1,6 @@
 """In-place recovery with real processes (``elastic-runner run``, gloo): workers SIGKILLed from
-outside, one during a checkpoint write, one during an evaluation, one while its replacement is
-joining; the survivors keep their process, the replacement gets the state from a live peer,
+outside, one during a checkpoint write, one during an evaluation, replacements killed while they
+join (before their group formed, and after, while they agree on the state); the survivors keep their process, the replacement gets the state from a live peer,
 and the run ends bitwise equal to an uninterrupted one with an exact sample audit."""
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ COMMON = [DIGITS, "logging.tensorboard_dir=null", "early_stopping.enabled=false"
 # digits: 19 steps per epoch at world size 2 (global batch 64), evaluated at each epoch's end
 FAULTS = ("faults.inject=[{kind: sigkill, rank: 0, step: 40, during: checkpoint},"
           " {kind: sigkill, rank: 1, step: 76, during: evaluation},"
+          " {kind: sigkill, rank: 1, after_steps: 0, attempts: 20, during: joining},"
           " {kind: slow, rank: 0, step: 1, count: 100000, seconds: 0.03}]")
 OUTSIDE_KILLS = 10
 _REPLACED = re.compile(r"rank\(s\) \[(\d+)\] exited with code\(s\) \[(-?\d+)\]: replaced in "
@@ -56,14 +57,17 @@ def test_ten_kills_a_checkpoint_write_an_evaluation_and_a_joiner(launch, tmp_pat
     job = launch(cli("run", *COMMON, FAULTS, f"faults.once_dir={tmp_path / 'once'}",
                      f"checkpoint.dir={ck}", "--trace-samples", str(trace), "--nproc-per-node",
                      "2", "--max-restarts", "20", "--metrics-port", str(port)), name="job")
-    # the two injected faults: rank 0 dies while step 40's checkpoint is written (after the
-    # snapshot, in the background write), rank 1 as step 76's evaluation begins
-    wait_until(lambda: len(done(job.output)) >= 2, 240, "the two injected faults' recoveries")
-    assert [r[:2] for r in replacements(job.output)] == [(0, -9), (1, -9)]
+    # the three injected faults: rank 0 dies while step 40's checkpoint is written (after the
+    # snapshot, in the background write), rank 1 as step 76's evaluation begins, and its
+    # replacement after its group formed, while it agrees with the survivor on the state
+    wait_until(lambda: 3 in done(job.output), 240, "the injected faults' recoveries")
+    assert [r[:2] for r in replacements(job.output)] == [(0, -9), (1, -9), (1, -9)]
+    assert list(done(job.output)) == [1, 3]  # generation 2 never committed a step
+    assert "rank 1 sigkill during the joining of step 0" in job.output
     assert not (ck / "step-00000040").exists() or (ck / "step-00000040" / "manifest.json").exists()
     # one scrape shows the recoveries: the agent's count by mode, the ranks' count and phases
     _, text = get(port)
-    assert samples(text, "elastic_runner_restarts_total", reason="in_place") == [2.0]
+    assert samples(text, "elastic_runner_restarts_total", reason="in_place") == [3.0]
     assert samples(text, "elastic_runner_restarts_total", reason="failure") == [0.0]
     assert sum(samples(text, "elastic_runner_in_place_recoveries_total")) >= 1
     phases = {s.labels["phase"] for f in text_string_to_metric_families(text)
@@ -101,7 +105,7 @@ def test_ten_kills_a_checkpoint_write_an_evaluation_and_a_joiner(launch, tmp_pat
     log = job.output
     assert "resumed from" not in log  # no checkpoint was read: every state came from a peer
     assert all(n <= 0 for n in lost), lost  # nothing committed was lost
-    assert len(done(log)) == generation - 1  # the superseded generation never committed
+    assert len(done(log)) == generation - 2  # the two superseded ones never committed
     for r in audit.audit(trace):
         assert r.ok, r
     assert_same_tensors(final_state(ref_ck)["model"], final_state(ck)["model"])
