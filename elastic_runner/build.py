@@ -179,7 +179,7 @@ def lagged_vote(cfg: Config, info: DistInfo, optimizer: torch.optim.Optimizer) -
 def _consensus(cfg: Config, info: DistInfo, net: nn.Module, optimizer: torch.optim.Optimizer,
                preempt: PreemptionFlag) -> StepConsensus:
     lagged = lagged_vote(cfg, info, optimizer)
-    return make_consensus(net, lambda: preempt.requested,
+    return make_consensus(net, lambda: preempt.stop_asked,
                           lagged_on=info.device if lagged else None)
 
 

@@ -60,7 +60,17 @@ from .config import ConfigError
 from .dist import is_peer_failure
 from .fencing import FencedOut
 from .group_sockets import GroupSockets, NoSockets
-from .membership import MIN_NODES_ENV, Policy, announce_departure, read_view
+from .membership import (
+    MIN_NODES_ENV,
+    Policy,
+    announce_departure,
+    announce_join,
+    answered_joins,
+    joins_waiting,
+    pending_joins,
+    read_view,
+    refuse_joins,
+)
 from .preempt import Preempted
 from .recovery_store import StoreLocation, connect
 
@@ -88,18 +98,25 @@ class Regroup(Exception):  # noqa: N818 - control flow: the worker rebuilds its 
         self.report = report
 
 
+class StepRedo(Exception):  # noqa: N818 - control flow: the loop redoes the step
+    """Every rank stopped at a step boundary for a membership change that did not happen (a
+    join request refused, or already answered): the discarded step is redone in the same
+    group."""
+
+
 @dataclass
 class RecoveryReport:
     """One in-place recovery as this rank saw it. ``phases`` (seconds): ``detection`` (the
     failed collective -> the agent named the failed rank), ``teardown`` (old group destroyed),
     ``group`` (new group formed, including waiting for the replacement), ``state`` (progress
     exchanged, state sent to the joiner, DDP re-wrapped), ``first step`` (-> the next committed
-    step; filled in by the trainer)."""
+    step; filled in by the trainer). ``cause``: what started it, for the log line."""
 
     generation: int
     failed_ranks: list[int]
     step: int
     phases: dict[str, float] = field(default_factory=dict)
+    cause: str = "the failure"
     source: int = 0
     received: bool = False
 
@@ -126,6 +143,9 @@ class NoRecovery:
         pass
 
     def leave(self, trainer: Trainer) -> None:
+        pass
+
+    def bind(self, trainer: Trainer) -> None:
         pass
 
     def watch(self) -> _NoWatch:
@@ -169,6 +189,7 @@ class InPlaceRecovery:
         self.sockets = GroupSockets()  # the current group's connections (cut on a failure)
         self.grow_generation: int | None = None  # shrunk: the generation with every rank back
         self.home: tuple[int, int] | None = None  # (rank, world size) at full size
+        self.join_waiting = False  # a node asks to join (GenerationWatch's last look)
 
     @classmethod
     def from_env(cls, cfg: Any) -> InPlaceRecovery | NoRecovery:
@@ -184,6 +205,17 @@ class InPlaceRecovery:
                    node=int(os.environ.get("GROUP_RANK", 0)),
                    nnodes=int(os.environ.get("GROUP_WORLD_SIZE", 1)),
                    min_nodes=int(os.environ.get(MIN_NODES_ENV, 1)))
+
+    def bind(self, trainer: Trainer) -> None:
+        """``trainer`` recovers through this: a join request stops it at the next step
+        boundary (the step vote, :attr:`~elastic_runner.preempt.PreemptionFlag.membership`),
+        and rank 0 tells the agents that nodes may join in place (a script's own loop does
+        not bind, so its nodes join through torch's restart)."""
+        self.join_waiting = False
+        trainer.preempt.membership = lambda: self.join_waiting
+        if self.multi_node and trainer.info.rank == 0:
+            with contextlib.suppress(RuntimeError, dist.DistError):
+                self.store.set(self.key("joins_in_place"), "1")
 
     def watch(self) -> GenerationWatch | _NoWatch:
         """Several nodes: a :class:`GenerationWatch` on this worker (close it at the end)."""
@@ -258,6 +290,8 @@ class InPlaceRecovery:
             return None
         if "departed" in announced:  # a node left: the group goes on without it
             self._follow_departure(announced, trainer, t0)
+        if "joined" in announced:  # a node joined (this rank's vote was cut short)
+            self._follow_join(announced, trainer, t0)
         report = RecoveryReport(self.generation + 1, announced["failed"], trainer.state.step)
         log.warning("in-place recovery: rank(s) %s died (%s); generation %d, the rest keep "
                     "their process", announced["failed"], _first_line(error),
@@ -317,7 +351,25 @@ class InPlaceRecovery:
                     announced["members"].index(trainer.info.rank))
         trainer.session.callbacks.on_phase("recovering", "membership change", True)
         self._changed(trainer, announced["reason"])
-        self._go_on_without(trainer, announced["members"], generation, report)
+        members = announced["members"]
+        self._regroup(trainer, members.index(trainer.info.rank), len(members), generation,
+                      report)
+
+    def _follow_join(self, announced: dict[str, Any], trainer: Trainer, t0: float
+                     ) -> NoReturn:
+        """Rank 0 announced that node(s) join while this rank's collective was cut short:
+        go on as the same rank in the larger group.
+
+        Raises:
+            Regroup: always.
+        """
+        generation = self.generation + 1
+        report = RecoveryReport(generation, [], trainer.state.step,
+                                cause="the step boundary of the join")
+        report.phases["detection"] = time.perf_counter() - t0
+        trainer.session.callbacks.on_phase("recovering", "membership change", True)
+        self._changed(trainer, "joined")
+        self._regroup(trainer, trainer.info.rank, announced["world_size"], generation, report)
 
     def _changed(self, trainer: Trainer, reason: str) -> None:
         trainer.session.callbacks.on_membership_change(reason)
@@ -340,8 +392,10 @@ class InPlaceRecovery:
         everyone: list[Any] = [None] * trainer.info.world_size
         dist.all_gather_object(everyone, mine)
         leaving = sorted({node for node, asked in everyone if asked})
+        if not leaving:  # the vote stopped for a node that asks to join
+            self._take_in(trainer)
         members = [r for r, (node, _) in enumerate(everyone) if node not in leaving]
-        view = read_view(self.store, self.key, self.nnodes)
+        view = read_view(self.store, self.key)
         why = self.policy(trainer).refuses(view, leaving) if members else "every node"
         if why is not None:
             if trainer.info.rank == 0 and members:
@@ -367,20 +421,66 @@ class InPlaceRecovery:
                     "world size %d, this rank %d -> %d", leaving, step, generation,
                     len(members), trainer.info.rank, members.index(trainer.info.rank))
         report = RecoveryReport(generation, [r for r in range(len(everyone))
-                                             if r not in members], step)
-        self._go_on_without(trainer, members, generation, report)
+                                             if r not in members], step,
+                                cause="the step boundary of the departure")
+        self._regroup(trainer, members.index(trainer.info.rank), len(members), generation,
+                      report)
 
-    def _go_on_without(self, trainer: Trainer, members: list[int], generation: int,
-                       report: RecoveryReport) -> NoReturn:
-        """Leave the old group (its connections cut, so no peer waits on this rank) and
-        re-form it as ``members``: the old global ranks that stay, new rank = index.
+    def _take_in(self, trainer: Trainer) -> NoReturn:
+        """At the step boundary a join request asked for: rank 0 answers the pending requests
+        (the generation with the nodes' ranks after the members', or a refusal when the global
+        batch does not divide the new world size) and tells the others. Collective (the old
+        group).
 
         Raises:
-            Regroup: always, as this rank's new number.
+            Regroup: the same rank in the larger group.
+            StepRedo: nothing joins; the discarded step is redone.
         """
+        decided: list[Any] = [0, trainer.info.world_size, []]
+        if trainer.info.rank == 0:
+            decided = self._answer_joins(trainer)
+        dist.broadcast_object_list(decided, src=0)
+        self.join_waiting = False
+        generation, world_size, nodes = decided
+        if generation == 0:
+            raise StepRedo("no node joins")
+        step = trainer.state.step
+        self._changed(trainer, "joined")
+        if trainer.info.rank == 0:
+            log.warning("membership: node(s) %s join after step %d; generation %d goes on at "
+                        "world size %d", nodes, step, generation, world_size)
+        report = RecoveryReport(generation, [], step, cause="the step boundary of the join")
+        self._regroup(trainer, trainer.info.rank, world_size, generation, report)
+
+    def _answer_joins(self, trainer: Trainer) -> list[Any]:
+        """Rank 0: ``[generation, world size, joining nodes]`` (generation 0: none join)."""
+        requests = pending_joins(self.store, self.key, answered_joins(self.store, self.key))
+        joining = {r["node"]: r["nproc"] for r in requests.values()}
+        view = read_view(self.store, self.key)
+        world_size = view.world_size + sum(joining.values())
+        if not joining:
+            return [0, trainer.info.world_size, []]
+        if not self.policy(trainer).fits(world_size):
+            why = (f"batch.global_batch_size is not divisible at world size {world_size} "
+                   f"(nodes {sorted(joining)} asked to join)")
+            log.error("membership: %s: they stay out", why)
+            refuse_joins(self.store, self.key, requests, why)
+            return [0, trainer.info.world_size, []]
+        generation, new = announce_join(self.store, self.key, view, joining, max(requests))
+        return [generation, new.world_size, sorted(joining)]
+
+    def _regroup(self, trainer: Trainer, rank: int, world_size: int, generation: int,
+                 report: RecoveryReport) -> NoReturn:
+        """Leave the old group (its connections cut, so no peer waits on this rank) and
+        re-form it as ``rank`` of ``world_size`` in ``generation``.
+
+        Raises:
+            Regroup: always.
+        """
+        self.join_waiting = False
         self.sockets.cut()
         dist.destroy_process_group()
-        raise Regroup(members.index(trainer.info.rank), len(members), generation, report)
+        raise Regroup(rank, world_size, generation, report)
 
     def _wait_generation(self, generation: int, timeout_s: float) -> dict[str, Any] | None:
         """Generation ``generation``'s announcement, ``{"restart": True}`` once any agent or
@@ -493,6 +593,7 @@ class GenerationWatch:
             keys = [recovery.key("gen", recovery.generation + 1), recovery.key("restart")]
             try:
                 announced = any(self._store.check([k]) for k in keys)
+                recovery.join_waiting = joins_waiting(self._store, recovery.key)
             except (RuntimeError, dist.DistError):  # store unreachable (partitioned): wait
                 continue
             if announced and recovery.sockets.cut(epoch, socket.SHUT_RDWR):

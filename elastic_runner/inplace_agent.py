@@ -63,8 +63,10 @@ from .membership import (
     Policy,
     View,
     announce_departure,
+    claim_node_id,
     read_view,
     register,
+    request_join,
 )
 from .preempt import EXIT_PREEMPTED
 from .recovery_store import StoreLocation, agree_attempt, connect
@@ -93,6 +95,25 @@ class _Spare:
     proc: subprocess.Popen[bytes]
     started: float
     ready: bool = False
+
+
+@dataclass
+class _Join:
+    """This node joins a running attempt as node id ``node``: its workers stand by as spares
+    named ``<node>.join.<local rank>`` until the group takes them in; ``request``: the number
+    of its join request once posted."""
+
+    node: int
+    request: int = 0
+
+    @property
+    def spares(self) -> str:
+        """The workers' :data:`~elastic_runner.inplace.SPARE_ENV`: each appends its local
+        rank."""
+        return f"{self.node}.join."
+
+    def spare(self, local_rank: int) -> str:
+        return f"{self.spares}{local_rank}"
 
 
 @dataclass(frozen=True)
@@ -144,6 +165,8 @@ class InPlaceAgent(LocalElasticAgent):
         self._spares = 0
         self._grow: tuple[int, list[_Spare]] | None = None  # shrunk: (generation, joiners)
         self._built_since: float | None = None  # when the workers reported the task built
+        self._joining: _Join | None = None  # this node joins a running attempt
+        self._healthy = False  # the last look found the group healthy
 
     def _key(self, *parts: object) -> str:
         return "/".join([self._prefix, *map(str, parts)])
@@ -154,36 +177,47 @@ class InPlaceAgent(LocalElasticAgent):
             self._rstore = connect(self._location, self._cfg.join_timeout_seconds)
         return self._rstore
 
-    def _agree(self, worker_group: WorkerGroup) -> None:
+    def _agree(self, worker_group: WorkerGroup, running: tuple[str, str] | None = None
+               ) -> bool:
         """Several nodes: this round's key prefix and store endpoint, as node rank 0 says
-        (``node0``: its own hosted store at the address its workers' MASTER_ADDR names)."""
+        (``node0``: its own hosted store at the address its workers' MASTER_ADDR names), or
+        the attempt that some node's workers still run (``running``: this node's). Returns
+        whether the attempt was running (this round lets nodes join it)."""
         offer = self._location.endpoint
         if self._hosted is not None and self._location.kind == "node0":
             offer = f"{worker_group.master_addr}:{self._hosted.port}"
-        self._prefix, endpoint = agree_attempt(worker_group.store, self._node,
-                                               self._location.run_id, offer)
-        if endpoint != self._location.endpoint:  # node rank 0 changed: another store
-            self._location, self._rstore = self._location.at(endpoint, ""), None
+        attempt = agree_attempt(worker_group.store, worker_group.group_rank or 0,
+                                worker_group.group_world_size or 1, self._location.run_id,
+                                offer, running)
+        self._prefix = attempt.prefix
+        if attempt.endpoint != self._location.endpoint:  # node rank 0 changed: another store
+            self._location, self._rstore = self._location.at(attempt.endpoint, ""), None
+        return attempt.running
 
     # ------------------------------------------------------------ torch's agent hooks
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         self._node = worker_group.group_rank or 0
+        joining = False
         if self._location.kind == "tcp":
             self._prefix = f"attempt-{uuid.uuid4().hex[:12]}"
-        else:  # the same prefix on every node, new every rendezvous round
-            self._agree(worker_group)
-        self._generation, self._grow, self._built_since = 0, None, None
+        else:  # the same prefix on every node, new every rendezvous round (unless running)
+            joining = self._agree(worker_group)
+        self._generation, self._grow, self._built_since, self._joining = 0, None, None, None
         self._heartbeats.mkdir(parents=True, exist_ok=True)
         for beat in self._heartbeats.iterdir():  # the previous attempt's workers
             beat.unlink(missing_ok=True)
-        saved = {name: os.environ.get(name) for name in (ENV, HEARTBEAT_ENV, MIN_NODES_ENV)}
+        saved = {name: os.environ.get(name)
+                 for name in (ENV, HEARTBEAT_ENV, MIN_NODES_ENV, SPARE_ENV)}
         os.environ[ENV] = self._location.at(self._location.endpoint, self._prefix).to_json()
         os.environ[HEARTBEAT_ENV] = str(self._heartbeats)
         os.environ[MIN_NODES_ENV] = str(self._policy.min_nodes)
         try:
             self._recovery_store.check([self._key("restart")])  # connect before the workers
-            self._join_membership(worker_group)
+            if joining:
+                self._stand_by_to_join(worker_group)
+            else:
+                self._join_membership(worker_group)
             return super()._start_workers(worker_group)
         finally:
             for name, value in saved.items():
@@ -220,6 +254,19 @@ class InPlaceAgent(LocalElasticAgent):
         shutil.rmtree(self._heartbeats, ignore_errors=True)
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        result = self._look(worker_group)
+        self._healthy = result.state == WorkerState.HEALTHY
+        return result
+
+    def _restart_workers(self, worker_group: WorkerGroup) -> None:
+        """torch calls this for a failure, and, while the group is healthy, when a node waits
+        in the rendezvous: that one joins in place instead when the workers can take it in."""
+        if self._healthy and self._takes_joins():
+            self._let_in(worker_group)
+            return
+        super()._restart_workers(worker_group)
+
+    def _look(self, worker_group: WorkerGroup) -> RunResult:
         pc = self._pcontext
         if not isinstance(pc, SubprocessContext):
             return super()._monitor_workers(worker_group)
@@ -239,6 +286,8 @@ class InPlaceAgent(LocalElasticAgent):
                 self._recovery_store.set(self._key("restart"), json.dumps({"restart": True}))
             return super()._monitor_workers(worker_group)
         try:
+            if self._joining is not None:
+                return self._follow_join(worker_group, pc)
             self._watch_nodes()
             self._announce_grow()
             self._keep_spare(pc)
@@ -256,7 +305,7 @@ class InPlaceAgent(LocalElasticAgent):
 
     # ------------------------------------------------------------ membership
 
-    def _join_membership(self, worker_group: WorkerGroup) -> None:
+    def _join_membership(self, worker_group: WorkerGroup, joined: bool = False) -> None:
         """Several nodes: register this node's ranks, beat, and watch the others' heartbeats
         (:mod:`elastic_runner.membership`)."""
         self._watch = None
@@ -267,7 +316,8 @@ class InPlaceAgent(LocalElasticAgent):
         # node took (each etcd agent hosts a store, only that one is used)
         hosts = self._node == 0 if self._location.kind == "node0" else self._hosts_store
         register(self._recovery_store, self._key, self._node,
-                 [w.global_rank for w in worker_group.workers], hosts)
+                 [w.global_rank for w in worker_group.workers], hosts,
+                 None if joined else worker_group.group_world_size or 1)
         if self._cfg.node_timeout_seconds is not None:
             self._watch = NodeWatch(self._recovery_store, self._key, self._node,
                                     self._cfg.node_timeout_seconds)
@@ -275,8 +325,91 @@ class InPlaceAgent(LocalElasticAgent):
                                   self._key, self._node).start()
 
     def _current_view(self) -> View:
-        nnodes = self._worker_group.group_world_size or 1
-        return read_view(self._recovery_store, self._key, nnodes)
+        return read_view(self._recovery_store, self._key)
+
+    # ------------------------------------------------------------ joins
+
+    def _takes_joins(self) -> bool:
+        """Whether a node waiting in the rendezvous may join in place: several nodes, this
+        node's workers run (not joining themselves, not shrunk), no restart under way, and the
+        workers said they can take nodes in (the built-in trainer; a script's own loop
+        cannot)."""
+        if self._location.kind == "tcp" or self._joining is not None or self._grow is not None:
+            return False
+        try:
+            return (self._recovery_store.check([self._key("joins_in_place")])
+                    and not self._restart_asked())
+        except (RuntimeError, dist.DistError):
+            return False
+
+    def _let_in(self, worker_group: WorkerGroup) -> None:
+        """Take part in the new rendezvous round that lets the waiting node(s) in, without
+        stopping this node's workers: torch's round and rank assignment (which the newcomer's
+        agent waits for), then the attempt's prefix and store handed on (:func:`agree_attempt
+        <elastic_runner.recovery_store.agree_attempt>`). The workers take the newcomers in at
+        a step boundary once their workers are ready (:mod:`elastic_runner.membership`)."""
+        t0 = time.monotonic()
+        workers, node = worker_group.workers, self._node
+        master = (worker_group.master_addr, worker_group.master_port)
+        self._rendezvous(worker_group)
+        nnodes = worker_group.group_world_size
+        worker_group.workers = workers  # this node's workers keep their ranks and processes
+        worker_group.master_addr, worker_group.master_port = master
+        self._agree(worker_group, running=(self._prefix, self._location.endpoint))
+        worker_group.group_rank = node  # the node keeps its id across rounds
+        log.warning("membership: node(s) waiting to join: rendezvous round of %d nodes taken "
+                    "in %.2f s; this node's workers go on and take them in at a step boundary",
+                    nnodes, time.monotonic() - t0)
+
+    def _stand_by_to_join(self, worker_group: WorkerGroup) -> None:
+        """This node's agent joined a running attempt: claim a node id, and start the workers
+        as spares that build the task and wait for the group to take them in."""
+        self._joining = _Join(claim_node_id(self._recovery_store, self._key,
+                                            self._current_view()))
+        self._node = worker_group.group_rank = self._joining.node
+        os.environ[SPARE_ENV] = self._joining.spares
+        log.warning("membership: joining the running job as node %d: its %d worker(s) build "
+                    "the task, then the group takes them in at a step boundary",
+                    self._node, len(worker_group.workers))
+
+    def _follow_join(self, worker_group: WorkerGroup, pc: SubprocessContext) -> RunResult:
+        """Joining: post the join request once every worker stands by, then hand each worker
+        its place once the group announced the generation that takes this node in."""
+        join, store = self._joining, self._recovery_store
+        assert join is not None
+        if not join.request:
+            if all(store.check([self._key("spare", join.spare(lr), "ready")])
+                   for lr in pc.subprocess_handlers):
+                join.request = request_join(store, self._key, join.node,
+                                            len(pc.subprocess_handlers))
+                log.info("membership: node %d ready to join (request %d)", join.node,
+                         join.request)
+            return RunResult(state=WorkerState.HEALTHY)
+        refused = self._key("join", join.request, "refused")
+        if store.check([refused]):
+            log.error("membership: the running job did not take this node in: %s",
+                      store.get(refused).decode())
+            for handler in pc.subprocess_handlers.values():
+                handler.close(signal.SIGKILL)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    handler.proc.wait(timeout=5)
+            return self._leave(worker_group, "refused")
+        if not store.check([self._key("admitted", join.node)]):
+            return RunResult(state=WorkerState.HEALTHY)
+        generation = int(store.get(self._key("admitted", join.node)))
+        view = self._current_view()
+        for local_rank, rank in enumerate(view.nodes[join.node]):
+            env = {**pc.envs[local_rank], "RANK": str(rank), "WORLD_SIZE": str(view.world_size),
+                   "GROUP_RANK": str(join.node), GENERATION_ENV: str(generation)}
+            worker_group.workers[local_rank].global_rank = rank
+            worker_group.workers[local_rank].world_size = view.world_size
+            store.set(self._key("spare", join.spare(local_rank), "assign"), json.dumps(env))
+        self._joining, self._generation = None, generation
+        self._join_membership(worker_group, joined=True)
+        log.warning("membership: node %d joined the running job in generation %d as rank(s) "
+                    "%s (world size %d)", join.node, generation, view.nodes[join.node],
+                    view.world_size)
+        return RunResult(state=WorkerState.HEALTHY)
 
     def _watch_nodes(self) -> None:
         """Announce the generation without each node whose heartbeat stopped
@@ -357,7 +490,7 @@ class InPlaceAgent(LocalElasticAgent):
         # a failure while shrunk takes the restart path
         return (survivors and all(code is None for code in others)
                 and self._remaining_restarts > 0 and self._grow is None
-                and not self._restart_asked())
+                and self._joining is None and not self._restart_asked())
 
     def _restart_asked(self) -> bool:
         """Whether a worker or agent of this attempt asked for torch's restart path, or the

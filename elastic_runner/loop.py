@@ -30,7 +30,7 @@ from .data import ElasticDataLoader
 from .dist import DistInfo, all_reduce_sums
 from .engine import StepEngine, precision_dtype
 from .faults import planted_metric
-from .inplace import InPlaceRecovery, NoRecovery, RecoveryReport
+from .inplace import InPlaceRecovery, NoRecovery, RecoveryReport, StepRedo
 from .preempt import PreemptionFlag
 from .sampler import ElasticSampler, shard_indices
 from .session import RollbackRequested, TrainingFailed, TrainingSession
@@ -101,6 +101,7 @@ class Trainer:
         then lets them leave while the others go on."""
         self.recovery = recovery
         self.session.leave = lambda: recovery.leave(self)
+        recovery.bind(self)
 
     def close(self) -> None:
         """Commit the in-flight checkpoint and stop the reporting threads (idempotent)."""
@@ -130,6 +131,8 @@ class Trainer:
                     self._run_epoch()
                 except RollbackRequested:
                     self.session.rollback()
+                except StepRedo:  # a membership boundary that changed nothing
+                    self.session.abandon_step()
                 except RuntimeError as e:  # a collective failed: did a peer die?
                     if isinstance(e, TrainingFailed):
                         raise
@@ -173,8 +176,8 @@ class Trainer:
         """The first step after an in-place recovery is committed: report the recovery."""
         report, self._recovering = self._recovering, None
         report.phases["first step"] = time.perf_counter() - self._t_recovered
-        log.warning("in-place recovery %d done: step %d committed %.3f s after the failure "
-                    "(%s)", report.generation, self.state.step, report.seconds,
+        log.warning("in-place recovery %d done: step %d committed %.3f s after %s (%s)",
+                    report.generation, self.state.step, report.seconds, report.cause,
                     ", ".join(f"{k} {v:.3f} s" for k, v in report.phases.items()))
         self.session.callbacks.on_recovery_report(report)
 

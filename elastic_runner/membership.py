@@ -16,6 +16,14 @@ no process starts and no checkpoint is read. Two ways a node leaves:
   without it (:class:`NodeWatch`). A lost node that comes back (a healed partition) finds itself
   departed: its workers exit 3 (fenced out) and commit nothing.
 
+A node that **joins** (a replacement pod, a new node within ``--nnodes`` MAX) is a generation
+too: torch's rendezvous lets it in (the running agents take the new round without stopping their
+workers: :mod:`elastic_runner.inplace_agent`), its workers build the task and wait, its agent
+posts a join request (:func:`request_join`); the running ranks stop at their next step boundary
+(the step vote again), rank 0 announces the generation with the node's ranks appended
+(:func:`announce_join`), and the group re-forms at the larger world size, the joiners getting
+the state from a live peer.
+
 Keys, under the attempt's prefix in the recovery store:
 
 ``node/<n>/ranks``
@@ -29,10 +37,18 @@ Keys, under the attempt's prefix in the recovery store:
     the current :class:`View` (JSON), replaced by compare-and-set on every change.
 ``departed/<n>``
     the claim of whoever announces node ``n``'s departure (so it is announced once).
+``node/<n>/claim``
+    a joining node's claim of node id ``n`` (:func:`claim_node_id`).
+``joins``, ``join/<i>``
+    the number of join requests, and request ``i``: ``{"node", "nproc"}`` (:func:`request_join`).
+``admitted/<n>``
+    the generation that took joining node ``n`` in (:func:`announce_join`).
+``joins_admitted``
+    the last join request answered (taken in, or refused: ``join/<i>/refused`` says why).
 
 The generation announcement itself (``gen/<g>``) is :mod:`elastic_runner.inplace`'s, with
-``departed``, ``members`` (the old global ranks that stay, in their new order: new rank = index)
-and ``world_size`` added.
+``departed`` or ``joined``, ``members`` (the old global ranks that stay, in their new order: new
+rank = index; a joined node's ranks follow them) and ``world_size`` added.
 """
 
 from __future__ import annotations
@@ -95,6 +111,20 @@ class View:
         return View(generation, nodes, tuple(sorted({*self.departed, *gone})),
                     self.store_node), members
 
+    def with_nodes(self, joining: dict[int, int], generation: int) -> View:
+        """The view once the nodes ``joining`` (node id -> its number of workers) joined in
+        ``generation``: their ranks follow the existing ones, in node id order."""
+        nodes = {n: list(r) for n, r in self.nodes.items()}
+        rank = self.world_size
+        for node, nproc in sorted(joining.items()):
+            nodes[node] = list(range(rank, rank + nproc))
+            rank += nproc
+        return View(generation, nodes, self.departed, self.store_node)
+
+    def ids(self) -> set[int]:
+        """Every node id this attempt used (members and departed)."""
+        return {*self.nodes, *self.departed}
+
     def to_json(self) -> str:
         return json.dumps({"generation": self.generation, "departed": list(self.departed),
                            "store_node": self.store_node,
@@ -108,20 +138,25 @@ class View:
                    tuple(data["departed"]), data["store_node"])
 
 
-def register(store: dist.Store, key: Key, node: int, ranks: list[int], hosts_store: bool
-             ) -> None:
+def register(store: dist.Store, key: Key, node: int, ranks: list[int], hosts_store: bool,
+             nnodes: int | None) -> None:
     """Node ``node``'s agent: its workers' global ``ranks`` (by local rank), before it starts
-    them; ``hosts_store``: its process hosts the recovery store."""
+    them; ``hosts_store``: its process hosts the recovery store; ``nnodes``: the attempt's
+    number of nodes at its start (None: a node that joined later)."""
     store.set(key("node", node, "ranks"), json.dumps(ranks))
+    if nnodes is not None:
+        store.set(key("nnodes"), str(nnodes))
     if hosts_store:
         store.set(key("store_node"), str(node))
 
 
-def read_view(store: dist.Store, key: Key, nnodes: int) -> View:
-    """The current view; at the attempt's start, assembled from the ``nnodes`` nodes'
-    registrations (blocking until every one registered, within the store's timeout)."""
+def read_view(store: dist.Store, key: Key) -> View:
+    """The current view; before the first membership change, assembled from the registrations
+    of the attempt's nodes (blocking until every one registered, within the store's
+    timeout)."""
     if store.check([key("view")]):
         return View.from_json(store.get(key("view")))
+    nnodes = int(store.get(key("nnodes")))
     nodes = {n: json.loads(store.get(key("node", n, "ranks"))) for n in range(nnodes)}
     host = int(store.get(key("store_node"))) if store.check([key("store_node")]) else -1
     return View(0, nodes, store_node=host)
@@ -149,6 +184,76 @@ def announce_departure(store: dist.Store, key: Key, view: View, leaving: list[in
         "departed": leaving, "failed": failed, "members": members,
         "world_size": len(members), "reason": reason}))
     return generation, new, members
+
+
+def claim_node_id(store: dist.Store, key: Key, view: View) -> int:
+    """A node that joins a running attempt: the lowest node id nobody used or claimed (ids are
+    stable across rendezvous rounds, where torch may renumber the nodes)."""
+    me, node = f"{time.time_ns()}", max(view.ids(), default=-1) + 1
+    while store.compare_set(key("node", node, "claim"), "", me).decode() != me:
+        node += 1
+    return node
+
+
+def request_join(store: dist.Store, key: Key, node: int, nproc: int) -> int:
+    """A joining node's agent, once its ``nproc`` workers have built the task: ask the running
+    group to take it in at its next step boundary. Returns the request's number (1, 2, ...)."""
+    number = store.add(key("joins"), 1)
+    store.set(key("join", number), json.dumps({"node": node, "nproc": nproc}))
+    return number
+
+
+def pending_joins(store: dist.Store, key: Key, admitted: int) -> dict[int, dict[str, int]]:
+    """The join requests after number ``admitted``: number -> ``{"node", "nproc"}``."""
+    posted = store.add(key("joins"), 0)
+    return {n: json.loads(store.get(key("join", n))) for n in range(admitted + 1, posted + 1)}
+
+
+def joins_waiting(store: dist.Store, key: Key) -> bool:
+    """Whether a join request is posted and not yet answered (two reads; polled by every
+    worker's :class:`~elastic_runner.inplace.GenerationWatch`)."""
+    posted = store.add(key("joins"), 0)
+    if not posted:
+        return False
+    admitted = key("joins_admitted")
+    return posted > (int(store.get(admitted)) if store.check([admitted]) else 0)
+
+
+def answered_joins(store: dist.Store, key: Key) -> int:
+    """The number of the last join request answered (0: none)."""
+    admitted = key("joins_admitted")
+    return int(store.get(admitted)) if store.check([admitted]) else 0
+
+
+def refuse_joins(store: dist.Store, key: Key, requests: Iterable[int], why: str) -> None:
+    """Answer the join requests ``requests`` with a refusal (``why``); their agents end."""
+    numbers = sorted(requests)
+    for number in numbers:
+        store.set(key("join", number, "refused"), why)
+    if numbers:
+        store.set(key("joins_admitted"), str(numbers[-1]))
+
+
+def announce_join(store: dist.Store, key: Key, view: View, joining: dict[int, int],
+                  admitted: int) -> tuple[int, View]:
+    """Announce the generation with the nodes ``joining`` (node id -> workers) added after the
+    members, every member keeping its rank; ``admitted``: the last join request it answers.
+    Each joining node's agent finds its generation in ``admitted/<node>``.
+
+    Returns:
+        ``(generation, new view)``.
+    """
+    generation = store.add(key("generations"), 1)
+    new = view.with_nodes(joining, generation)
+    store.set(key("view"), new.to_json())
+    store.set(key("joins_admitted"), str(admitted))
+    members = list(range(view.world_size))
+    store.set(key("gen", generation), json.dumps({
+        "joined": sorted(joining), "failed": [], "members": members,
+        "world_size": new.world_size, "admitted": admitted, "reason": "joined"}))
+    for node in joining:
+        store.set(key("admitted", node), str(generation))
+    return generation, new
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ PHASES = ("starting", "loading", "training", "evaluating", "checkpointing", "rec
           "finished")
 FINISH_REASONS = ("max_steps", "max_epochs", "early_stopping", "failed", "preempted")
 RECOVERY_PHASES = ("detection", "teardown", "group", "state", "first step")
-MEMBERSHIP_REASONS = ("preempted", "lost")  # membership.py: why a node left in place
+MEMBERSHIP_REASONS = ("preempted", "lost", "joined")  # membership.py: why the nodes changed
 GOODPUT_CAUSES = ("productive", "startup", "recovery", "redone", "checkpoint", "evaluation",
                   "other")
 # set by elastic-runner run for its workers: the agent serves the node's endpoint

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+from collections.abc import Callable
 from types import FrameType
 
 log = logging.getLogger(__name__)
@@ -30,6 +31,10 @@ class PreemptionFlag:
 
     def __init__(self) -> None:
         self.signum: int | None = None
+        # a step boundary that a membership change (a node joining) asks for: the vote stops
+        # every rank there as for a preemption, and the recovery takes the node in instead of
+        # stopping (inplace.InPlaceRecovery.leave)
+        self.membership: Callable[[], bool] = lambda: False
 
     def install(self) -> None:
         """Handle SIGTERM/SIGINT in this process (call from the main thread)."""
@@ -39,7 +44,14 @@ class PreemptionFlag:
 
     @property
     def requested(self) -> bool:
+        """This process got SIGTERM or SIGINT."""
         return self.signum is not None
+
+    @property
+    def stop_asked(self) -> bool:
+        """What this rank puts in the step vote's stop flag: a signal, or a membership
+        change's step boundary."""
+        return self.signum is not None or self.membership()
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.signum is None:

@@ -17,10 +17,11 @@ its generation/assignment protocol and the process groups of every generation in
   the restart path trains on). Losing node 0 is a lost node (a membership change), which
   takes the restart path with either backend.
 
-Every attempt (rendezvous round) gets its own key prefix, ``elastic_runner/<run id>/<attempt>``:
-the agent of node rank 0 draws it and publishes it, with the store's endpoint, through the
-round's rendezvous store (:func:`agree_attempt`), so a re-formed group never reads an earlier
-attempt's keys.
+Every attempt (a rendezvous round that started workers) gets its own key prefix,
+``elastic_runner/<run id>/<attempt>``: the agent of node rank 0 draws it and publishes it, with
+the store's endpoint, through the round's rendezvous store (:func:`agree_attempt`), so a
+re-formed group never reads an earlier attempt's keys. A round that only lets nodes join a
+running attempt keeps that attempt's prefix and store.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from .etcd_check import ETCD_BACKENDS
 
 C10D_DEFAULT_PORT = 29400  # torchrun's default c10d rendezvous port
 _PREFIX_KEY = "elastic_runner/recovery_prefix"
+_STATUS_KEY = "elastic_runner/running"  # /<node rank>: that agent's running attempt or null
 
 
 @dataclass(frozen=True)
@@ -102,14 +104,34 @@ def connect(location: StoreLocation, timeout_s: float) -> dist.Store:
                          timeout=timedelta(seconds=timeout_s))
 
 
-def agree_attempt(round_store: dist.Store, node_rank: int, run_id: str, endpoint: str
-                  ) -> tuple[str, str]:
-    """This attempt's key prefix and the recovery store's endpoint, the same on every node:
-    node rank 0's agent draws the prefix and sets both (``endpoint``: its offer) in
-    ``round_store`` (the rendezvous round's store, new every round); the others read them
-    (blocking until they are there, within the store's timeout) and ignore their own offer."""
+@dataclass(frozen=True)
+class Attempt:
+    """What the agents of a rendezvous round agreed on (:func:`agree_attempt`).
+
+    Attributes:
+        prefix: the attempt's keys in the recovery store.
+        endpoint: the recovery store's ``host:port``.
+        running: the attempt was already running: this round only lets nodes join it.
+    """
+
+    prefix: str
+    endpoint: str
+    running: bool
+
+
+def agree_attempt(round_store: dist.Store, node_rank: int, nnodes: int, run_id: str,
+                  endpoint: str, running: tuple[str, str] | None = None) -> Attempt:
+    """This attempt's key prefix and the recovery store's endpoint, the same on every node.
+    Every agent of the round says whether its workers still run an attempt (``running``: its
+    prefix and endpoint; a round that only lets nodes join, see ``inplace_agent``); node rank
+    0's agent reads all ``nnodes`` answers and sets the running attempt, or a new prefix with
+    its own ``endpoint`` offer, in ``round_store`` (the round's store, new every round); every
+    agent reads that (blocking until it is there, within the store's timeout)."""
+    round_store.set(f"{_STATUS_KEY}/{node_rank}", json.dumps(running))
     if node_rank == 0:
-        round_store.set(_PREFIX_KEY, json.dumps(
-            [f"elastic_runner/{run_id}/{uuid.uuid4().hex[:12]}", endpoint]))
-    prefix, agreed = json.loads(round_store.get(_PREFIX_KEY))
-    return prefix, agreed
+        answers = [json.loads(round_store.get(f"{_STATUS_KEY}/{n}")) for n in range(nnodes)]
+        going = next((a for a in answers if a), None)
+        fresh = [f"elastic_runner/{run_id}/{uuid.uuid4().hex[:12]}", endpoint]
+        round_store.set(_PREFIX_KEY, json.dumps([*(going or fresh), going is not None]))
+    prefix, agreed, was_running = json.loads(round_store.get(_PREFIX_KEY))
+    return Attempt(prefix, agreed, was_running)

@@ -78,6 +78,8 @@ def _train(config_path: str, overrides: list[str], resume: bool, entered: float,
     cfg = load_config(config_path, [*overrides, *([] if resume else ["checkpoint.resume=false"])])
     recovery = InPlaceRecovery.from_env(cfg.recovery)
     spare = os.environ.get(SPARE_ENV) if recovery.active else None
+    if spare and spare.endswith("."):  # a joining node's worker: named by its local rank
+        spare += os.environ.get("LOCAL_RANK", "0")
     task = stand_by(cfg, recovery, spare, verbose) if spare else None
     heartbeat = Heartbeat.from_env(cfg.recovery.heartbeat_timeout_seconds
                                    if recovery.active else None)

@@ -16,8 +16,12 @@ from elastic_runner.membership import (
     Policy,
     View,
     announce_departure,
+    announce_join,
+    claim_node_id,
+    pending_joins,
     read_view,
     register,
+    request_join,
 )
 
 
@@ -43,9 +47,9 @@ def test_without_renumbers_the_remaining_nodes_contiguously() -> None:
 
 
 def test_read_view_assembles_the_registrations(store: dist.TCPStore) -> None:
-    register(store, key, 1, [2, 3], hosts_store=False)
-    register(store, key, 0, [0, 1], hosts_store=True)
-    view = read_view(store, key, 2)
+    register(store, key, 1, [2, 3], hosts_store=False, nnodes=2)
+    register(store, key, 0, [0, 1], hosts_store=True, nnodes=2)
+    view = read_view(store, key)
     assert view == View(0, {0: [0, 1], 1: [2, 3]}, store_node=0)
 
 
@@ -57,10 +61,33 @@ def test_departure_is_announced_once_with_the_new_ranks(store: dist.TCPStore) ->
     announced = json.loads(store.get(key("gen", 4)))
     assert announced == {"departed": [2], "failed": [4, 5], "members": [0, 1, 2, 3],
                          "world_size": 4, "reason": "lost"}
-    assert read_view(store, key, 3) == new
+    assert read_view(store, key) == new
     # a second agent that saw the same silence claims nothing and announces nothing
     assert announce_departure(store, key, view, [2], "lost") is None
     assert store.add(key("generations"), 0) == 4
+
+
+def test_a_joining_node_gets_a_fresh_id_and_ranks_after_the_members(store: dist.TCPStore
+                                                                     ) -> None:
+    # node 1 left earlier: ids 0 and 1 are taken, and so is 2 by another newcomer's claim
+    view = View(3, {0: [0, 1]}, departed=(1,), store_node=0)
+    store.set(key("view"), view.to_json())
+    store.add(key("generations"), 3)
+    assert claim_node_id(store, key, view) == 2
+    assert claim_node_id(store, key, view) == 3  # 2 is claimed now
+    assert pending_joins(store, key, 0) == {}
+    assert request_join(store, key, 3, 2) == 1
+    assert request_join(store, key, 2, 1) == 2
+    assert pending_joins(store, key, 0) == {1: {"node": 3, "nproc": 2}, 2: {"node": 2, "nproc": 1}}
+    assert pending_joins(store, key, 1) == {2: {"node": 2, "nproc": 1}}
+    generation, new = announce_join(store, key, view, {3: 2, 2: 1}, admitted=2)
+    assert generation == 4 and new.nodes == {0: [0, 1], 2: [2], 3: [3, 4]}
+    assert read_view(store, key) == new and new.world_size == 5
+    assert json.loads(store.get(key("gen", 4))) == {
+        "joined": [2, 3], "failed": [], "members": [0, 1], "world_size": 5, "admitted": 2,
+        "reason": "joined"}
+    assert store.get(key("admitted", 3)) == b"4" and pending_joins(store, key, 2) == {}
+    assert int(store.get(key("joins_admitted"))) == 2
 
 
 def test_policy_refuses_below_min_nodes_the_store_host_and_an_indivisible_batch() -> None:

@@ -1,10 +1,11 @@
-"""Nodes that leave a running job in place: each "node" a network namespace with its own address
-(tests/netns.py), one ``elastic-runner run`` per node. A preempted node (SIGTERM to its agent)
-leaves at the next step boundary, a killed node (agent and workers SIGKILLed) and a partitioned
-one (cut off the bridge: no packet in or out) are found by their silent heartbeat in the recovery store;
-the other nodes' workers keep their process, go on at the smaller world size with the global
-batch unchanged, read no checkpoint, and the sample audit is exact. A partitioned node that
-heals commits nothing: its workers are fenced out (exit 3)."""
+"""Nodes that leave and join a running job in place: each "node" a network namespace with its
+own address (tests/netns.py), one ``elastic-runner run`` per node, c10d or etcd-v2. A preempted
+node (SIGTERM to its agent) leaves at the next step boundary; a killed node (agent and workers
+SIGKILLed) and a partitioned one (cut off the bridge: no packet in or out) are found by their
+silent heartbeat in the recovery store; a node that starts while the job runs joins at a step
+boundary. The other nodes' workers keep their process, go on at the new world size with the
+global batch unchanged, read no checkpoint, and the sample audit is exact. A partitioned node
+that heals commits nothing: its workers are fenced out (exit 3)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import pytest
 
 from elastic_runner import audit
 
+from .etcd import EtcdServer
 from .netns import Nodes
 from .procs import Job, cli, wait_until
 from .test_inplace import DIGITS
@@ -25,29 +27,35 @@ pytestmark = pytest.mark.slow
 
 RDZV_PORT = 29400
 GLOBAL_BATCH = 96  # micro-batch 16: world sizes 1, 2, 3 and 6 divide it
-_CHANGE = re.compile(r"membership: node\(s\) \[([\d, ]+)\] (preempted|lost)\S*[^;]*; "
+_CHANGE = re.compile(r"membership: node\(s\) \[([\d, ]+)\] (preempted|lost|join)\S*[^;]*; "
                      r"generation (\d+) goes on (?:without them )?at world size (\d+)")
 
 
 def start(launch, nodes: Nodes, tmp_path, steps: int) -> list[Job]:
     """digits on every node, 1 worker each, rank 0 slowed so the faults land mid-run."""
-    jobs = []
-    for i in range(nodes.count):
-        argv = cli("run", DIGITS, "logging.tensorboard_dir=null", "early_stopping.enabled=false",
-                   f"training.max_steps={steps}", "training.max_epochs=1000",
-                   "eval.every_steps=0", "checkpoint.every_steps=50",
-                   "training.log_every_steps=10", f"batch.global_batch_size={GLOBAL_BATCH}",
-                   "faults.inject=[{kind: slow, rank: 0, step: 1, count: 100000, "
-                   "seconds: 0.04}]",
-                   "recovery.spare=false", "recovery.node_timeout_seconds=3",
-                   f"checkpoint.dir={tmp_path / 'ck'}", "--trace-samples",
-                   str(tmp_path / "trace"), "--nnodes", f"1:{nodes.count}",
-                   "--nproc-per-node", "1", "--rdzv-id", "members", "--max-restarts", "3",
-                   "--rdzv-backend", "c10d", "--rdzv-endpoint",
-                   f"{nodes.address(0)}:{RDZV_PORT}",
-                   "--rdzv-conf", f"is_host={'true' if i == 0 else 'false'}")
-        jobs.append(launch(nodes.argv(i, argv), name=f"node{i}", env=nodes.env(i)))
-    return jobs
+    return [start_one(launch, nodes, tmp_path, i, steps) for i in range(nodes.count)]
+
+
+def start_one(launch, nodes: Nodes, tmp_path, i: int, steps: int, slow: float = 0.04,
+               name: str = "", etcd: EtcdServer | None = None) -> Job:
+    """``elastic-runner run`` of digits on node ``i`` (1 worker; rank 0 slowed by ``slow``
+    seconds a step so the faults land mid-run; the rendezvous completes 1 s after it has the
+    minimum of nodes): c10d hosted by node 0, or ``etcd``."""
+    rdzv = (["--rdzv-backend", "etcd-v2", "--rdzv-endpoint", etcd.endpoint,
+             "--rdzv-conf", "last_call_timeout=1"] if etcd is not None else
+            ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"{nodes.address(0)}:{RDZV_PORT}",
+             "--rdzv-conf", f"is_host={'true' if i == 0 else 'false'},last_call_timeout=1"])
+    argv = cli("run", DIGITS, "logging.tensorboard_dir=null", "early_stopping.enabled=false",
+               f"training.max_steps={steps}", "training.max_epochs=1000",
+               "eval.every_steps=0", "checkpoint.every_steps=50",
+               "training.log_every_steps=10", f"batch.global_batch_size={GLOBAL_BATCH}",
+               "faults.inject=[{kind: slow, rank: 0, step: 1, count: 100000, "
+               f"seconds: {slow}}}]",
+               "recovery.spare=false", "recovery.node_timeout_seconds=3",
+               f"checkpoint.dir={tmp_path / 'ck'}", "--trace-samples",
+               str(tmp_path / "trace"), "--nnodes", f"1:{nodes.count}",
+               "--nproc-per-node", "1", "--rdzv-id", "members", "--max-restarts", "3", *rdzv)
+    return launch(nodes.argv(i, argv), name=name or f"node{i}", env=nodes.env(i))
 
 
 def changes(job: Job) -> list[tuple[list[int], str, int, int]]:
@@ -81,40 +89,6 @@ def check_samples(tmp_path) -> None:
         assert r.ok, r
 
 
-def test_c10d_a_node_preempted_then_a_node_killed(launch, netns_nodes, tmp_path):
-    nodes = netns_nodes(3)
-    jobs = start(launch, nodes, tmp_path, steps=500)
-    wait_until(lambda: all(len(j.workers()) == 1 for j in jobs), 180, "three workers")
-    survivor = next(iter(jobs[0].workers().values()))
-    wait_until(lambda: len(steps(tmp_path / "trace")) >= 30, 120, "step 30")
-
-    # 1. node 2 preempted: its agent gets SIGTERM, its worker leaves at the step boundary
-    jobs[2].proc.send_signal(signal.SIGTERM)
-    assert jobs[2].wait(timeout=60) == 143, jobs[2].output[-3000:]
-    wait_until(lambda: changes(jobs[0]), 60, "the preemption's membership change")
-    assert changes(jobs[0])[0][:2] == ([2], "preempted")
-    assert changes(jobs[0])[0][3] == 2
-
-    # 2. node 1 killed: agent and worker SIGKILLed; node 0 finds its heartbeat silent
-    wait_until(lambda: 2 in sizes_seen(tmp_path), 60, "a step at world size 2")
-    jobs[1].kill_all()
-    wait_until(lambda: len(changes(jobs[0])) == 2, 60, "the lost node's membership change")
-    assert changes(jobs[0])[1][:2] == ([1], "lost")
-    assert changes(jobs[0])[1][3] == 1
-    assert survivor.is_running()  # node 0's worker kept its process throughout
-    assert jobs[0].wait(timeout=300) == 0, jobs[0].output[-4000:]
-
-    assert "resumed from" not in jobs[0].output  # no checkpoint read
-    trace = steps(tmp_path / "trace")
-    assert sorted(trace) == list(range(1, 501))
-    assert sizes_seen(tmp_path) == {3, 2, 1}
-    # the global batch stayed the same at every world size, and every step was committed by
-    # one world size only
-    assert {samples for _, samples in trace.values()} == {GLOBAL_BATCH}
-    assert all(len(sizes) == 1 for sizes, _ in trace.values())
-    check_samples(tmp_path)
-
-
 def test_c10d_a_partitioned_node_is_left_behind_and_fenced_out_when_it_heals(
         launch, netns_nodes, tmp_path):
     nodes = netns_nodes(3)
@@ -145,4 +119,77 @@ def test_c10d_a_partitioned_node_is_left_behind_and_fenced_out_when_it_heals(
     assert sorted(trace) == list(range(1, 401)) and sizes_seen(tmp_path) == {3, 2}
     assert {samples for _, samples in trace.values()} == {GLOBAL_BATCH}
     assert "resumed from" not in jobs[0].output
+    check_samples(tmp_path)
+
+
+def sizes_in_order(trace) -> list[int]:
+    """The world sizes of the committed steps in step order, repeats folded."""
+    out: list[int] = []
+    for _, (sizes, _) in sorted(steps(trace).items()):
+        if len(sizes) == 1 and (not out or out[-1] != min(sizes)):
+            out.append(min(sizes))
+    return out
+
+
+@pytest.fixture
+def three_nodes_and_etcd(tmp_path, netns_nodes, request):
+    """Three nodes, and with ``request.param == "etcd-v2"`` an etcd server in the root
+    namespace on their bridge (else None: c10d)."""
+    nodes = netns_nodes(3)
+    if request.param != "etcd-v2":
+        yield nodes, None
+        return
+    workdir = tmp_path / "etcd"
+    workdir.mkdir()
+    server = EtcdServer(workdir, host=nodes.host_address)
+    try:
+        server.start()
+        yield nodes, server
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("three_nodes_and_etcd", ["c10d", "etcd-v2"], indirect=True)
+def test_nodes_join_and_leave_in_place_2_3_2_1_2(launch, three_nodes_and_etcd, tmp_path):
+    """Two nodes; a third joins (3), is preempted (2), node 1 is killed (1), a new node joins
+    in node 1's place (2): node 0's worker keeps its process throughout, no checkpoint is
+    read, the global batch is the same at every step and every sample is trained once."""
+    nodes, etcd = three_nodes_and_etcd
+    total = 1000
+
+    def start_node(i: int, name: str = "") -> Job:
+        return start_one(launch, nodes, tmp_path, i, total, slow=0.08, name=name, etcd=etcd)
+
+    jobs = [start_node(i) for i in (0, 1)]
+    wait_until(lambda: all(len(j.workers()) == 1 for j in jobs), 180, "two workers")
+    kept = next(iter(jobs[0].workers().values()))
+    wait_until(lambda: len(steps(tmp_path / "trace")) >= 20, 120, "step 20")
+
+    # 1. a third node joins: the running workers go on and take it in at a step boundary
+    third = start_node(2)
+    wait_until(lambda: 3 in sizes_seen(tmp_path), 180, "a step at world size 3")
+    assert changes(jobs[0])[-1][1:] [::2] == ("join", 3), changes(jobs[0])
+    assert "joined the running job" in third.output
+
+    # 2. it is preempted (2), 3. node 1 is killed (1)
+    third.proc.send_signal(signal.SIGTERM)
+    assert third.wait(timeout=60) == 143, third.output[-3000:]
+    wait_until(lambda: sizes_in_order(tmp_path / "trace")[-1] == 2, 60, "world size 2 again")
+    jobs[1].kill_all()
+    wait_until(lambda: sizes_in_order(tmp_path / "trace")[-1] == 1, 60, "world size 1")
+
+    # 4. a new node in node 1's namespace joins (2)
+    again = start_node(1, "node1-again")
+    wait_until(lambda: sizes_in_order(tmp_path / "trace")[-1] == 2, 180, "world size 2 again")
+    assert kept.is_running()  # node 0's worker kept its process throughout
+    assert jobs[0].wait(timeout=400) == 0, jobs[0].output[-4000:]
+    assert again.wait(timeout=120) == 0, again.output[-4000:]
+
+    assert sizes_in_order(tmp_path / "trace") == [2, 3, 2, 1, 2]
+    assert [c[1] for c in changes(jobs[0])] == ["join", "preempted", "lost", "join"]
+    assert "resumed from" not in jobs[0].output + again.output  # no checkpoint read
+    trace = steps(tmp_path / "trace")
+    assert sorted(trace) == list(range(1, total + 1))
+    assert {samples for _, samples in trace.values()} == {GLOBAL_BATCH}
+    assert all(len(sizes) == 1 for sizes, _ in trace.values())
     check_samples(tmp_path)

@@ -24,7 +24,7 @@ from elastic_runner.group_sockets import GroupSockets, NoSockets
 from elastic_runner.heartbeat import HEARTBEAT_ENV, Heartbeat, NoHeartbeat
 from elastic_runner.inplace import InPlaceRecovery
 from elastic_runner.inplace_agent import InPlaceAgent
-from elastic_runner.recovery_store import StoreLocation, agree_attempt, connect
+from elastic_runner.recovery_store import Attempt, StoreLocation, agree_attempt, connect
 
 from .procs import wait_until
 
@@ -45,19 +45,27 @@ def test_every_node_agrees_on_the_attempt_and_store_through_the_round_store():
                            timeout=timedelta(seconds=10))
     location = StoreLocation("c10d", f"127.0.0.1:{server.port}", run_id="job")
     stores = [connect(location, 10) for _ in range(3)]
-    got: dict[int, tuple[str, str]] = {}
-    threads = [threading.Thread(target=lambda n=n: got.update(
-        {n: agree_attempt(dist.PrefixStore("round-1/", stores[n]), n, "job", f"node{n}:1")}))
-        for n in (2, 1, 0)]  # the other nodes ask before node rank 0 has drawn it
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=20)
-    assert len(set(got.values())) == 1, got
-    prefix, endpoint = got[0]
-    assert prefix.startswith("elastic_runner/job/") and endpoint == "node0:1"  # node 0's offer
-    again = agree_attempt(dist.PrefixStore("round-2/", stores[0]), 0, "job", "node0:1")
-    assert again[0] != prefix  # a new rendezvous round, new keys
+
+    def round_(name: str, running: dict[int, tuple[str, str]]) -> dict[int, Attempt]:
+        got: dict[int, Attempt] = {}
+        threads = [threading.Thread(target=lambda n=n: got.update({n: agree_attempt(
+            dist.PrefixStore(name, stores[n]), n, 3, "job", f"node{n}:1", running.get(n))}))
+            for n in (2, 1, 0)]  # the other nodes ask before node rank 0 has drawn it
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=20)
+        assert len(set(got.values())) == 1, got
+        return got
+
+    first = round_("round-1/", {})[0]
+    assert first.prefix.startswith("elastic_runner/job/") and first.endpoint == "node0:1"
+    assert not first.running  # node 0's offer, a new attempt
+    again = round_("round-2/", {})[0]
+    assert again.prefix != first.prefix  # a new rendezvous round, new keys
+    # nodes 0 and 2 still run the attempt of round 2, node 1 joins: everyone takes it
+    joined = round_("round-3/", {0: (again.prefix, "node1:7"), 2: (again.prefix, "node1:7")})
+    assert joined[1] == Attempt(again.prefix, "node1:7", True)
 
 
 def test_a_restart_asked_for_ends_the_wait_for_a_generation():
