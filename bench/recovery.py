@@ -359,7 +359,7 @@ def ettr_run(path: str, interval: float, seconds: float, workdir: Path) -> dict[
         if job.proc.poll() is not None:
             raise RuntimeError(f"ettr/{path}: the job ended before {seconds:.0f} s:\n"
                                f"{job.output[-3000:]}")
-        figures = _scrape_goodput(port)
+        figures = scrape_goodput(port)
         counts = count_recoveries(job.output)
     finally:
         job.kill_all()
@@ -413,10 +413,11 @@ def _workers(job: Job) -> dict[int, psutil.Process]:
     return out
 
 
-def _scrape_goodput(port: int) -> dict[str, float]:
+def scrape_goodput(port: int, host: str = "127.0.0.1") -> dict[str, float]:
+    """Rank 0's ETTR and goodput seconds by cause from an agent's metrics endpoint."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
+    text = urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=10).read()
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(text.decode()):
         for sample in family.samples:
