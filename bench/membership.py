@@ -44,6 +44,7 @@ _JOINED = re.compile(r"membership: node\(s\) \[\d+\] join after step")
 _LEFT = re.compile(r"membership: node\(s\) \[\d+\] preempted after step")
 _RESUMED = re.compile(r"\[rank0\] INFO elastic_runner\.session: resumed from")
 _STEP = re.compile(r"\[rank0\] INFO elastic_runner\.loop: epoch \d+ step (\d+)/")
+_AT_TWO = re.compile(r"\[rank0\] INFO elastic_runner\.\w+: task \w+: .* world size 2;")
 
 
 def _argv(nodes: Nodes, i: int, path: str, workdir: Path) -> list[str]:
@@ -82,17 +83,19 @@ def run_path(path: str, seconds: float, interval: float, workdir: Path) -> dict[
         wait_until(lambda: _last_step(jobs[0].output) > 0, START_TIMEOUT_S, "the first step")
         t0 = time.time()
         next_change = t0 + interval
+        back = 0
         while next_change < t0 + seconds:  # pacing the preemptions, not waiting for an event
             time.sleep(max(0.0, next_change - time.time()))
             jobs[-1].proc.send_signal(signal.SIGTERM)
             preempted += 1
             jobs[-1].wait(timeout=120)
+            back = len(_AT_TWO.findall(jobs[0].output))  # rank 0's builds at world size 2
             jobs.append(_start(nodes, 1, path, workdir, preempted))
             next_change += interval
         time.sleep(max(0.0, t0 + seconds - time.time()))
         # the figures of a live rank 0 that logged after node 1 came back the last time
-        wait_until(lambda: len(jobs[-1].workers()) == 1 and "step" in jobs[-1].output,
-                   START_TIMEOUT_S, "node 1 back")
+        wait_until(lambda: len(_AT_TWO.findall(jobs[0].output)) > back, START_TIMEOUT_S,
+                   "node 1 back")
         settled = _last_step(jobs[0].output)
         wait_until(lambda: _last_step(jobs[0].output) > settled + LOG_EVERY, START_TIMEOUT_S,
                    "a logging step after node 1 came back")

@@ -280,6 +280,8 @@ class InPlaceAgent(LocalElasticAgent):
             return RunResult(state=WorkerState.HEALTHY)
         if failed and (reason := self._departed()) is not None:
             return self._leave(worker_group, reason)
+        if failed and self._joining is not None:  # not in the group yet: this node restarts
+            return super()._monitor_workers(worker_group)
         if failed:  # torch's restart path: release survivors (on every node) waiting for an
             # announcement, and keep the other nodes' agents from replacing anyone meanwhile
             with contextlib.suppress(RuntimeError, dist.DistError):
@@ -396,19 +398,18 @@ class InPlaceAgent(LocalElasticAgent):
             return self._leave(worker_group, "refused")
         if not store.check([self._key("admitted", join.node)]):
             return RunResult(state=WorkerState.HEALTHY)
-        generation = int(store.get(self._key("admitted", join.node)))
-        view = self._current_view()
-        for local_rank, rank in enumerate(view.nodes[join.node]):
-            env = {**pc.envs[local_rank], "RANK": str(rank), "WORLD_SIZE": str(view.world_size),
+        admitted = json.loads(store.get(self._key("admitted", join.node)))
+        generation, world_size = admitted["generation"], admitted["world_size"]
+        for local_rank, rank in enumerate(admitted["ranks"]):
+            env = {**pc.envs[local_rank], "RANK": str(rank), "WORLD_SIZE": str(world_size),
                    "GROUP_RANK": str(join.node), GENERATION_ENV: str(generation)}
             worker_group.workers[local_rank].global_rank = rank
-            worker_group.workers[local_rank].world_size = view.world_size
+            worker_group.workers[local_rank].world_size = world_size
             store.set(self._key("spare", join.spare(local_rank), "assign"), json.dumps(env))
         self._joining, self._generation = None, generation
         self._join_membership(worker_group, joined=True)
         log.warning("membership: node %d joined the running job in generation %d as rank(s) "
-                    "%s (world size %d)", join.node, generation, view.nodes[join.node],
-                    view.world_size)
+                    "%s (world size %d)", join.node, generation, admitted["ranks"], world_size)
         return RunResult(state=WorkerState.HEALTHY)
 
     def _watch_nodes(self) -> None:

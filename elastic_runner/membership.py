@@ -42,7 +42,8 @@ Keys, under the attempt's prefix in the recovery store:
 ``joins``, ``join/<i>``
     the number of join requests, and request ``i``: ``{"node", "nproc"}`` (:func:`request_join`).
 ``admitted/<n>``
-    the generation that took joining node ``n`` in (:func:`announce_join`).
+    the generation that took joining node ``n`` in, its ranks and the new world size
+    (:func:`announce_join`).
 ``joins_admitted``
     the last join request answered (taken in, or refused: ``join/<i>/refused`` says why).
 
@@ -238,7 +239,8 @@ def announce_join(store: dist.Store, key: Key, view: View, joining: dict[int, in
                   admitted: int) -> tuple[int, View]:
     """Announce the generation with the nodes ``joining`` (node id -> workers) added after the
     members, every member keeping its rank; ``admitted``: the last join request it answers.
-    Each joining node's agent finds its generation in ``admitted/<node>``.
+    Each joining node's agent finds its generation, ranks and the world size in
+    ``admitted/<node>``.
 
     Returns:
         ``(generation, new view)``.
@@ -252,7 +254,8 @@ def announce_join(store: dist.Store, key: Key, view: View, joining: dict[int, in
         "joined": sorted(joining), "failed": [], "members": members,
         "world_size": new.world_size, "admitted": admitted, "reason": "joined"}))
     for node in joining:
-        store.set(key("admitted", node), str(generation))
+        store.set(key("admitted", node), json.dumps({
+            "generation": generation, "ranks": new.nodes[node], "world_size": new.world_size}))
     return generation, new
 
 

@@ -86,7 +86,9 @@ def test_a_joining_node_gets_a_fresh_id_and_ranks_after_the_members(store: dist.
     assert json.loads(store.get(key("gen", 4))) == {
         "joined": [2, 3], "failed": [], "members": [0, 1], "world_size": 5, "admitted": 2,
         "reason": "joined"}
-    assert store.get(key("admitted", 3)) == b"4" and pending_joins(store, key, 2) == {}
+    assert json.loads(store.get(key("admitted", 3))) == {"generation": 4, "ranks": [3, 4],
+                                                         "world_size": 5}
+    assert pending_joins(store, key, 2) == {}
     assert int(store.get(key("joins_admitted"))) == 2
 
 

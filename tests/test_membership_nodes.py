@@ -37,7 +37,8 @@ def start(launch, nodes: Nodes, tmp_path, steps: int) -> list[Job]:
 
 
 def start_one(launch, nodes: Nodes, tmp_path, i: int, steps: int, slow: float = 0.04,
-               name: str = "", etcd: EtcdServer | None = None) -> Job:
+               name: str = "", etcd: EtcdServer | None = None, global_batch: int = GLOBAL_BATCH
+               ) -> Job:
     """``elastic-runner run`` of digits on node ``i`` (1 worker; rank 0 slowed by ``slow``
     seconds a step so the faults land mid-run; the rendezvous completes 1 s after it has the
     minimum of nodes): c10d hosted by node 0, or ``etcd``."""
@@ -48,7 +49,7 @@ def start_one(launch, nodes: Nodes, tmp_path, i: int, steps: int, slow: float = 
     argv = cli("run", DIGITS, "logging.tensorboard_dir=null", "early_stopping.enabled=false",
                f"training.max_steps={steps}", "training.max_epochs=1000",
                "eval.every_steps=0", "checkpoint.every_steps=50",
-               "training.log_every_steps=10", f"batch.global_batch_size={GLOBAL_BATCH}",
+               "training.log_every_steps=10", f"batch.global_batch_size={global_batch}",
                "faults.inject=[{kind: slow, rank: 0, step: 1, count: 100000, "
                f"seconds: {slow}}}]",
                "recovery.spare=false", "recovery.node_timeout_seconds=3",
@@ -192,4 +193,26 @@ def test_nodes_join_and_leave_in_place_2_3_2_1_2(launch, three_nodes_and_etcd, t
     assert sorted(trace) == list(range(1, total + 1))
     assert {samples for _, samples in trace.values()} == {GLOBAL_BATCH}
     assert all(len(sizes) == 1 for sizes, _ in trace.values())
+    check_samples(tmp_path)
+
+
+def test_c10d_a_node_the_global_batch_cannot_take_is_refused_and_the_group_goes_on(
+        launch, netns_nodes, tmp_path):
+    """Global batch 64 at world size 2; a third node would make 3, which does not divide it:
+    rank 0 refuses the join, the step the ranks stopped at is redone in the same group, the
+    new node's agent ends with an error, and the job completes at world size 2."""
+    nodes = netns_nodes(3)
+    jobs = [start_one(launch, nodes, tmp_path, i, 300, global_batch=64) for i in (0, 1)]
+    wait_until(lambda: len(steps(tmp_path / "trace")) >= 20, 180, "step 20")
+    third = start_one(launch, nodes, tmp_path, 2, 300, global_batch=64)
+    assert third.wait(timeout=180) != 0, third.output[-3000:]
+    assert "did not take this node in: batch.global_batch_size is not divisible at world " \
+           "size 3" in third.output
+    for job in jobs:
+        assert job.wait(timeout=300) == 0, job.output[-4000:]
+    assert "they stay out" in jobs[0].output
+    trace = steps(tmp_path / "trace")
+    assert sorted(trace) == list(range(1, 301)) and sizes_seen(tmp_path) == {2}
+    assert {samples for _, samples in trace.values()} == {64}
+    assert "resumed from" not in jobs[0].output
     check_samples(tmp_path)
