@@ -375,16 +375,19 @@ class InPlaceRecovery:
         trainer.session.callbacks.on_membership_change(reason)
 
     def leave(self, trainer: Trainer) -> None:
-        """At the step boundary where the vote said stop (SIGTERM on some rank): if whole nodes
-        were asked to stop and the rest may go on (:class:`~elastic_runner.membership.Policy`),
-        those nodes' ranks leave and the others re-form the group without them, from their own
-        state (the discarded step is redone at the new world size; nothing committed is).
-        Returns when every rank stops instead (one node, every node preempted, or the policy
-        refuses): the caller checkpoints and exits 143. Collective (the old group).
+        """At the step boundary where the vote said stop (SIGTERM on some rank, or a join
+        request): if whole nodes were asked to stop and the rest may go on
+        (:class:`~elastic_runner.membership.Policy`), those nodes' ranks leave and the others
+        re-form the group without them, from their own state (the discarded step is redone at
+        the new world size; nothing committed is); if no rank was asked to stop, the nodes that
+        asked to join are taken in (:meth:`_take_in`). Returns when every rank stops instead
+        (one node, every node preempted, or the policy refuses): the caller checkpoints and
+        exits 143. Collective (the old group).
 
         Raises:
-            Regroup: this rank stays, renumbered.
+            Regroup: this rank stays, renumbered (or the same rank in a larger group).
             Preempted: this rank's node leaves; the others go on.
+            StepRedo: a join request was refused; the group stays as it is.
         """
         if not self.multi_node:
             return

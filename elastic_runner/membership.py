@@ -214,10 +214,7 @@ def joins_waiting(store: dist.Store, key: Key) -> bool:
     """Whether a join request is posted and not yet answered (two reads; polled by every
     worker's :class:`~elastic_runner.inplace.GenerationWatch`)."""
     posted = store.add(key("joins"), 0)
-    if not posted:
-        return False
-    admitted = key("joins_admitted")
-    return posted > (int(store.get(admitted)) if store.check([admitted]) else 0)
+    return bool(posted) and posted > answered_joins(store, key)
 
 
 def answered_joins(store: dist.Store, key: Key) -> int:

@@ -86,8 +86,9 @@ class TrainingSession:
     # the loader's record of what it handed out (ElasticDataLoader.take_fetched): the dataset
     # indices of each micro-batch since the last call; None: steps report the sampler's plan
     fetched: Callable[[], list[list[int]]] | None = None
-    # at a preemption stop, before the checkpoint: whole nodes may leave in place
-    # (inplace.InPlaceRecovery.leave raises for every rank then); returns when all stop
+    # at a preemption stop, before the checkpoint: whole nodes may leave in place, or nodes
+    # that asked to join are taken in (inplace.InPlaceRecovery.leave raises for every rank
+    # then); returns when all stop
     leave: Callable[[], None] = lambda: None
     steps_this_attempt: int = 0
     _t0: float = 0.0
