@@ -600,3 +600,20 @@ def names_this_machine(host: str) -> bool:
     torch internals)."""
     return _matches_machine_hostname(host)
 
+
+
+def leave_rendezvous_open(handler: Any) -> None:
+    """Make ``handler.shutdown()`` (torch's agent calls it when it ends) stop this node's
+    keep-alive heartbeats without closing the rendezvous: a node that left a running job in
+    place ends, the others go on in it. The heartbeats must stop: their timer thread (a daemon)
+    would otherwise still be inside a store call when the interpreter exits, and a daemon
+    thread that finalization stops in C++ code aborts the process ("terminate called without an
+    active exception", exit -6; seen after a partition healed). ``_stop_heartbeats`` is private
+    to torch's ``DynamicRendezvousHandler`` (etcd-v2 and c10d); other handlers keep theirs."""
+    stop = getattr(handler, "_stop_heartbeats", lambda: None)
+
+    def shutdown() -> bool:
+        stop()
+        return False
+
+    handler.shutdown = shutdown

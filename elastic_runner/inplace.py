@@ -62,6 +62,7 @@ from .fencing import FencedOut
 from .group_sockets import GroupSockets, NoSockets
 from .membership import (
     MIN_NODES_ENV,
+    THREAD_STORE_TIMEOUT_S,
     Policy,
     announce_departure,
     announce_join,
@@ -584,7 +585,7 @@ class GenerationWatch:
 
     def __init__(self, recovery: InPlaceRecovery, interval_s: float = 0.1) -> None:
         self.recovery, self.interval_s = recovery, interval_s
-        self._store = connect(recovery.location, recovery.join_timeout_s)
+        self._store = connect(recovery.location, THREAD_STORE_TIMEOUT_S)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="generation-watch", daemon=True)
         self._thread.start()
@@ -604,7 +605,10 @@ class GenerationWatch:
                             "collective: leaving it", recovery.generation + 1)
 
     def close(self) -> None:
+        """Stop watching; waits for the thread (at most its store's timeout): a daemon thread
+        still inside a store call when the interpreter exits aborts the process."""
         self._stop.set()
+        self._thread.join(timeout=THREAD_STORE_TIMEOUT_S + 1)
 
 
 def rejoin(trainer: Trainer, joining: bool, report: RecoveryReport | None = None) -> None:

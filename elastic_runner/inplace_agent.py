@@ -50,13 +50,14 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, W
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.api import SubprocessContext
 
-from .compat import EXIT_BAD_INPUT
+from .compat import EXIT_BAD_INPUT, leave_rendezvous_open
 from .config import RecoveryConfig
 from .fencing import EXIT_FENCED
 from .heartbeat import HEARTBEAT_ENV
 from .inplace import ENV, GENERATION_ENV, SPARE_ENV
 from .membership import (
     MIN_NODES_ENV,
+    THREAD_STORE_TIMEOUT_S,
     NoBeat,
     NodeBeat,
     NodeWatch,
@@ -323,7 +324,7 @@ class InPlaceAgent(LocalElasticAgent):
         if self._cfg.node_timeout_seconds is not None:
             self._watch = NodeWatch(self._recovery_store, self._key, self._node,
                                     self._cfg.node_timeout_seconds)
-            self._beat = NodeBeat(connect(self._location, self._cfg.join_timeout_seconds),
+            self._beat = NodeBeat(connect(self._location, THREAD_STORE_TIMEOUT_S),
                                   self._key, self._node).start()
 
     def _current_view(self) -> View:
@@ -465,7 +466,7 @@ class InPlaceAgent(LocalElasticAgent):
             log.warning("membership: this node (%d) was %s and left the job; the others go on "
                         "without it", self._node, reason)
         self._remaining_restarts = 0
-        worker_group.spec.rdzv_handler.shutdown = lambda: False  # type: ignore[method-assign]
+        leave_rendezvous_open(worker_group.spec.rdzv_handler)
         return super()._monitor_workers(worker_group)
 
     def _running(self) -> bool:

@@ -69,6 +69,10 @@ log = logging.getLogger(__name__)
 
 Key = Callable[..., str]  # the attempt's key for the given parts
 MIN_NODES_ENV = "ELASTIC_RUNNER_MIN_NODES"  # --nnodes MIN, from the agent to its workers
+# the operation timeout of a watcher thread's own store client (seconds): a call blocked on an
+# unreachable store returns within it, so closing the thread can wait for it to end (a daemon
+# thread still inside a store call when the interpreter exits aborts the process)
+THREAD_STORE_TIMEOUT_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -338,7 +342,10 @@ class NodeBeat:
                 continue
 
     def close(self) -> None:
+        """Stop beating; waits for the thread (at most its store's timeout)."""
         self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=THREAD_STORE_TIMEOUT_S + 1)
 
 
 class NoBeat:
