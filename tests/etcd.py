@@ -24,6 +24,7 @@ import ssl
 import subprocess
 import urllib.request
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -137,6 +138,19 @@ def etcd_server(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Etcd
     workdir = tmp_path / "etcd"
     workdir.mkdir()
     server = EtcdServer(workdir, **options)
+    try:
+        server.start()
+        yield server
+    finally:
+        server.stop()
+
+
+@contextmanager
+def etcd_on(workdir: Path, host: str) -> Iterator[EtcdServer]:
+    """An etcd server listening on ``host`` (e.g. the root namespace's address on the nodes'
+    bridge), data in ``workdir`` (made here), stopped on exit."""
+    workdir.mkdir()
+    server = EtcdServer(workdir, host=host)
     try:
         server.start()
         yield server

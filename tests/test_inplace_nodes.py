@@ -17,7 +17,7 @@ import pytest
 from bench.soak import EXACT_DDP
 from elastic_runner import audit
 
-from .etcd import EtcdServer
+from .etcd import etcd_on
 from .netns import Nodes
 from .procs import Job, cli, wait_until
 from .test_inplace import DIGITS, done, replacements
@@ -142,14 +142,8 @@ def test_c10d_two_nodes_crash_hang_and_the_store_hosts_worker(launch, netns_node
 def bridged_etcd(tmp_path, netns_nodes):
     """Two nodes and an etcd server in the root namespace, on the nodes' bridge."""
     nodes = netns_nodes(2)
-    workdir = tmp_path / "etcd"
-    workdir.mkdir()
-    server = EtcdServer(workdir, host=nodes.host_address)
-    try:
-        server.start()
+    with etcd_on(tmp_path / "etcd", nodes.host_address) as server:
         yield nodes, server
-    finally:
-        server.stop()
 
 
 def test_etcd_two_nodes_of_two_a_crash_during_a_checkpoint_write_and_one_outside(

@@ -18,7 +18,7 @@ import pytest
 
 from elastic_runner import audit
 
-from .etcd import EtcdServer
+from .etcd import EtcdServer, etcd_on
 from .netns import Nodes
 from .procs import Job, cli, wait_until
 from .test_inplace import DIGITS
@@ -140,14 +140,8 @@ def three_nodes_and_etcd(tmp_path, netns_nodes, request):
     if request.param != "etcd-v2":
         yield nodes, None
         return
-    workdir = tmp_path / "etcd"
-    workdir.mkdir()
-    server = EtcdServer(workdir, host=nodes.host_address)
-    try:
-        server.start()
+    with etcd_on(tmp_path / "etcd", nodes.host_address) as server:
         yield nodes, server
-    finally:
-        server.stop()
 
 
 @pytest.mark.parametrize("three_nodes_and_etcd", ["c10d", "etcd-v2"], indirect=True)
