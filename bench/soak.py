@@ -12,11 +12,18 @@ iteration of every attempt, so the first step after a restart all-reduces in ano
 layout than the uninterrupted run did at that step; with 4 ranks the ring then adds each element
 in another order and the weights drift by a few ulps (2 ranks hide it: a + b == b + a).
 
+``--min-nodes 1`` runs the job at ``--nnodes 1:2`` instead: a node that leaves (killed,
+preempted, or taken out by its worker's SIGTERM) no longer stops the group; the other node goes
+on without it in place (``membership.py``: ranks renumbered, the global batch constant), and the
+driver starts it again, to join in place, before the next fault (:func:`restore`). The class
+``node-preempt`` is added. The world size changes, so there is no reference run (the weights
+differ in summation order); the audit still must be exact.
+
 Fault classes (the plan holds every class ``n // 7`` times, the remainder drawn; the order, the
 victims and the variants come from ``random.Random(seed)``):
 
 * ``worker-sigkill`` / ``worker-sigterm``: the signal to one worker (by rank, by pid; a
-  replaced rank's replacement, by the pid its agent logged): a SIGKILL is recovered in place
+  replaced rank's replacement, by the pid in its trace entries): a SIGKILL is recovered in place
   (the agents' recovery store is etcd), a SIGTERM is a preemption (the restart path);
 * ``worker-hang``: SIGSTOP of one worker; its agent finds its heartbeat stale
   (``recovery.heartbeat_timeout_seconds``, :attr:`Settings.heartbeat_timeout_s`, below the step
@@ -24,6 +31,8 @@ victims and the variants come from ``random.Random(seed)``):
   its peers would report the hang and the group restart; SIGCONT once either was logged;
 * ``node-kill``: SIGKILL of one node's agent and its workers (by pid; torchrun workers live in
   their own sessions), then that node's agent is started again;
+* ``node-preempt`` (``--min-nodes 1``): SIGTERM to one node's agent (a pod eviction): its workers
+  leave at the next step boundary, its agent exits 143, and it is started again;
 * ``etcd-outage``: etcd SIGSTOPped (a hung server) or SIGKILLed, for at least ``hold_s`` seconds
   and until the job committed 5 steps without it, then SIGCONTed or restarted (same data dir);
 * ``ckpt-corrupt``: once a checkpoint was committed, every worker is SIGSTOPped, the newest
@@ -49,7 +58,7 @@ except NaNs at the steps the soak skipped, so both skip the same updates), bitwi
 
     python -m bench.soak [--faults 100] [--seed 20261122] [--steps N] [--every-steps 5]
                          [--outage-seconds 2 10] [--dir DIR] [--json docs/bench/soak.json]
-                         [--timeout 5400]
+                         [--timeout 5400] [--min-nodes 1]
 """
 
 from __future__ import annotations
@@ -69,7 +78,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -84,6 +93,11 @@ from tests.procs import CONFIGS, Job, cli
 
 CLASSES = ("worker-sigkill", "worker-sigterm", "worker-hang", "node-kill", "etcd-outage",
            "ckpt-corrupt", "nan")
+# --min-nodes 1: nodes leave and join the running group in place (membership.py)
+MEMBERSHIP_CLASSES = (*CLASSES, "node-preempt")
+PREEMPTED = 143  # a node's agent after SIGTERM, or after its node left in place
+LEAVES = ("node-kill", "node-preempt", "worker-sigterm")  # --min-nodes 1: a node leaves
+REJOIN_S = 12.0  # seconds a node that left may take to start again and join (2 cores)
 NODES = ("a", "b")
 WORLD = 4  # 2 nodes x 2 workers
 # as in tests/test_multinode.py: a lost node is declared dead after 1 s x 8 missed keep-alives
@@ -125,18 +139,24 @@ class Fault:
     where: float = 0.0
 
 
-def make_plan(seed: int, n: int, hold_s: tuple[float, float] = (2.0, 10.0)) -> list[Fault]:
-    """``n`` faults: every class ``n // 7`` times plus ``n % 7`` distinct drawn classes, in a
-    seeded order with seeded victims and variants; etcd outages last ``hold_s`` (a range,
-    seconds; beyond 8 s the agents' keep-alives lapse).
+def classes(min_nodes: int) -> tuple[str, ...]:
+    """The fault classes of a soak at ``--nnodes MIN:2``: with 1, nodes also leave in place."""
+    return MEMBERSHIP_CLASSES if min_nodes < len(NODES) else CLASSES
+
+
+def make_plan(seed: int, n: int, hold_s: tuple[float, float] = (2.0, 10.0),
+              kinds_of: tuple[str, ...] = CLASSES) -> list[Fault]:
+    """``n`` faults: every class of ``kinds_of`` ``n // k`` times plus ``n % k`` distinct
+    drawn classes (``k`` classes), in a seeded order with seeded victims and variants; etcd
+    outages last ``hold_s`` (a range, seconds; beyond 8 s the agents' keep-alives lapse).
 
     Raises:
         ValueError: ``n`` is smaller than the number of classes.
     """
-    if n < len(CLASSES):
-        raise ValueError(f"--faults: at least {len(CLASSES)} (one per class), got {n}")
+    if n < len(kinds_of):
+        raise ValueError(f"--faults: at least {len(kinds_of)} (one per class), got {n}")
     rng = random.Random(seed)
-    kinds = list(CLASSES) * (n // len(CLASSES)) + rng.sample(CLASSES, n % len(CLASSES))
+    kinds = list(kinds_of) * (n // len(kinds_of)) + rng.sample(kinds_of, n % len(kinds_of))
     rng.shuffle(kinds)
     plan = []
     for i, kind in enumerate(kinds):
@@ -152,26 +172,32 @@ def make_plan(seed: int, n: int, hold_s: tuple[float, float] = (2.0, 10.0)) -> l
 class Settings:
     """The job and the driver's bounds. ``steps``: ``training.max_steps``; ``every_steps``:
     the checkpoint cadence; ``hang_timeout_s``: the step watchdog; ``fault_timeout_s``: one
-    fault, from its injection to the progress after it; ``timeout_s``: the whole soak."""
+    fault, from its injection to the progress after it; ``timeout_s``: the whole soak;
+    ``min_nodes``: ``--nnodes MIN:2`` (1: a node that leaves, the group goes on without it in
+    place, and the driver starts it again to join in place)."""
 
     steps: int
     every_steps: int = 5
+    min_nodes: int = 2
     hang_timeout_s: float = 6.0
     heartbeat_timeout_s: float = 3.0
     fault_timeout_s: float = 300.0
     timeout_s: float = 5400.0
 
 
-def cost(f: Fault, every_steps: int) -> int:
+def cost(f: Fault, every_steps: int, elastic: bool = False) -> int:
     """The most steps ``f`` and the pacing after it may take: ~2 checkpoint intervals of net
-    progress plus a few steps of reaction time; an etcd outage trains on meanwhile."""
-    hold = f.hold_s * STEP_RATE_CAP if f.kind == "etcd-outage" else 0
-    return 2 * every_steps + 6 + int(hold)
+    progress plus a few steps of reaction time; an etcd outage trains on meanwhile, and so does
+    the smaller group while a node that left starts again (``elastic``)."""
+    hold = f.hold_s if f.kind == "etcd-outage" else 0.0
+    if elastic and f.kind in LEAVES:
+        hold = REJOIN_S
+    return 2 * every_steps + 6 + int(hold * STEP_RATE_CAP)
 
 
-def default_steps(plan: list[Fault], every_steps: int = 5) -> int:
+def default_steps(plan: list[Fault], every_steps: int = 5, elastic: bool = False) -> int:
     """``training.max_steps`` that leaves room for every fault of ``plan``, then a tail."""
-    return sum(cost(f, every_steps) for f in plan) + 60
+    return sum(cost(f, every_steps, elastic) for f in plan) + 60
 
 
 # ---------------------------------------------------------------- watching the job
@@ -183,8 +209,6 @@ _SKIPPING = re.compile(r"^skipping checkpoint (\S+): (.*)$")
 _POISON = re.compile(r"^fault injection: rank (\d+) poisons its loss at step (\d+)")
 _HANG = re.compile(r"^rank \d+: .* exceeded its .* budget \(hang\)")
 _IN_PLACE = re.compile(r"^in-place recovery (\d+) done: step (\d+) committed")
-_REPLACED = re.compile(r"^rank\(s\) \[([\d, ]+)\] exited with code\(s\) .*: replaced in place by "
-                       r"\w+ spare\(s\) pid\(s\) \[([\d, ]+)\]")
 _HEARTBEAT = re.compile(r"^local_rank \d+ \(pid \d+\) sent no heartbeat")
 
 
@@ -200,7 +224,6 @@ class Events:
     # (generation, the first step committed after it) -> (t, that step); generations count
     # from 1 in every attempt (a restart starts a new one), so the step tells them apart
     in_place: dict[tuple[int, int], tuple[float, int]] = field(default_factory=dict)
-    replaced: dict[int, int] = field(default_factory=dict)  # rank -> its replacement's pid
 
     def add(self, t: float, rank: int | None, text: str) -> None:
         if (m := _RESUMED.match(text)) and rank == 0:
@@ -217,9 +240,6 @@ class Events:
             self.hangs.append(t)
         elif m := _IN_PLACE.match(text):
             self.in_place.setdefault((int(m[1]), int(m[2])), (t, int(m[2])))
-        elif m := _REPLACED.match(text):
-            for r, pid in zip(m[1].split(", "), m[2].split(", "), strict=True):
-                self.replaced[int(r)] = int(pid)
 
 
 class LogTail:
@@ -275,13 +295,25 @@ class TraceTail:
     def last_step(self) -> int:
         return max((e["step"] for e in self.entries()), default=0)
 
-    def first_commit_after(self, t: float, step_above: int = 0,
-                           applied: bool = False) -> tuple[float, int] | None:
+    def first_commit_after(self, t: float, step_above: int = 0, applied: bool = False,
+                           world_size: int | None = None) -> tuple[float, int] | None:
         """(time, step) of the first step entry after ``t`` (and above ``step_above``;
-        ``applied``: not a skipped update)."""
+        ``applied``: not a skipped update; at ``world_size``, if given)."""
         found = [(e["time"], e["step"]) for e in self.entries() if e["time"] > t
-                 and e["step"] > step_above and not (applied and e.get("skipped"))]
+                 and e["step"] > step_above and not (applied and e.get("skipped"))
+                 and world_size in (None, e.get("world_size"))]
         return min(found) if found else None
+
+    def newest_full(self, rank: int, world_size: int) -> dict[str, Any] | None:
+        """``rank``'s entry of the newest recent step that all ``world_size`` ranks committed at
+        that world size (each rank file's last 50 entries), or None."""
+        steps: dict[int, dict[int, dict[str, Any]]] = {}
+        for _, _, _, entries in self._files.values():
+            for e in entries[-50:]:
+                if e.get("world_size") == world_size and "pid" in e:
+                    steps.setdefault(e["step"], {})[e["rank"]] = e
+        full = [step for step, ranks in steps.items() if len(ranks) == world_size]
+        return steps[max(full)].get(rank) if full else None
 
     def steps_after(self, t: float) -> int:
         return len({e["step"] for e in self.entries() if e["time"] > t})
@@ -298,6 +330,7 @@ class Cluster:
         self.trigger = workdir / "trigger"
         self.rdzv_id, self.extra = rdzv_id, extra
         self.nodes: dict[str, Job] = {}
+        self.killed: set[str] = set()  # nodes the driver killed and has not started again
         self.incarnations: dict[str, int] = {}
         self.logs: list[LogTail] = []
         self.events = Events()
@@ -318,12 +351,14 @@ class Cluster:
                    "recovery.spare_delay_seconds=2",
                    "watchdog.long_op_timeout_seconds=300", "watchdog.dump_grace_seconds=1",
                    f"faults.trigger_file={self.trigger}", *EXACT_DDP, *self.extra,
-                   "--nnodes", "2:2", "--nproc-per-node", "2", "--rdzv-backend", "etcd-v2",
+                   "--nnodes", f"{s.min_nodes}:{len(NODES)}", "--nproc-per-node", "2",
+                   "--rdzv-backend", "etcd-v2",
                    "--rdzv-endpoint", self.etcd.endpoint, "--rdzv-id", self.rdzv_id,
                    "--rdzv-conf", RDZV_CONF, "--max-restarts", "10000",
                    "--monitor-interval", "0.2", "--trace-samples", str(self.trace_dir))
 
     def start(self, name: str) -> None:
+        self.killed.discard(name)
         n = self.incarnations[name] = self.incarnations.get(name, 0) + 1
         log = self.workdir / (f"node-{name}.log" if n == 1 else f"node-{name}.{n}.log")
         self.nodes[name] = Job(self.argv(), log)
@@ -331,6 +366,7 @@ class Cluster:
 
     def kill_node(self, name: str) -> None:
         """SIGKILL of the node's agent and all its workers, by pid; waits until they are gone."""
+        self.killed.add(name)
         self.nodes[name].kill_all()
 
     def close(self) -> None:
@@ -349,9 +385,15 @@ class Cluster:
                     self.events.add(self.unix(m[1]), int(m[2]) if m[2] else None, m[3])
         self.trace.poll()
 
+    @property
+    def elastic(self) -> bool:
+        """Nodes leave and join in place (``--nnodes 1:2``)."""
+        return self.settings.min_nodes < len(NODES)
+
     def check_alive(self, what: str = "") -> None:
         for name, job in self.nodes.items():
-            if (rc := job.proc.poll()) is not None:
+            if (rc := job.proc.poll()) is not None and name not in self.killed and not (
+                    self.elastic and rc == PREEMPTED):
                 raise SoakError(f"node {name}'s agent exited with code {rc} while waiting for "
                                 f"{what} (last step seen {self.trace.last_step()}); log tail:\n"
                                 + job.output[-3000:])
@@ -376,17 +418,18 @@ class Cluster:
             time.sleep(POLL_S)
 
     def worker(self, rank: int) -> psutil.Process:
-        """The live worker of global ``rank`` (waits for the group to be complete)."""
+        """The live process of global ``rank``: the one that committed that rank's part of one of
+        the newest steps at the full world size (waits for the group to be complete). By the
+        trace's ``pid``: replacements and joined nodes start as spares (no RANK variable), and
+        ranks are renumbered when a node leaves."""
         def find() -> psutil.Process | None:
             self.update()
-            if rank in self.events.replaced:  # a spare's RANK variable is -1: its agent's line
-                with contextlib.suppress(psutil.NoSuchProcess):
-                    p = psutil.Process(self.events.replaced[rank])
-                    if p.status() != psutil.STATUS_ZOMBIE:
+            entry = self.trace.newest_full(rank, WORLD)
+            with contextlib.suppress(psutil.NoSuchProcess):
+                if entry is not None and entry["step"] >= self.trace.last_step() - 2:
+                    p = psutil.Process(entry["pid"])
+                    if p.status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_STOPPED):
                         return p
-            for job in self.nodes.values():
-                if (p := job.workers().get(rank)) is not None:
-                    return p
             return None
         return self.wait(find, 60, f"the worker of rank {rank}")
 
@@ -457,11 +500,48 @@ def fault_worker_hang(c: Cluster, f: Fault) -> dict[str, Any]:
 
 
 def fault_node_kill(c: Cluster, f: Fault) -> dict[str, Any]:
+    """SIGKILL of a node's agent and workers. ``2:2``: it is started again at once and the
+    group waits for it; ``1:2``: the other node goes on without it (found lost by its silent
+    heartbeat, in place), and :func:`restore` starts it again afterwards."""
     c.worker(f.rank)  # the group is complete
     last, t = _last_step(c)
     c.kill_node(f.node)
-    c.start(f.node)  # the node returns
+    if not c.elastic:
+        c.start(f.node)  # the node returns
     return {"t_fault": t, **_after_restart(c, t, last)}
+
+
+def fault_node_preempt(c: Cluster, f: Fault) -> dict[str, Any]:
+    """SIGTERM to a node's agent (a pod eviction): its workers leave at the next step boundary
+    and the other node goes on at the smaller world size (in place; the restart path when the
+    node hosts the recovery store); its agent exits 143; :func:`restore` starts it again."""
+    c.worker(f.rank)
+    job = c.nodes[f.node]
+    last, t = _last_step(c)
+    job.proc.send_signal(signal.SIGTERM)
+    rec = _after_restart(c, t, last)
+    c.wait(lambda: job.proc.poll() is not None, 120, f"node {f.node}'s agent to exit",
+           alive=False)
+    return {"t_fault": t, **rec, "exit_code": job.proc.returncode}
+
+
+def restore(c: Cluster) -> dict[str, Any]:
+    """``1:2``: start again each node whose agent ended (killed, preempted, or its workers left
+    with a worker's SIGTERM) and wait for a step at the full world size; ``join_path``:
+    ``in_place`` when no rank resumed from a checkpoint meanwhile."""
+    gone = [name for name, job in c.nodes.items() if job.proc.poll() is not None]
+    t = time.time()
+    for name in gone:
+        c.start(name)
+    t_full, _ = c.wait(lambda: c.trace.first_commit_after(t, world_size=WORLD),
+                       c.settings.fault_timeout_s, "a step at the full world size")
+    out: dict[str, Any] = {"t_rejoined": t_full, "world_sizes_after":
+                           sorted({e["world_size"] for e in c.trace.entries()
+                                   if e["time"] > t and e["time"] <= t_full})}
+    if gone:
+        out.update(returned=gone, rejoin_s=t_full - t,
+                   join_path="restart" if c.resume_after(t) else "in_place")
+    return out
 
 
 def fault_etcd_outage(c: Cluster, f: Fault) -> dict[str, Any]:
@@ -563,13 +643,16 @@ def inject(c: Cluster, f: Fault, corrupted: list[tuple[float, str]]) -> dict[str
         return fault_worker_hang(c, f)
     if f.kind == "node-kill":
         return fault_node_kill(c, f)
+    if f.kind == "node-preempt":
+        return fault_node_preempt(c, f)
     if f.kind == "etcd-outage":
         return fault_etcd_outage(c, f)
     if f.kind == "ckpt-corrupt":
         return fault_ckpt_corrupt(c, f, corrupted)
     if f.kind == "nan":
         return fault_nan(c, f)
-    raise ValueError(f"unknown fault class {f.kind!r} (allowed: {', '.join(CLASSES)})")
+    raise ValueError(f"unknown fault class {f.kind!r} (allowed: "
+                     f"{', '.join(MEMBERSHIP_CLASSES)})")
 
 
 def survived(f: Fault, rec: dict[str, Any]) -> bool:
@@ -581,6 +664,8 @@ def survived(f: Fault, rec: dict[str, Any]) -> bool:
         return rec["skipped_on_all_ranks"] and rec["restarts"] == 0
     if f.kind == "etcd-outage":
         return rec["restarts"] == 0
+    if f.kind == "node-preempt":
+        return rec["exit_code"] == PREEMPTED
     return True
 
 
@@ -653,7 +738,8 @@ def run_soak(plan: list[Fault], settings: Settings, workdir: Path, etcd: EtcdSer
             if time.time() - t0 > settings.timeout_s:
                 raise SoakError(f"--timeout {settings.timeout_s:.0f} s reached before fault "
                                 f"{f.index}")
-            if c.trace.last_step() + cost(f, settings.every_steps) > settings.steps - 10:
+            if c.trace.last_step() + cost(f, settings.every_steps, c.elastic) > \
+                    settings.steps - 10:
                 raise SoakError(f"the job may end (step {c.trace.last_step()} of "
                                 f"{settings.steps}) during fault {f.index}: raise --steps")
             rec: dict[str, Any] = {**asdict(f), "survived": False}
@@ -663,7 +749,9 @@ def run_soak(plan: list[Fault], settings: Settings, workdir: Path, etcd: EtcdSer
             faulthandler.dump_traceback_later(settings.fault_timeout_s / 2)
             try:
                 rec.update(inject(c, f, corrupted))
-                t_ok = progress(c, rec["t_recovered"])
+                if c.elastic:  # nodes that left come back; the group grows to full size
+                    rec.update(restore(c))
+                t_ok = progress(c, rec.get("t_rejoined", rec["t_recovered"]))
             except Exception as e:
                 rec["error"] = f"{type(e).__name__}: {e}"[:4000]
                 t_ok = time.time()
@@ -707,7 +795,8 @@ def reference(result: dict[str, Any], settings: Settings, workdir: Path, etcd: E
     skipped = sorted({e["step"] for e in audit.read_entries(soak / "trace") if e.get("skipped")})
     poisoned = {f["nan_step"]: f["rank"] for f in result["faults"] if "nan_step" in f}
     nans = [f"{{kind: nan, rank: {poisoned[s]}, step: {s}}}" for s in skipped if s in poisoned]
-    c = Cluster(workdir / "reference", etcd, settings, f"soak-ref-{time.time_ns()}",
+    full = replace(settings, min_nodes=len(NODES))  # both nodes from the first step
+    c = Cluster(workdir / "reference", etcd, full, f"soak-ref-{time.time_ns()}",
                 extra=(f"faults.inject=[{', '.join(nans)}]",))
     try:
         for name in NODES:
@@ -729,8 +818,9 @@ def reference(result: dict[str, Any], settings: Settings, workdir: Path, etcd: E
 
 def soak(plan: list[Fault], seed: int, settings: Settings, workdir: Path,
          save: Callable[[dict[str, Any]], None] = lambda r: None) -> dict[str, Any]:
-    """The soak of ``plan`` (drawn with ``seed``), the reference run and the summary, around
-    one throw-away etcd in ``workdir``."""
+    """The soak of ``plan`` (drawn with ``seed``), the reference run (at ``2:2`` only: where
+    the world size changes, the weights differ in summation order anyway) and the summary,
+    around one throw-away etcd in ``workdir``."""
     t0 = time.time()
     etcd_dir = workdir / "etcd"
     etcd_dir.mkdir(parents=True, exist_ok=True)
@@ -744,7 +834,7 @@ def soak(plan: list[Fault], seed: int, settings: Settings, workdir: Path,
     try:
         etcd.start()
         saving(run_soak(plan, settings, workdir, etcd, saving))
-        if result["job"]["completed"]:
+        if result["job"]["completed"] and settings.min_nodes >= len(NODES):
             try:
                 result["job"]["final_weights"] = reference(result, settings, workdir, etcd)
             except SoakError as e:
@@ -766,13 +856,18 @@ def soak(plan: list[Fault], seed: int, settings: Settings, workdir: Path,
 def summarize(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """Per fault class: injected, survived, recovery (median, max, seconds), steps redone."""
     out = {}
-    for kind in CLASSES:
+    for kind in classes(result["settings"].get("min_nodes", len(NODES))):
         recs = [r for r in result["faults"] if r["kind"] == kind]
         times = [r["recovery_s"] for r in recs if "recovery_s" in r]
         redone = [r.get("steps_redone", 0) for r in recs]
         in_place = [r["recovery_s"] for r in recs
                     if r.get("path") == "in_place" and "recovery_s" in r]
+        rejoins = [r for r in recs if "rejoin_s" in r]
         out[kind] = {"injected": len(recs), "survived": sum(r["survived"] for r in recs),
+                     "rejoined": len(rejoins),
+                     "rejoined_in_place": sum(r["join_path"] == "in_place" for r in rejoins),
+                     "rejoin_median_s": statistics.median(r["rejoin_s"] for r in rejoins)
+                     if rejoins else None,
                      "in_place": len(in_place),
                      "in_place_median_s": statistics.median(in_place) if in_place else None,
                      "recovery_median_s": statistics.median(times) if times else None,
@@ -789,19 +884,22 @@ def _s(v: float | None, digits: int = 1) -> str:
 def table(result: dict[str, Any]) -> str:
     """The markdown tables of a soak record."""
     rows = ["| fault | injected | survived | in place (median s) | recovery median (s) | "
-            "recovery max (s) | steps redone (total, max) |",
-            "| --- | --- | --- | --- | --- | --- | --- |"]
+            "recovery max (s) | steps redone (total, max) | node back: in place of (median s) |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for kind, s in result["summary"].items():
+        back = (f"{s['rejoined_in_place']} of {s['rejoined']} ({_s(s['rejoin_median_s'])})"
+                if s.get("rejoined") else "-")
         rows.append(f"| {kind} | {s['injected']} | {s['survived']} | "
                     f"{s.get('in_place', 0)} ({_s(s.get('in_place_median_s'), 2)}) | "
                     f"{_s(s['recovery_median_s'])} | {_s(s['recovery_max_s'])} | "
-                    f"{s['steps_redone_total']}, {s['steps_redone_max']} |")
+                    f"{s['steps_redone_total']}, {s['steps_redone_max']} | {back} |")
     job = result.get("job", {})
     weights = job.get("final_weights", {})
     epochs = [e for e in job.get("epochs", []) if e["complete"]]
     lost = sum(e["lost"] for e in epochs)
     dup = sum(e["duplicated"] for e in epochs)
     bitwise = weights.get("bitwise")
+    changed = len(job.get("world_sizes", [])) > 1
     rows += ["", "| job | |", "| --- | --- |",
              f"| seed | {result.get('seed')} |",
              f"| faults injected, survived | {len(result['faults'])}, "
@@ -814,7 +912,8 @@ def table(result: dict[str, Any]) -> str:
              f"{len(job.get('corrupt_resumes', []))} |",
              f"| world sizes | {job.get('world_sizes')} |",
              f"| final weights vs uninterrupted run | "
-             f"{'bitwise equal' if bitwise else 'differ' if bitwise is False else 'n/a'}"
+             f"{'bitwise equal' if bitwise else 'n/a' if bitwise is None else 'differ'}"
+             f"{' (the world size changed: another summation order)' if changed else ''}"
              f" (max abs diff {weights.get('max_abs_diff', float('nan')):.3g}) |",
              f"| wall time | {result.get('wall_s', 0) / 60:.1f} min (soak "
              f"{result.get('soak_wall_s', 0) / 60:.1f}, reference "
@@ -834,17 +933,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--outage-seconds", type=float, nargs=2, default=[2.0, 10.0],
                    metavar=("MIN", "MAX"), help="range of the etcd outages' length")
     p.add_argument("--timeout", type=float, default=5400.0, help="the whole soak, seconds")
+    p.add_argument("--min-nodes", type=int, choices=(1, 2), default=2,
+                   help="--nnodes MIN:2 of the job; 1: nodes leave and join in place (adds "
+                        "node-preempt; the world size changes, so no reference run: the "
+                        "weights would differ in summation order)")
     p.add_argument("--dir", default=None, help="keep the runs here (default: a temporary "
                    "directory, removed when the soak passed)")
     p.add_argument("--json", default=None, help="write the record here, after every fault")
     args = p.parse_args(argv)
     if shutil.which("etcd") is None:
         p.error("etcd not on PATH (Debian: apt-get install etcd-server)")
-    if args.faults < len(CLASSES):
-        p.error(f"--faults: at least {len(CLASSES)} (one per class), got {args.faults}")
-    plan = make_plan(args.seed, args.faults, tuple(args.outage_seconds))
-    settings = Settings(steps=args.steps or default_steps(plan, args.every_steps),
-                        every_steps=args.every_steps, timeout_s=args.timeout)
+    kinds = classes(args.min_nodes)
+    if args.faults < len(kinds):
+        p.error(f"--faults: at least {len(kinds)} (one per class), got {args.faults}")
+    plan = make_plan(args.seed, args.faults, tuple(args.outage_seconds), kinds)
+    settings = Settings(steps=args.steps or default_steps(plan, args.every_steps,
+                                                          args.min_nodes < len(NODES)),
+                        every_steps=args.every_steps, timeout_s=args.timeout,
+                        min_nodes=args.min_nodes)
 
     def save(r: dict[str, Any]) -> None:
         if args.json:
@@ -864,13 +970,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 def passed(result: dict[str, Any]) -> bool:
     """Every fault survived, the job completed, the audit exact, no corrupt resume, and the
-    final weights bitwise equal to the reference's."""
+    final weights bitwise equal to the reference's where the world size never changed."""
     job = result.get("job", {})
+    weights = job.get("final_weights", {})
     return (all(r["survived"] for r in result["faults"]) and bool(job.get("completed"))
             and all(e["lost"] == 0 and e["duplicated"] == 0 for e in job["epochs"]
                     if e["complete"])
             and not job["corrupt_resumes"]
-            and bool(job.get("final_weights", {}).get("bitwise")))
+            and (bool(weights.get("bitwise")) if job.get("world_sizes") == [WORLD]
+                 else "error" not in weights))
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
 """Sample audit: which dataset indices each committed optimizer step trained on.
 
 Each rank appends one JSON line per optimizer step to ``<trace_dir>/rank-<r>.jsonl``:
-``{"epoch", "step", "rank", "world_size", "loss", "time", "indices"}`` (``loss`` is the step's
-mean loss over all ranks, ``time`` the commit's unix time in seconds, ``indices`` this rank's
-samples). At each epoch end rank 0 adds
+``{"epoch", "step", "rank", "world_size", "loss", "time", "pid", "indices"}`` (``loss`` is the
+step's mean loss over all ranks, ``time`` the commit's unix time in seconds, ``pid`` the process
+that trained them (a fault drill finds a rank's live process by it: ranks are renumbered and
+replacements start as spares), ``indices`` this rank's samples). At each epoch end rank 0 adds
 ``{"epoch_end": e, "step", "num_samples", "dropped"}``, the tail indices that the drop_last rule
 left out of that epoch (the sampler's plan: what the epoch was meant to train is all other
 indices).
@@ -62,8 +63,10 @@ class SampleTrace:
         writing it, from the sampler's plan; ``planned``: the indices are the sampler's plan
         (no record of the fetch)."""
         entry = {"epoch": epoch, "step": step, "rank": self.rank if rank is None else rank,
-                 "world_size": world_size,
-                 "loss": loss, "time": round(time.time(), 3), "indices": indices}
+                 "world_size": world_size, "loss": loss, "time": round(time.time(), 3),
+                 "indices": indices}
+        if rank is None:  # this process trained them
+            entry["pid"] = os.getpid()
         for flag, on in (("skipped", skipped), ("repaired", repaired), ("planned", planned)):
             if on:
                 entry[flag] = True

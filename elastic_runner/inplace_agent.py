@@ -244,14 +244,14 @@ class InPlaceAgent(LocalElasticAgent):
         super()._stop_workers(worker_group, *args, **kwargs)
 
     def _shutdown(self, *args: Any, **kwargs: Any) -> None:
-        if self._watch is not None and self._running():
-            # stopped from outside (SIGTERM: an eviction) while the workers run: they leave
-            # at their next step boundary; the other nodes must not count this node lost
-            with contextlib.suppress(Exception):
-                self._recovery_store.set(self._key("node", self._node, "leaving"), "1")
-        self._beat.close()
+        # stopped from outside (SIGTERM: an eviction) while the workers run: they leave at
+        # their next step boundary, so the node beats until they are gone; silence after that
+        # is a node that is gone, whether its workers left in order or died on the way
         self._drop_spare()
-        super()._shutdown(*args, **kwargs)
+        try:
+            super()._shutdown(*args, **kwargs)
+        finally:
+            self._beat.close()
         shutil.rmtree(self._heartbeats, ignore_errors=True)
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:

@@ -385,14 +385,14 @@ class NodeWatch:
 
     def lost(self, nodes: Iterable[int]) -> dict[int, float]:
         """Of ``nodes`` (not this one), those silent longer than the timeout: node -> seconds
-        of silence. A node whose agent announced it is leaving (SIGTERM) is not lost."""
+        of silence. (A node whose agent got SIGTERM beats until its workers left.)"""
         now = time.monotonic()
         if now - self._looked > self.timeout_s / 2:
             self._seen.clear()
         self._looked = now
         out: dict[int, float] = {}
         for node in nodes:
-            if node == self.node or self.store.check([self.key("node", node, "leaving")]):
+            if node == self.node:
                 continue
             count = self.store.add(self.key("node", node, "beat"), 0)
             seen = self._seen.get(node)

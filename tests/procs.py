@@ -110,9 +110,12 @@ def kill_and_reap(proc: subprocess.Popen | None) -> None:
 
 
 @pytest.fixture
-def launch(tmp_path: Path) -> Iterator[Callable[..., Job]]:
-    """``launch(argv, name=..., env=..., cwd=...)`` starts a Job; all are killed at teardown."""
+def launch(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Callable[..., Job]]:
+    """``launch(argv, name=..., env=..., cwd=...)`` starts a Job; all are killed at teardown.
+    When the test fails, its report ends with each job's last log lines (:func:`log_tails`):
+    a failure in CI can be read without the machine."""
     jobs: list[Job] = []
+    request.node.launched_jobs = jobs
 
     def start(argv: list[str], name: str = "job", env: dict[str, str] | None = None,
               cwd: Path | None = None) -> Job:
@@ -123,6 +126,16 @@ def launch(tmp_path: Path) -> Iterator[Callable[..., Job]]:
     yield start
     for job in jobs:
         job.kill_all()
+
+
+def log_tails(jobs: list[Job], lines: int = 30) -> str:
+    """The last ``lines`` lines of each job's log, without the per-checkpoint lines."""
+    out = []
+    for job in jobs:
+        kept = [line for line in job.output.splitlines() if "committed checkpoint" not in line]
+        out.append(f"--- {job.log_path.name} (exit {job.proc.poll()}) ---")
+        out.extend(kept[-lines:])
+    return "\n".join(out)
 
 
 def cli(*args: str) -> list[str]:

@@ -123,8 +123,6 @@ def test_node_watch_counts_silence_on_its_own_clock(store: dist.TCPStore,
     assert me.lost([0, 1, 2]) == {2: 8.0}
     now[0] += 2
     assert me.lost([1, 2]) == {1: 6.0, 2: 10.0}
-    store.set(key("node", 1, "leaving"), "1")  # SIGTERM: leaving at its next step boundary
-    assert me.lost([1, 2]) == {2: 10.0}
 
 
 def test_a_watch_that_did_not_look_counts_every_silence_afresh(

@@ -150,7 +150,7 @@ def test_nodes_join_and_leave_in_place_2_3_2_1_2(launch, three_nodes_and_etcd, t
     in node 1's place (2): node 0's worker keeps its process throughout, no checkpoint is
     read, the global batch is the same at every step and every sample is trained once."""
     nodes, etcd = three_nodes_and_etcd
-    total = 1000
+    total = 600  # the second join lands near step 260 (CPU, 2 cores)
 
     def start_node(i: int, name: str = "") -> Job:
         return start_one(launch, nodes, tmp_path, i, total, slow=0.08, name=name, etcd=etcd)
