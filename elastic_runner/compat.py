@@ -416,7 +416,9 @@ def _restart_budget_by_cause(monitor: Callable[[Any, Any], Any]) -> Callable[[An
         _stop_failed_group(handlers)
         result = monitor(self, worker_group)
         failures = failures_of(result)
-        if failures:
+        # an agent whose node left the running job in place ends (inplace_agent: its workers'
+        # exit 143 is a departure, not a preemption to restart after)
+        if failures and not getattr(self, "left_the_job", False):
             before = self._remaining_restarts
             self._remaining_restarts = _BUDGET[0].judge(failures, before)
             # a refunded restart still counts as one in TORCHELASTIC_RESTART_COUNT

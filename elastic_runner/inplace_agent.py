@@ -168,6 +168,7 @@ class InPlaceAgent(LocalElasticAgent):
         self._built_since: float | None = None  # when the workers reported the task built
         self._joining: _Join | None = None  # this node joins a running attempt
         self._healthy = False  # the last look found the group healthy
+        self.left_the_job = False  # this node left in place: no restart (compat's budget)
 
     def _key(self, *parts: object) -> str:
         return "/".join([self._prefix, *map(str, parts)])
@@ -465,7 +466,7 @@ class InPlaceAgent(LocalElasticAgent):
         else:
             log.warning("membership: this node (%d) was %s and left the job; the others go on "
                         "without it", self._node, reason)
-        self._remaining_restarts = 0
+        self._remaining_restarts, self.left_the_job = 0, True
         leave_rendezvous_open(worker_group.spec.rdzv_handler)
         return super()._monitor_workers(worker_group)
 
