@@ -529,7 +529,17 @@ def restore(c: Cluster) -> dict[str, Any]:
     """``1:2``: start again each node whose agent ended (killed, preempted, or its workers left
     with a worker's SIGTERM) and wait for a step at the full world size; ``join_path``:
     ``in_place`` when no rank resumed from a checkpoint meanwhile."""
-    gone = [name for name, job in c.nodes.items() if job.proc.poll() is not None]
+    t0 = time.time()
+
+    def settled() -> tuple[list[str]] | None:
+        """A node that leaves ends its agent just after the others went on without it: wait
+        for that, or for a step at the full world size (nothing left)."""
+        gone = [name for name, job in c.nodes.items() if job.proc.poll() is not None]
+        full = c.trace.first_commit_after(t0, world_size=WORLD)
+        return (gone,) if gone or full else None
+
+    (gone,) = c.wait(settled, c.settings.fault_timeout_s, "a node that left to end its agent, "
+                     "or a step at the full world size", alive=False)
     t = time.time()
     for name in gone:
         c.start(name)
