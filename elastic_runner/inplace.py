@@ -392,14 +392,14 @@ class InPlaceRecovery:
         """
         if not self.multi_node:
             return
-        mine = (self.node, trainer.preempt.requested)
         everyone: list[Any] = [None] * trainer.info.world_size
-        dist.all_gather_object(everyone, mine)
-        leaving = sorted({node for node, asked in everyone if asked})
+        dist.all_gather_object(everyone, trainer.preempt.requested)
+        # each rank's node from the view, the one record every process reads the same way
+        view = read_view(self.store, self.key)
+        leaving = sorted({view.node_of(r) for r, asked in enumerate(everyone) if asked})
         if not leaving:  # the vote stopped for a node that asks to join
             self._take_in(trainer)
-        members = [r for r, (node, _) in enumerate(everyone) if node not in leaving]
-        view = read_view(self.store, self.key)
+        _, members = view.without(leaving, view.generation)
         why = self.policy(trainer).refuses(view, leaving) if members else "every node"
         if why is not None:
             if trainer.info.rank == 0 and members:

@@ -549,8 +549,9 @@ class InPlaceAgent(LocalElasticAgent):
         view = self._current_view() if self._location.kind != "tcp" else None
         for local_rank in sorted(failed):
             spare = self._take_spare(pc)
+            # GROUP_RANK: this node's id, which a node that joined claimed after its start
             env = {**pc.envs[local_rank], GENERATION_ENV: str(self._generation),
-                   "TORCHELASTIC_RESTART_COUNT": str(attempt)}
+                   "TORCHELASTIC_RESTART_COUNT": str(attempt), "GROUP_RANK": str(self._node)}
             if view is not None:  # ranks renumbered since the start (a node left)
                 rank = view.nodes[self._node][local_rank]
                 env.update(RANK=str(rank), WORLD_SIZE=str(view.world_size))

@@ -102,7 +102,10 @@ class View:
         Raises:
             KeyError: no node has it.
         """
-        return next(n for n, ranks in self.nodes.items() if rank in ranks)
+        node = next((n for n, ranks in self.nodes.items() if rank in ranks), None)
+        if node is None:
+            raise KeyError(f"no node of view {self.generation} has rank {rank}")
+        return node
 
     def without(self, leaving: Iterable[int], generation: int) -> tuple[View, list[int]]:
         """The view once the nodes ``leaving`` left in ``generation``, and the members: the old

@@ -168,3 +168,12 @@ def test_node_timeout_must_be_below_the_detect_timeout(tmp_path) -> None:
     with pytest.raises(ConfigError, match=r"recovery.node_timeout_seconds.*must be below "
                                           r"recovery.detect_timeout_seconds \(10\)"):
         load_config(str(cfg), ["recovery.node_timeout_seconds=12"])
+
+
+def test_node_of_names_the_node_of_a_rank_and_refuses_a_rank_of_none() -> None:
+    """The leave protocol reads each rank's node from the view, not from the worker's own
+    GROUP_RANK (a replacement on a node that joined once carried a stale one)."""
+    view = View(3, {0: [0, 1], 2: [2, 3]})
+    assert [view.node_of(r) for r in range(4)] == [0, 0, 2, 2]
+    with pytest.raises(KeyError, match="no node of view 3 has rank 4"):
+        view.node_of(4)
