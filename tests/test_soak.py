@@ -1,7 +1,7 @@
 """The soak (``bench/soak.py``) in small: 10 faults covering every class, injected from outside
-into one 2-node x 2-worker job around a real etcd, whose nodes leave and join in place
-(``--min-nodes 1``); plus the pieces it relies on without processes: the seeded plan and the
-fault trigger file (``faults.trigger_file``)."""
+into one 2-node x 2-worker job around a real etcd; 5 faults of the classes where a node leaves,
+with nodes that leave and join in place (``--min-nodes 1``); plus the pieces it relies on
+without processes: the seeded plan and the fault trigger file (``faults.trigger_file``)."""
 
 from __future__ import annotations
 
@@ -70,20 +70,17 @@ def test_no_trigger_file_is_a_null_object_and_the_key_loads():
 
 
 @pytest.mark.slow
-def test_ten_faults_of_every_class_on_two_nodes_that_leave_and_join(tmp_path):
-    """``--min-nodes 1``: the nodes that leave (killed, preempted, a worker's SIGTERM) are
-    started again and join in place; the world size changes, the audit stays exact."""
+def test_ten_faults_of_every_class_on_two_nodes(tmp_path):
     require_command("etcd", debian("etcd-server"))
-    plan = soak.make_plan(ELASTIC_SEED, 10, hold_s=(1.0, 3.0), kinds_of=soak.classes(1))
-    settings = soak.Settings(steps=soak.default_steps(plan, elastic=True), fault_timeout_s=150,
-                             timeout_s=480, min_nodes=1)
-    result = soak.soak(plan, ELASTIC_SEED, settings, tmp_path)
+    plan = soak.make_plan(SEED, 10, hold_s=(1.0, 3.0))
+    settings = soak.Settings(steps=soak.default_steps(plan), fault_timeout_s=150, timeout_s=420)
+    result = soak.soak(plan, SEED, settings, tmp_path)
     faults, job = result["faults"], result["job"]
     brief = [(f["kind"], f.get("error", "")[:300]) for f in faults if not f["survived"]]
     assert len(faults) == 10 and not brief, (brief, result.get("error"))
-    assert {f["kind"] for f in faults} == set(soak.MEMBERSHIP_CLASSES)
+    assert {f["kind"] for f in faults} == set(soak.CLASSES)
     assert job["completed"] and job["final_step"] == settings.steps, job
-    assert job["world_sizes"] == [2, 4]
+    assert job["world_sizes"] == [4]
     complete = [e for e in job["epochs"] if e["complete"]]
     assert len(complete) >= 10
     for e in complete:
@@ -98,8 +95,37 @@ def test_ten_faults_of_every_class_on_two_nodes_that_leave_and_join(tmp_path):
             assert f["steps_during_outage"] >= soak.OUTAGE_STEPS and f["restarts"] == 0, f
         if f["kind"] in ("worker-sigkill", "worker-hang"):  # replaced in place
             assert f["path"] == "in_place" and f["restarts"] == 0, f
+        if f["kind"] in ("worker-sigterm", "node-kill", "ckpt-corrupt"):
+            assert f["path"] == "restart" and f["restarts"] == 1, f
+    weights = job["final_weights"]
+    assert weights["unexplained_skips"] == [] and weights["bitwise"], weights
+    assert soak.passed(result), soak.table(result)
+
+
+@pytest.mark.slow
+def test_nodes_that_leave_are_started_again_and_join_in_place(tmp_path):
+    """``--min-nodes 1``, the classes of a node leaving (preempted, killed, a worker's SIGTERM)
+    and a worker SIGKILL: the other node goes on without it (in place, or the restart path
+    when it hosted the recovery store), the driver starts it again and it joins; the world
+    size changes, the audit stays exact. (No etcd outage: see the note in bench/soak.py.)"""
+    require_command("etcd", debian("etcd-server"))
+    kinds = ("node-preempt", "node-kill", "worker-sigterm", "worker-sigkill")
+    plan = soak.make_plan(ELASTIC_SEED, 5, kinds_of=kinds)
+    settings = soak.Settings(steps=soak.default_steps(plan, elastic=True), fault_timeout_s=150,
+                             timeout_s=420, min_nodes=1)
+    result = soak.soak(plan, ELASTIC_SEED, settings, tmp_path)
+    faults, job = result["faults"], result["job"]
+    brief = [(f["kind"], f.get("error", "")[:300]) for f in faults if not f["survived"]]
+    assert len(faults) == 5 and not brief, (brief, result.get("error"))
+    assert job["completed"] and job["final_step"] == settings.steps, job
+    assert job["world_sizes"] == [2, 4]
+    for e in [e for e in job["epochs"] if e["complete"]]:
+        assert e["lost"] == e["duplicated"] == 0 and e["seen_once"] == e["expected"], e
+    for f in faults:
+        if f["kind"] == "worker-sigkill":  # replaced in place
+            assert f["path"] == "in_place" and f["restarts"] == 0, f
         if f["kind"] in ("node-preempt", "node-kill"):  # it left; started again, it is back
-            assert f["returned"] == [f["node"]] and 4 in f["world_sizes_after"], f
+            assert f["returned"] == [f["node"]] and f["world_sizes_after"][-1] == 4, f
         if f["kind"] == "node-preempt":
             assert f["exit_code"] == 143, f
         if f["kind"] == "worker-sigterm":  # its node left in place and its agent ended (143)
