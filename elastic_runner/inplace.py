@@ -571,6 +571,8 @@ class InPlaceRecovery:
                 continue
         env = json.loads(self.store.get(key))
         self.generation = int(env[GENERATION_ENV])
+        # the node's id now (a node that joined claimed one after its spares started)
+        self.node = int(env.get("GROUP_RANK", self.node))
         return env
 
 
