@@ -17,11 +17,11 @@ preempted, or taken out by its worker's SIGTERM) no longer stops the group; the 
 on without it in place (``membership.py``: ranks renumbered, the global batch constant), and the
 driver starts it again, to join in place, before the next fault (:func:`restore`). The class
 ``node-preempt`` is added. The world size changes, so there is no reference run (the weights
-differ in summation order); the audit still must be exact. Known open problem in this mode
-(seen once, seed 20261122, fault 9): after an etcd outage longer than the keep-alive lapse
-(SIGKILL, 9.5 s), a node that had left in place and was started again formed a rendezvous round
-of its own and resumed from the checkpoint beside the running node; fencing stopped the older
-group (exit 3) and the job failed. ``tests/test_soak.py`` runs this mode without etcd outages.
+differ in summation order); the audit still must be exact. An etcd outage longer than the
+rendezvous keep-alive lapse followed by a node that returns is the case that once (seed 20261122,
+fault 9) ended with the returning node in a rendezvous round of its own beside the running one,
+fenced: torch's handler drops its own node after such an outage; ``compat`` fix 2 now keeps it
+(``tests/test_etcd.py``). ``tests/test_soak.py`` runs this mode with 5 faults, without outages.
 
 Fault classes (the plan holds every class ``n // 7`` times, the remainder drawn; the order, the
 victims and the variants come from ``random.Random(seed)``):

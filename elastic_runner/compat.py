@@ -27,7 +27,18 @@ does when one is gone (required: exit code 2 with one line; optional: a warning,
    ``RendezvousConnectionError``) to report 0 waiting nodes while the backend is unreachable, and
    ``next_rendezvous`` to retry a ``RendezvousConnectionError`` every second until the join
    timeout (``self._settings.timeout.join``). Torch has no switch for either. Without them a
-   backend (etcd) outage fails the job, as under plain torchrun.
+   backend (etcd) outage fails the job, as under plain torchrun. It also patches
+   ``_BackendRendezvousStateHolder`` (``sync``, ``_sanitize``, ``_state``, ``_settings``; the
+   handler's ``_state_holder`` and ``_this_node``) so that heartbeats nobody could write do not
+   make nodes dead. Torch's ``_sanitize`` drops every node whose last keep-alive is older than
+   ``keep_alive_interval * keep_alive_max_attempt``, on every read of the state, its own node
+   included; and ``_should_keep_alive`` never beats again for a node that is no longer listed.
+   So after an outage longer than that lapse every running node drops itself at its first read,
+   stops beating, and the next node to arrive finds no participants and forms a rendezvous
+   round of its own beside the running group (which fencing then stops). With the patch a node
+   never expires its own heartbeat, and a node that saw the backend unreachable expires no
+   heartbeat until one lapse after it is back, as etcd renews its leases after a leader change,
+   so the running nodes beat again before anyone judges them.
 3. **Agent store in the workers** (``rendezvous.py``: ``_torchelastic_use_agent_store``,
    ``_create_c10d_store``; ``elastic/agent/server/local_elastic_agent.py``: the workers'
    ``TORCHELASTIC_USE_AGENT_STORE``; optional, worker). With the shared store (plain torchrun
@@ -119,6 +130,7 @@ from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
     RendezvousTimeout,
+    _BackendRendezvousStateHolder,
 )
 from torch.distributed.elastic.rendezvous.utils import (
     _matches_machine_hostname,
@@ -194,25 +206,89 @@ def _check_outage_patch() -> str | None:
         return "DynamicRendezvousHandler no longer keeps its settings in self._settings"
     if not isinstance(inspect.getattr_static(RendezvousTimeout, "join", None), property):
         return "RendezvousTimeout.join is gone"
+    init = inspect.unwrap(DynamicRendezvousHandler.__init__)
+    for name in ("_state_holder", "_this_node"):
+        if not _mentions_name(init, name):
+            return f"DynamicRendezvousHandler no longer keeps self.{name}"
+    holder = _BackendRendezvousStateHolder
+    for name in ("sync", "_sanitize"):
+        fn = getattr(holder, name, None)
+        if fn is None or list(inspect.signature(fn).parameters) != ["self"]:
+            return f"_BackendRendezvousStateHolder.{name}(self) is gone or takes other arguments"
+    if not all(_mentions_name(inspect.unwrap(holder._sanitize), n)
+               for n in ("_state", "last_heartbeats", "_dead_nodes")):
+        return "_BackendRendezvousStateHolder._sanitize no longer expires self._state.last_heartbeats"
     return None
 
 
-def apply_rendezvous_fixes(cls: type = DynamicRendezvousHandler) -> bool:
-    """Patch ``cls`` (torch's ``DynamicRendezvousHandler``; a subclass in tests) in this process
-    with the outage tolerance of fix 2 (idempotent). Returns False, without patching, when the
-    methods no longer look as expected (:func:`check_torch` has said so)."""
+def apply_rendezvous_fixes(cls: type = DynamicRendezvousHandler,
+                           holder: type = _BackendRendezvousStateHolder) -> bool:
+    """Patch ``cls`` (torch's ``DynamicRendezvousHandler``; a subclass in tests) and ``holder``
+    (its state holder class) in this process with the outage tolerance of fix 2 (idempotent).
+    Returns False, without patching, when the methods no longer look as expected
+    (:func:`check_torch` has said so)."""
     if getattr(cls.__dict__.get("next_rendezvous"), _MARK, False):
         return True
     if _check_outage_patch() is not None:
         return False
     cls.next_rendezvous = _retry_until_join_timeout(cls.next_rendezvous)  # type: ignore
     cls.num_nodes_waiting = _tolerate_outage(cls.num_nodes_waiting)  # type: ignore
+    if not getattr(holder.__dict__.get("sync"), _MARK, False):
+        holder.sync = _grace_after_outage(holder.sync)  # type: ignore
+        holder._sanitize = _spare_own_heartbeat(holder._sanitize)  # type: ignore
     return True
+
+
+_GRACE_UNTIL = "_elastic_runner_grace_until"  # monotonic s; inf while the backend is unreachable
+_OWN_NODE = "_elastic_runner_node"
+
+
+def _grace_after_outage(sync: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """``sync`` that starts a grace period when the backend answers again: while it lasts
+    (one keep-alive lapse) ``_sanitize`` expires nobody, so the nodes that could not beat during
+    the outage beat again before they are judged."""
+    @functools.wraps(sync)
+    def wrapper(self: Any) -> Any:
+        try:
+            result = sync(self)
+        except RendezvousConnectionError:
+            setattr(self, _GRACE_UNTIL, float("inf"))
+            raise
+        if getattr(self, _GRACE_UNTIL, 0.0) == float("inf"):
+            lapse = self._settings.keep_alive_interval * self._settings.keep_alive_max_attempt
+            setattr(self, _GRACE_UNTIL, time.monotonic() + lapse.total_seconds())
+            log.warning("rendezvous backend reachable again: no node's keep-alive expires for "
+                        "%.0f s, so the running nodes beat again first", lapse.total_seconds())
+        return result
+
+    setattr(wrapper, _MARK, True)
+    return wrapper
+
+
+def _spare_own_heartbeat(sanitize: Callable[[Any], None]) -> Callable[[Any], None]:
+    """``_sanitize`` that expires nobody during the grace after an outage and never expires
+    this process's own node (which is alive: it is running this code)."""
+    @functools.wraps(sanitize)
+    def wrapper(self: Any) -> None:
+        if time.monotonic() < getattr(self, _GRACE_UNTIL, 0.0):
+            self._dead_nodes = []
+            return
+        beats = self._state.last_heartbeats
+        node = getattr(self, _OWN_NODE, None)
+        own = beats.pop(node, None) if node is not None else None
+        try:
+            sanitize(self)
+        finally:
+            if own is not None:
+                beats[node] = own
+
+    return wrapper
 
 
 def _retry_until_join_timeout(next_rendezvous: Callable[[Any], Any]) -> Callable[[Any], Any]:
     @functools.wraps(next_rendezvous)
     def wrapper(self: DynamicRendezvousHandler) -> Any:
+        setattr(self._state_holder, _OWN_NODE, self._this_node)
         deadline = time.monotonic() + self._settings.timeout.join.total_seconds()
         while True:
             try:

@@ -5,20 +5,28 @@ errors (unreachable, v2 API disabled, TLS)."""
 from __future__ import annotations
 
 import json
+import pickle
 import re
 import sys
+import threading
 import time
 import urllib.request
 import uuid
+from datetime import datetime, timedelta, timezone
 
 import pytest
-from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous import RendezvousParameters, dynamic_rendezvous
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+    DynamicRendezvousHandler,
+    RendezvousTimeout,
+)
 from torch.distributed.elastic.rendezvous.etcd_rendezvous import (
     _create_etcd_client as legacy_etcd_client,
 )
 from torch.distributed.elastic.rendezvous.etcd_rendezvous_backend import create_backend
 from torch.distributed.run import config_from_args, get_args_parser
 
+from elastic_runner import compat
 from elastic_runner.cli import build_parser
 from elastic_runner.etcd_check import EtcdCheckError, check_etcd, parse_conf
 from elastic_runner.launch import torchrun_argv
@@ -143,6 +151,83 @@ def test_tls_options_reach_torchs_etcd_client(etcd_server, monkeypatch):
         check_etcd(s.endpoint, parse_conf(f"protocol=https,cacert={s.ca_file}"))
     with pytest.raises(EtcdCheckError, match=rf"etcd at {s.endpoint} expects HTTPS"):
         check_etcd(s.endpoint, {})
+
+
+# --- the rendezvous state across an etcd outage (torch's handler, compat's fix 2) ---
+
+KEEP_ALIVE_S, KEEP_ALIVE_ATTEMPTS = 0.5, 2  # torch's handler: dead after 1 s without a beat
+
+
+@pytest.fixture
+def patched_handler(monkeypatch):
+    """torch's ``DynamicRendezvousHandler`` with compat's fix 2, on subclasses (the real classes
+    stay as torch made them for the other tests)."""
+    class Holder(dynamic_rendezvous._BackendRendezvousStateHolder):
+        pass
+
+    class Handler(DynamicRendezvousHandler):
+        pass
+
+    assert compat.apply_rendezvous_fixes(Handler, Holder)
+    monkeypatch.setattr(dynamic_rendezvous, "_BackendRendezvousStateHolder", Holder)
+    monkeypatch.setattr(compat, "_RETRY_S", 0.2)
+    monkeypatch.setenv(compat.SHARE_STORE_SWITCH, "1")
+    return Handler
+
+
+def _handler(cls, etcd_server, run_id: str, addr: str):
+    backend, store = create_backend(RendezvousParameters("etcd-v2", etcd_server.endpoint,
+                                                         run_id, 1, 2))
+    timeout = RendezvousTimeout(join=timedelta(seconds=60), last_call=timedelta(seconds=0.5),
+                                heartbeat=timedelta(seconds=2))
+    return cls.from_backend(run_id, store, backend, 1, 2, local_addr=addr, timeout=timeout,
+                            keep_alive_interval=KEEP_ALIVE_S,
+                            keep_alive_max_attempt=KEEP_ALIVE_ATTEMPTS), backend
+
+
+def _beat_after(backend, node, moment: datetime) -> bool:
+    """Whether the state in etcd holds a keep-alive of ``node`` written after ``moment``."""
+    beat = pickle.loads(backend.get_state()[0]).last_heartbeats.get(node)
+    return beat is not None and beat > moment
+
+
+@pytest.mark.parametrize("newcomer", ["after", "during"])
+def test_a_node_that_outlived_an_etcd_outage_stays_in_its_rendezvous(patched_handler,
+                                                                     etcd_server, newcomer):
+    """etcd down for 3x the keep-alive lapse. Torch's handler then drops every running node at
+    its first read (its own included) and stops beating, so a node arriving next forms a round of
+    its own beside the running group (seen in the soak: the running group was fenced out). With
+    fix 2 the running node beats again, and a node arriving after the outage, or retrying through
+    it, waits for the running node's next round instead."""
+    run_id = f"outage-{uuid.uuid4().hex[:8]}"
+    running, backend = _handler(patched_handler, etcd_server, run_id, "node-a")
+    first = running.next_rendezvous()
+    assert (first.rank, first.world_size) == (0, 1)
+    assert _beat_after(backend, running._this_node, datetime.now(timezone.utc) - timedelta(1))
+
+    results: list = []
+    arrival = threading.Thread(target=lambda: results.append(joiner.next_rendezvous()),
+                               daemon=True)
+    joiner, _ = _handler(patched_handler, etcd_server, run_id, "node-b")  # its client needs etcd
+    etcd_server.stop()
+    if newcomer == "during":
+        arrival.start()  # retries every _RETRY_S until etcd answers
+    time.sleep(3 * KEEP_ALIVE_S * KEEP_ALIVE_ATTEMPTS)  # the fault: the outage's length
+    back = datetime.now(timezone.utc)
+    etcd_server.start()
+    if newcomer == "after":
+        wait_until(lambda: _beat_after(backend, running._this_node, back), 15,
+                   "the running node's keep-alive after the outage")
+        arrival.start()
+    wait_until(lambda: running.num_nodes_waiting() == 1, 15,
+               "the newcomer to wait for the running node's round")
+    assert not results, f"the newcomer formed a round of its own: {results}"
+    second = running.next_rendezvous()
+    arrival.join(timeout=30)
+    assert second.world_size == 2 and [r.world_size for r in results] == [2]
+    assert sorted([second.rank, results[0].rank]) == [0, 1]
+    for handler in (running, joiner):
+        handler.shutdown()
 
 
 # --- end to end: real agents and workers (gloo on CPU) ---
