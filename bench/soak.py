@@ -103,6 +103,7 @@ PREEMPTED = 143  # a node's agent after SIGTERM, or after its node left in place
 LEAVES = ("node-kill", "node-preempt", "worker-sigterm")  # --min-nodes 1: a node leaves
 REJOIN_S = 12.0  # seconds a node that left may take to start again and join (2 cores)
 NODES = ("a", "b")
+FULL_GLOBAL_BATCH = 128  # 2 nodes x 2 ranks x micro-batch 16 x accumulation 2 (digits.yaml)
 WORLD = 4  # 2 nodes x 2 workers
 # as in tests/test_multinode.py: a lost node is declared dead after 1 s x 8 missed keep-alives
 RDZV_CONF = "last_call_timeout=4,join_timeout=300,keep_alive_interval=1,keep_alive_max_attempt=8"
@@ -354,12 +355,18 @@ class Cluster:
                    f"recovery.heartbeat_timeout_seconds={s.heartbeat_timeout_s}",
                    "recovery.spare_delay_seconds=2",
                    "watchdog.long_op_timeout_seconds=300", "watchdog.dump_grace_seconds=1",
-                   f"faults.trigger_file={self.trigger}", *EXACT_DDP, *self.extra,
+                   f"faults.trigger_file={self.trigger}", *EXACT_DDP, *self.constant_batch(),
+                   *self.extra,
                    "--nnodes", f"{s.min_nodes}:{len(NODES)}", "--nproc-per-node", "2",
                    "--rdzv-backend", "etcd-v2",
                    "--rdzv-endpoint", self.etcd.endpoint, "--rdzv-id", self.rdzv_id,
                    "--rdzv-conf", RDZV_CONF, "--max-restarts", "10000",
                    "--monitor-interval", "0.2", "--trace-samples", str(self.trace_dir))
+
+    def constant_batch(self) -> list[str]:
+        """``--min-nodes 1``: the global batch of the full world (4 ranks x 16 x 2), so that a
+        world of 2 accumulates 4 micro-batches instead of halving it."""
+        return [f"batch.global_batch_size={FULL_GLOBAL_BATCH}"] if self.elastic else []
 
     def start(self, name: str) -> None:
         self.killed.discard(name)

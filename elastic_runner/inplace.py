@@ -392,10 +392,13 @@ class InPlaceRecovery:
         """
         if not self.multi_node:
             return
+        # each rank's node from the view, the one record every process reads the same way;
+        # read before the all-gather: the announcer (members[0]) writes the next view once its
+        # all-gather returns, which a slower rank's could not have yet (seen: a joined rank
+        # read the announced view, which no longer held its node)
+        view = read_view(self.store, self.key)
         everyone: list[Any] = [None] * trainer.info.world_size
         dist.all_gather_object(everyone, trainer.preempt.requested)
-        # each rank's node from the view, the one record every process reads the same way
-        view = read_view(self.store, self.key)
         leaving = sorted({view.node_of(r) for r, asked in enumerate(everyone) if asked})
         if not leaving:  # the vote stopped for a node that asks to join
             self._take_in(trainer)

@@ -277,11 +277,13 @@ class InPlaceAgent(LocalElasticAgent):
         self._kill_hung(pc)
         codes = {lr: h.proc.poll() for lr, h in pc.subprocess_handlers.items()}
         failed = {lr: c for lr, c in codes.items() if c not in (None, 0)}
+        # a node that left is not a member: a worker of it that failed on the way out (any
+        # code) has no rank to be replaced into
+        if failed and (reason := self._departed()) is not None:
+            return self._leave(worker_group, reason)
         if failed and self._replaceable(codes, failed):
             self._replace(worker_group, pc, failed)
             return RunResult(state=WorkerState.HEALTHY)
-        if failed and (reason := self._departed()) is not None:
-            return self._leave(worker_group, reason)
         if failed and self._joining is not None:  # not in the group yet: this node restarts
             return super()._monitor_workers(worker_group)
         if failed:  # torch's restart path: release survivors (on every node) waiting for an
