@@ -524,8 +524,9 @@ def fault_node_kill(c: Cluster, f: Fault) -> dict[str, Any]:
 
 def fault_node_preempt(c: Cluster, f: Fault) -> dict[str, Any]:
     """SIGTERM to a node's agent (a pod eviction): its workers leave at the next step boundary
-    and the other node goes on at the smaller world size (in place; the restart path when the
-    node hosts the recovery store); its agent exits 143; :func:`restore` starts it again."""
+    and the other node goes on at the smaller world size in place (when the node hosts the
+    recovery store, the store moves to the other node's agent with the departure); its agent
+    exits 143; :func:`restore` starts it again."""
     c.worker(f.rank)
     job = c.nodes[f.node]
     last, t = _last_step(c)

@@ -51,6 +51,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
@@ -60,6 +61,7 @@ from .config import ConfigError
 from .dist import is_peer_failure
 from .fencing import FencedOut
 from .group_sockets import GroupSockets, NoSockets
+from .heartbeat import HEARTBEAT_ENV
 from .membership import (
     MIN_NODES_ENV,
     THREAD_STORE_TIMEOUT_S,
@@ -69,11 +71,12 @@ from .membership import (
     answered_joins,
     joins_waiting,
     pending_joins,
+    raise_counter,
     read_view,
     refuse_joins,
 )
 from .preempt import Preempted
-from .recovery_store import StoreLocation, connect
+from .recovery_store import StoreLocation, connect, told
 
 if TYPE_CHECKING:
     from .loop import Trainer
@@ -273,12 +276,18 @@ class InPlaceRecovery:
             ``detect_timeout_s`` (the caller re-raises ``error``).
         """
         t0 = time.perf_counter()
-        try:
-            announced = self._wait_generation(self.generation + 1, self.detect_timeout_s)
-        except (RuntimeError, dist.DistError) as e:  # the store itself is gone
-            log.error("in-place recovery: the recovery store (%s) is unreachable (%s): taking "
-                      "the restart path", self.location.describe(), _first_line(e))
-            return None
+        deadline = time.monotonic() + self.detect_timeout_s
+        while True:
+            try:
+                announced = self._wait_generation(self.generation + 1,
+                                                  deadline - time.monotonic())
+                break
+            except (RuntimeError, dist.DistError) as e:  # the store itself is gone
+                if not self._follow_agent(deadline):
+                    log.error("in-place recovery: the recovery store (%s) is unreachable (%s): "
+                              "taking the restart path", self.location.describe(),
+                              _first_line(e))
+                    return None
         if announced is None:
             if not is_peer_failure(error):  # this rank's own error: its agent replaces it
                 return None
@@ -339,6 +348,8 @@ class InPlaceRecovery:
             Regroup: as this rank's new number in the smaller group.
         """
         generation = self.generation + 1
+        if announced.get("store") and self.node not in announced["departed"]:
+            self._switch(announced["store"])
         if self.node in announced["departed"]:
             raise FencedOut(f"node {self.node} was declared lost in generation {generation} "
                             f"({announced['reason']}: no heartbeat within "
@@ -409,12 +420,15 @@ class InPlaceRecovery:
                 log.warning("membership: node(s) %s preempted, but the rest may not go on (%s): "
                             "every node stops", leaving, why)
             return
-        announced = [0]
+        announced: list[Any] = [0, ""]
         if trainer.info.rank == members[0]:
-            done = announce_departure(self.store, self.key, view, leaving, "preempted")
-            announced[0] = done[0] if done is not None else 0
+            done = announce_departure(self.store, self.key, view, leaving, "preempted",
+                                      self._client)
+            if done is not None:
+                moved = done[1].store_node != view.store_node
+                announced = [done[0], done[1].stores[done[1].store_node] if moved else ""]
         dist.broadcast_object_list(announced, src=members[0])
-        generation = announced[0]
+        generation, store = announced
         if generation == 0:  # another process announced these departures: not expected
             return
         step = trainer.state.step
@@ -424,6 +438,8 @@ class InPlaceRecovery:
             raise Preempted(f"node {self.node} preempted: it left the job after step {step}; "
                             f"the others go on at world size {len(members)} (generation "
                             f"{generation})")
+        if store:  # this node's host left: the group forms in the store that took over
+            self._switch(store)
         log.warning("membership: node(s) %s preempted after step %d; generation %d goes on at "
                     "world size %d, this rank %d -> %d", leaving, step, generation,
                     len(members), trainer.info.rank, members.index(trainer.info.rank))
@@ -473,7 +489,9 @@ class InPlaceRecovery:
             log.error("membership: %s: they stay out", why)
             refuse_joins(self.store, self.key, requests, why)
             return [0, trainer.info.world_size, []]
-        generation, new = announce_join(self.store, self.key, view, joining, max(requests))
+        generation, new = announce_join(self.store, self.key, view, joining, max(requests),
+                                        {r["node"]: r.get("store", "") for r in requests.values()
+                                         if r.get("store")})
         return [generation, new.world_size, sorted(joining)]
 
     def _regroup(self, trainer: Trainer, rank: int, world_size: int, generation: int,
@@ -510,6 +528,39 @@ class InPlaceRecovery:
         """No agent replaces anyone in place in this attempt any more: torch's restart path."""
         with contextlib.suppress(RuntimeError, dist.DistError):
             self.store.set(self.key("restart"), json.dumps({"restart": True}))
+
+    def _client(self, endpoint: str) -> dist.Store:
+        """A client of the store at ``endpoint`` (``host:port``)."""
+        return connect(self.location.at(endpoint, self.prefix), self.join_timeout_s)
+
+    def _switch(self, endpoint: str) -> None:
+        """The recovery store moved to ``endpoint``: this process uses it from now on (its
+        :class:`GenerationWatch` follows)."""
+        if endpoint != self.location.endpoint:
+            self.store = self._client(endpoint)
+            self.location = self.location.at(endpoint, self.prefix)
+            log.info("the recovery store moved to %s", endpoint)
+
+    def _follow_agent(self, deadline: float) -> bool:
+        """The recovery store does not answer: wait (until the monotonic ``deadline``) for
+        this node's agent to name the store that took over (etcd: the agents move it when its
+        host died; :data:`~elastic_runner.recovery_store.STORE_FILE`). Returns whether it
+        did: this process then uses it, and raises the generation counter to its own
+        generation so no announcement there reuses a number."""
+        directory = os.environ.get(HEARTBEAT_ENV)
+        if self.location.kind != "node0" or not directory:
+            return False
+        dead = self.location.endpoint
+        while time.monotonic() < deadline:
+            location = told(Path(directory))
+            if location is not None and location.endpoint != dead:
+                self._switch(location.endpoint)
+                raise_counter(self.store, self.key("generations"), self.generation)
+                log.warning("in-place recovery: the recovery store at %s does not answer; "
+                            "this node's agent moved it to %s", dead, location.endpoint)
+                return True
+            time.sleep(0.01)
+        return False
 
     def _form_group(self, rank: int, world_size: int, generation: int) -> None:
         """Create generation ``generation``'s group (or a newer one's, see
@@ -597,10 +648,14 @@ class GenerationWatch:
 
     def _run(self) -> None:
         recovery = self.recovery
+        endpoint = recovery.location.endpoint
         while not self._stop.wait(self.interval_s):
             epoch = recovery.sockets.epoch  # before the generation: see GroupSockets.cut
             keys = [recovery.key("gen", recovery.generation + 1), recovery.key("restart")]
             try:
+                if recovery.location.endpoint != endpoint:  # the recovery store moved
+                    endpoint = recovery.location.endpoint
+                    self._store = connect(recovery.location, THREAD_STORE_TIMEOUT_S)
                 announced = any(self._store.check([k]) for k in keys)
                 recovery.join_waiting = joins_waiting(self._store, recovery.key)
             except (RuntimeError, dist.DistError):  # store unreachable (partitioned): wait

@@ -36,6 +36,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import tempfile
 import time
@@ -68,9 +69,16 @@ from .membership import (
     read_view,
     register,
     request_join,
+    seed,
 )
 from .preempt import EXIT_PREEMPTED
-from .recovery_store import StoreLocation, agree_attempt, connect
+from .recovery_store import (
+    StoreLocation,
+    agree_attempt,
+    claim_successor,
+    connect,
+    tell_workers,
+)
 from .watchdog import EXIT_HANG
 
 log = logging.getLogger(__name__)
@@ -168,10 +176,20 @@ class InPlaceAgent(LocalElasticAgent):
         self._built_since: float | None = None  # when the workers reported the task built
         self._joining: _Join | None = None  # this node joins a running attempt
         self._healthy = False  # the last look found the group healthy
+        self._view: View | None = None  # the membership as last read (etcd: whom to move to)
         self.left_the_job = False  # this node left in place: no restart (compat's budget)
 
     def _key(self, *parts: object) -> str:
         return "/".join([self._prefix, *map(str, parts)])
+
+    @property
+    def _own_store(self) -> str:
+        """The ``host:port`` of the store this agent hosts (etcd; empty: none), at the address
+        torch advertises for this node (``--local-addr``, else its host name)."""
+        if self._hosted is None or self._location.kind != "node0":
+            return ""
+        host = self._worker_group.spec.local_addr or socket.getfqdn(socket.gethostname())
+        return f"{host}:{self._hosted.port}"
 
     @property
     def _recovery_store(self) -> dist.Store:
@@ -182,12 +200,10 @@ class InPlaceAgent(LocalElasticAgent):
     def _agree(self, worker_group: WorkerGroup, running: tuple[str, str] | None = None
                ) -> bool:
         """Several nodes: this round's key prefix and store endpoint, as node rank 0 says
-        (``node0``: its own hosted store at the address its workers' MASTER_ADDR names), or
+        (``node0``: the store it hosts, at the address torch advertises for its node), or
         the attempt that some node's workers still run (``running``: this node's). Returns
         whether the attempt was running (this round lets nodes join it)."""
-        offer = self._location.endpoint
-        if self._hosted is not None and self._location.kind == "node0":
-            offer = f"{worker_group.master_addr}:{self._hosted.port}"
+        offer = self._own_store or self._location.endpoint
         attempt = agree_attempt(worker_group.store, worker_group.group_rank or 0,
                                 worker_group.group_world_size or 1, self._location.run_id,
                                 offer, running)
@@ -206,6 +222,7 @@ class InPlaceAgent(LocalElasticAgent):
         else:  # the same prefix on every node, new every rendezvous round (unless running)
             joining = self._agree(worker_group)
         self._generation, self._grow, self._built_since, self._joining = 0, None, None, None
+        self._view = None  # the previous attempt's membership says nothing about this one
         self._heartbeats.mkdir(parents=True, exist_ok=True)
         for beat in self._heartbeats.iterdir():  # the previous attempt's workers
             beat.unlink(missing_ok=True)
@@ -253,6 +270,7 @@ class InPlaceAgent(LocalElasticAgent):
             super()._shutdown(*args, **kwargs)
         finally:
             self._beat.close()
+        self._wait_for_followers()  # this node left, and the store it hosts moved on
         shutil.rmtree(self._heartbeats, ignore_errors=True)
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
@@ -323,7 +341,10 @@ class InPlaceAgent(LocalElasticAgent):
         hosts = self._node == 0 if self._location.kind == "node0" else self._hosts_store
         register(self._recovery_store, self._key, self._node,
                  [w.global_rank for w in worker_group.workers], hosts,
-                 None if joined else worker_group.group_world_size or 1)
+                 None if joined else worker_group.group_world_size or 1, self._own_store)
+        log.info("membership: node %d registered with rank(s) %s%s", self._node,
+                 [w.global_rank for w in worker_group.workers],
+                 f"; it hosts the recovery store ({self._location.describe()})" if hosts else "")
         if self._cfg.node_timeout_seconds is not None:
             self._watch = NodeWatch(self._recovery_store, self._key, self._node,
                                     self._cfg.node_timeout_seconds)
@@ -331,7 +352,8 @@ class InPlaceAgent(LocalElasticAgent):
                                   self._key, self._node).start()
 
     def _current_view(self) -> View:
-        return read_view(self._recovery_store, self._key)
+        self._view = read_view(self._recovery_store, self._key)
+        return self._view
 
     # ------------------------------------------------------------ joins
 
@@ -387,7 +409,7 @@ class InPlaceAgent(LocalElasticAgent):
             if all(store.check([self._key("spare", join.spare(lr), "ready")])
                    for lr in pc.subprocess_handlers):
                 join.request = request_join(store, self._key, join.node,
-                                            len(pc.subprocess_handlers))
+                                            len(pc.subprocess_handlers), self._own_store)
                 log.info("membership: node %d ready to join (request %d)", join.node,
                          join.request)
             return RunResult(state=WorkerState.HEALTHY)
@@ -422,8 +444,15 @@ class InPlaceAgent(LocalElasticAgent):
         not go on (:class:`~elastic_runner.membership.Policy`)."""
         if self._watch is None or not self._watch.due():
             return
-        view = self._current_view()
+        try:
+            view = self._current_view()
+        except (RuntimeError, dist.DistError) as e:  # the store's host is gone (etcd: move)
+            self._fail_over(e)
+            return
         if self._node in view.departed:  # cut off and left behind: its workers are fenced out
+            return
+        if view.stores.get(view.store_node, self._location.endpoint) != self._location.endpoint:
+            self._move(view.stores[view.store_node], view, "its host left")
             return
         lost = self._watch.lost(n for n in view.nodes if n not in view.departed)
         if not lost or self._restart_asked():
@@ -436,13 +465,83 @@ class InPlaceAgent(LocalElasticAgent):
                       silent, why)
             self._recovery_store.set(self._key("restart"), json.dumps({"restart": True}))
             return
-        done = announce_departure(self._recovery_store, self._key, view, sorted(lost), "lost")
+        done = announce_departure(self._recovery_store, self._key, view, sorted(lost), "lost",
+                                  self._connect)
         if done is not None:
             generation, new, _ = done
             log.warning("membership: node(s) %s lost: no heartbeat for %.1f s "
                         "(recovery.node_timeout_seconds=%g); generation %d goes on without "
                         "them at world size %d", sorted(lost), silent,
                         self._cfg.node_timeout_seconds, generation, new.world_size)
+
+    def _connect(self, endpoint: str) -> dist.Store:
+        """A client of the store at ``endpoint`` (this agent's own: the server itself)."""
+        if endpoint == self._own_store and self._hosted is not None:
+            return self._hosted
+        return connect(self._location.at(endpoint, ""), self._cfg.join_timeout_seconds)
+
+    def _fail_over(self, error: BaseException) -> None:
+        """The recovery store does not answer (etcd rendezvous): its host died. Move to the
+        successor of the view last read, as claimed in etcd (:func:`claim_successor
+        <elastic_runner.recovery_store.claim_successor>`), seeded from that view. Without a
+        successor (c10d), or with etcd unreachable too (this node is cut off), nothing moves:
+        the workers' failed collectives take torch's restart path."""
+        view, dead = self._view, self._location.endpoint
+        successor = view.successor() if view is not None else None
+        if view is None or successor is None:
+            log.debug("recovery store unavailable: %s", error)
+            return
+        try:
+            chosen = claim_successor(self._worker_group.store, self._prefix, dead,
+                                     view.stores[successor], THREAD_STORE_TIMEOUT_S)
+        except Exception as e:  # noqa: BLE001 - etcd's client raises its own types
+            log.error("the recovery store (%s) is unreachable (%s), and so is the rendezvous "
+                      "backend (%s): not moving it", self._location.describe(),
+                      _first_line(error), _first_line(e))
+            return
+        node = next((n for n, e in view.stores.items() if e == chosen), successor)
+        self._move(chosen, view.moved_to(node), f"it does not answer ({_first_line(error)})")
+
+    def _move(self, endpoint: str, view: View, why: str) -> None:
+        """Follow the recovery store to ``endpoint`` (``view``: the membership there, seeded
+        unless present): acknowledge in the old store (its leaving host waits for that), seed
+        the new one, tell this node's workers and spares, and beat and watch there."""
+        old = self._location.describe()
+        with contextlib.suppress(RuntimeError, dist.DistError):
+            self._recovery_store.set(self._key("moved", self._node), endpoint)
+        store = self._connect(endpoint)
+        seed(store, self._key, view, max(self._generation, view.generation))
+        self._rstore, self._location = store, self._location.at(endpoint, "")
+        self._view = view
+        tell_workers(self._heartbeats, self._location.at(endpoint, self._prefix))
+        self._drop_spare()  # it waits in the old store; the next one starts in the new one
+        self._beat.close()
+        if self._watch is not None:
+            self._watch = NodeWatch(store, self._key, self._node, self._watch.timeout_s)
+            self._beat = NodeBeat(connect(self._location, THREAD_STORE_TIMEOUT_S),
+                                  self._key, self._node).start()
+        log.warning("the recovery store moved from %s to node %d's agent (%s): %s", old,
+                    view.store_node, endpoint, why)
+
+    def _wait_for_followers(self) -> None:
+        """This node leaves and its agent hosts the recovery store that moved to another node:
+        stay until every remaining node's agent has followed (``moved/<n>``), at most
+        ``recovery.node_timeout_seconds``; the workers followed in the announcement."""
+        if self._hosted is None or self._location.endpoint != self._own_store:
+            return
+        try:
+            view = read_view(self._hosted, self._key)
+        except (RuntimeError, dist.DistError):
+            return
+        if view.store_node == self._node:
+            return
+        keys = [self._key("moved", n) for n in view.nodes]
+        deadline = time.monotonic() + (self._cfg.node_timeout_seconds or 10.0)
+        while not self._hosted.check(keys) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        log.info("membership: the recovery store moved to node %d; %s", view.store_node,
+                 "every agent followed" if self._hosted.check(keys) else
+                 "not every agent followed in time")
 
     def _departed(self) -> str | None:
         """Why this node left the group in place (``preempted``, or ``lost``: the others
@@ -469,6 +568,7 @@ class InPlaceAgent(LocalElasticAgent):
             log.warning("membership: this node (%d) was %s and left the job; the others go on "
                         "without it", self._node, reason)
         self._remaining_restarts, self.left_the_job = 0, True
+        self._wait_for_followers()
         leave_rendezvous_open(worker_group.spec.rdzv_handler)
         return super()._monitor_workers(worker_group)
 
@@ -553,7 +653,8 @@ class InPlaceAgent(LocalElasticAgent):
             spare = self._take_spare(pc)
             # GROUP_RANK: this node's id, which a node that joined claimed after its start
             env = {**pc.envs[local_rank], GENERATION_ENV: str(self._generation),
-                   "TORCHELASTIC_RESTART_COUNT": str(attempt), "GROUP_RANK": str(self._node)}
+                   "TORCHELASTIC_RESTART_COUNT": str(attempt), "GROUP_RANK": str(self._node),
+                   ENV: self._location.at(self._location.endpoint, self._prefix).to_json()}
             if view is not None:  # ranks renumbered since the start (a node left)
                 rank = view.nodes[self._node][local_rank]
                 env.update(RANK=str(rank), WORLD_SIZE=str(view.world_size))
@@ -644,3 +745,8 @@ class InPlaceAgent(LocalElasticAgent):
         if spare is not None and spare.proc.poll() is None:
             os.killpg(spare.proc.pid, signal.SIGKILL)
             spare.proc.wait()
+
+
+def _first_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0] if lines else ''}"

@@ -29,6 +29,9 @@ Keys, under the attempt's prefix in the recovery store:
 ``node/<n>/ranks``
     node rank ``n``'s workers' global ranks at the attempt's start, by local rank (its agent
     sets it before starting them).
+``node/<n>/store``
+    etcd rendezvous only: the ``host:port`` of the store node ``n``'s agent hosts, where the
+    recovery store moves when the node hosting it leaves (:meth:`View.successor`).
 ``node/<n>/beat``
     a counter node ``n``'s agent adds to every :attr:`NodeBeat.interval_s` (from a thread).
 ``node/<n>/leaving``
@@ -37,6 +40,9 @@ Keys, under the attempt's prefix in the recovery store:
     the current :class:`View` (JSON), replaced by compare-and-set on every change.
 ``departed/<n>``
     the claim of whoever announces node ``n``'s departure (so it is announced once).
+``moved/<n>``
+    set in the store being left by node ``n``'s agent once it follows the recovery store to
+    its new host (the departing host's agent waits for these before it ends).
 ``node/<n>/claim``
     a joining node's claim of node id ``n`` (:func:`claim_node_id`).
 ``joins``, ``join/<i>``
@@ -49,7 +55,15 @@ Keys, under the attempt's prefix in the recovery store:
 
 The generation announcement itself (``gen/<g>``) is :mod:`elastic_runner.inplace`'s, with
 ``departed`` or ``joined``, ``members`` (the old global ranks that stay, in their new order: new
-rank = index; a joined node's ranks follow them) and ``world_size`` added.
+rank = index; a joined node's ranks follow them) and ``world_size`` added, and ``store`` (the
+new host's ``host:port``) when the recovery store moved with it.
+
+**The node that hosts the store leaves** (etcd rendezvous; with c10d the store is the
+rendezvous' own and leaves with its host, the restart path): the announcer picks the
+successor, the lowest remaining node id (:meth:`View.successor`), seeds that node's store with
+the new view, the departure claims and the generation counter (:func:`seed`), and only then
+publishes the departure in the old store, naming the new one; every process follows from
+there (:mod:`elastic_runner.inplace_agent`).
 """
 
 from __future__ import annotations
@@ -59,7 +73,8 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch.distributed as dist
 
@@ -83,18 +98,32 @@ class View:
         generation: the generation that made this view (0: the attempt's start).
         nodes: node rank -> the global ranks of its workers, indexed by local rank.
         departed: node ranks that left during this attempt.
-        store_node: the node whose agent hosts the recovery store (-1: none known): it cannot
-            leave in place, the store goes with it.
+        store_node: the node whose agent hosts the recovery store (-1: none known).
+        stores: node -> the ``host:port`` of the store its agent hosts (etcd rendezvous: every
+            agent hosts one, and the recovery store can move to it); empty with c10d, whose
+            store leaves with its host.
     """
 
     generation: int
     nodes: dict[int, list[int]]
     departed: tuple[int, ...] = ()
-    store_node: int = -1  # the node whose agent hosts the recovery store (-1: unknown)
+    store_node: int = -1
+    stores: dict[int, str] = field(default_factory=dict)
 
     @property
     def world_size(self) -> int:
         return sum(len(ranks) for ranks in self.nodes.values())
+
+    def successor(self, leaving: Iterable[int] = ()) -> int | None:
+        """The node the recovery store moves to when its host leaves (with the nodes
+        ``leaving``): the lowest remaining node id whose agent hosts a store; None when none
+        does (c10d)."""
+        gone = {self.store_node, *leaving}
+        return min((n for n in self.nodes if n not in gone and n in self.stores), default=None)
+
+    def moved_to(self, node: int) -> View:
+        """This view with the recovery store at node ``node``'s agent."""
+        return replace(self, store_node=node)
 
     def node_of(self, rank: int) -> int:
         """The node of global rank ``rank``.
@@ -117,17 +146,20 @@ class View:
         nodes = {n: [renumber[r] for r in ranks] for n, ranks in self.nodes.items()
                  if n not in gone}
         return View(generation, nodes, tuple(sorted({*self.departed, *gone})),
-                    self.store_node), members
+                    self.store_node, self.stores), members
 
-    def with_nodes(self, joining: dict[int, int], generation: int) -> View:
+    def with_nodes(self, joining: dict[int, int], generation: int,
+                   stores: dict[int, str] | None = None) -> View:
         """The view once the nodes ``joining`` (node id -> its number of workers) joined in
-        ``generation``: their ranks follow the existing ones, in node id order."""
+        ``generation``: their ranks follow the existing ones, in node id order; ``stores``:
+        the stores their agents host (etcd)."""
         nodes = {n: list(r) for n, r in self.nodes.items()}
         rank = self.world_size
         for node, nproc in sorted(joining.items()):
             nodes[node] = list(range(rank, rank + nproc))
             rank += nproc
-        return View(generation, nodes, self.departed, self.store_node)
+        return View(generation, nodes, self.departed, self.store_node,
+                    {**self.stores, **(stores or {})})
 
     def ids(self) -> set[int]:
         """Every node id this attempt used (members and departed)."""
@@ -136,21 +168,26 @@ class View:
     def to_json(self) -> str:
         return json.dumps({"generation": self.generation, "departed": list(self.departed),
                            "store_node": self.store_node,
-                           "nodes": {str(n): r for n, r in sorted(self.nodes.items())}},
+                           "nodes": {str(n): r for n, r in sorted(self.nodes.items())},
+                           "stores": {str(n): e for n, e in sorted(self.stores.items())}},
                           separators=(",", ":"))
 
     @classmethod
     def from_json(cls, text: str | bytes) -> View:
         data = json.loads(text)
         return cls(data["generation"], {int(n): r for n, r in data["nodes"].items()},
-                   tuple(data["departed"]), data["store_node"])
+                   tuple(data["departed"]), data["store_node"],
+                   {int(n): e for n, e in data.get("stores", {}).items()})
 
 
 def register(store: dist.Store, key: Key, node: int, ranks: list[int], hosts_store: bool,
-             nnodes: int | None) -> None:
+             nnodes: int | None, own_store: str = "") -> None:
     """Node ``node``'s agent: its workers' global ``ranks`` (by local rank), before it starts
     them; ``hosts_store``: its process hosts the recovery store; ``nnodes``: the attempt's
-    number of nodes at its start (None: a node that joined later)."""
+    number of nodes at its start (None: a node that joined later); ``own_store``: the
+    ``host:port`` of the store its agent hosts (etcd; empty: none)."""
+    if own_store:
+        store.set(key("node", node, "store"), own_store)
     store.set(key("node", node, "ranks"), json.dumps(ranks))
     if nnodes is not None:
         store.set(key("nnodes"), str(nnodes))
@@ -167,18 +204,28 @@ def read_view(store: dist.Store, key: Key) -> View:
     nnodes = int(store.get(key("nnodes")))
     nodes = {n: json.loads(store.get(key("node", n, "ranks"))) for n in range(nnodes)}
     host = int(store.get(key("store_node"))) if store.check([key("store_node")]) else -1
-    return View(0, nodes, store_node=host)
+    stores = {n: store.get(key("node", n, "store")).decode() for n in nodes
+              if store.check([key("node", n, "store")])}
+    return View(0, nodes, store_node=host, stores=stores)
 
 
 def announce_departure(store: dist.Store, key: Key, view: View, leaving: list[int],
-                       reason: str) -> tuple[int, View, list[int]] | None:
+                       reason: str, connect: Callable[[str], dist.Store] | None = None
+                       ) -> tuple[int, View, list[int]] | None:
     """Announce the generation without the nodes ``leaving`` (``reason``: ``preempted`` or
     ``lost``): claim each node's departure, draw the generation from the job's counter, publish
-    the view, then the announcement the survivors wait for.
+    the view, then the announcement the survivors wait for. When the store's host leaves, the
+    store moves first: its successor's store (reached through ``connect``: ``host:port`` ->
+    a client) gets the new view, the claims and the counter (:func:`seed`), and the
+    announcement names it (``store``).
 
     Returns:
         ``(generation, new view, members)``, or None when another process claimed one of these
         departures first (it announces them).
+
+    Raises:
+        ValueError: the store's host leaves and no remaining node hosts a store (the caller's
+            :class:`Policy` refuses that first).
     """
     me = f"{reason}:{time.time_ns()}"
     for node in leaving:
@@ -186,12 +233,45 @@ def announce_departure(store: dist.Store, key: Key, view: View, leaving: list[in
             return None
     generation = store.add(key("generations"), 1)
     new, members = view.without(leaving, generation)
+    news: dict[str, object] = {}
+    if view.store_node in leaving:
+        successor = view.successor(leaving)
+        if successor is None or connect is None:
+            raise ValueError(f"node {view.store_node} hosts the recovery store and no "
+                             "remaining node hosts one")
+        new = new.moved_to(successor)
+        news["store"] = new.stores[successor]
+        seed(connect(new.stores[successor]), key, new, generation,
+             {n: me for n in leaving})
     store.set(key("view"), new.to_json())
     failed = sorted(r for n in leaving for r in view.nodes.get(n, []))
     store.set(key("gen", generation), json.dumps({
         "departed": leaving, "failed": failed, "members": members,
-        "world_size": len(members), "reason": reason}))
+        "world_size": len(members), "reason": reason, **news}))
     return generation, new, members
+
+
+def seed(store: dist.Store, key: Key, view: View, generation: int,
+         departed: dict[int, str] | None = None) -> None:
+    """Make ``store`` the attempt's recovery store from here on: the current ``view`` (unless
+    one is there: the first process to seed wins), the generation counter at least
+    ``generation``, and the departure claims ``departed`` (node -> claim). Idempotent: every
+    process that moves seeds, whoever comes first."""
+    raise_counter(store, key("generations"), generation)
+    store.compare_set(key("view"), "", view.to_json())
+    for node, claim in (departed or {}).items():
+        store.compare_set(key("departed", node), "", claim)
+
+
+def raise_counter(store: dist.Store, name: str, value: int) -> int:
+    """Set the counter ``name`` (a key ``Store.add`` counts in) to at least ``value``, by
+    compare-and-set, so two processes raising it at once never add up. Returns its value."""
+    while True:
+        current = store.add(name, 0)
+        if current >= value:
+            return current
+        if store.compare_set(name, str(current), str(value)).decode() == str(value):
+            return value
 
 
 def claim_node_id(store: dist.Store, key: Key, view: View) -> int:
@@ -203,16 +283,20 @@ def claim_node_id(store: dist.Store, key: Key, view: View) -> int:
     return node
 
 
-def request_join(store: dist.Store, key: Key, node: int, nproc: int) -> int:
+def request_join(store: dist.Store, key: Key, node: int, nproc: int, own_store: str = ""
+                 ) -> int:
     """A joining node's agent, once its ``nproc`` workers have built the task: ask the running
-    group to take it in at its next step boundary. Returns the request's number (1, 2, ...)."""
+    group to take it in at its next step boundary (``own_store``: the ``host:port`` of the
+    store its agent hosts, etcd). Returns the request's number (1, 2, ...)."""
     number = store.add(key("joins"), 1)
-    store.set(key("join", number), json.dumps({"node": node, "nproc": nproc}))
+    store.set(key("join", number), json.dumps({"node": node, "nproc": nproc,
+                                               "store": own_store}))
     return number
 
 
-def pending_joins(store: dist.Store, key: Key, admitted: int) -> dict[int, dict[str, int]]:
-    """The join requests after number ``admitted``: number -> ``{"node", "nproc"}``."""
+def pending_joins(store: dist.Store, key: Key, admitted: int) -> dict[int, dict[str, Any]]:
+    """The join requests after number ``admitted``: number -> ``{"node", "nproc", "store"}``.
+    """
     posted = store.add(key("joins"), 0)
     return {n: json.loads(store.get(key("join", n))) for n in range(admitted + 1, posted + 1)}
 
@@ -240,17 +324,17 @@ def refuse_joins(store: dist.Store, key: Key, requests: Iterable[int], why: str)
 
 
 def announce_join(store: dist.Store, key: Key, view: View, joining: dict[int, int],
-                  admitted: int) -> tuple[int, View]:
+                  admitted: int, stores: dict[int, str] | None = None) -> tuple[int, View]:
     """Announce the generation with the nodes ``joining`` (node id -> workers) added after the
-    members, every member keeping its rank; ``admitted``: the last join request it answers.
-    Each joining node's agent finds its generation, ranks and the world size in
-    ``admitted/<node>``.
+    members, every member keeping its rank; ``admitted``: the last join request it answers;
+    ``stores``: the stores the joining nodes' agents host (etcd). Each joining node's agent
+    finds its generation, ranks and the world size in ``admitted/<node>``.
 
     Returns:
         ``(generation, new view)``.
     """
     generation = store.add(key("generations"), 1)
-    new = view.with_nodes(joining, generation)
+    new = view.with_nodes(joining, generation, stores)
     store.set(key("view"), new.to_json())
     store.set(key("joins_admitted"), str(admitted))
     members = list(range(view.world_size))
@@ -293,9 +377,9 @@ class Policy:
         """Why the group of ``view`` may not go on without the nodes ``leaving`` (None: it
         may)."""
         gone = set(leaving)
-        if view.store_node in gone:
+        if view.store_node in gone and view.successor(gone) is None:
             return (f"node {view.store_node} hosts the recovery store (the c10d rendezvous "
-                    "host, or node rank 0 with etcd): the store leaves with it")
+                    "host), and no remaining node can take it over: the store leaves with it")
         nodes = len([n for n in view.nodes if n not in gone])
         world_size = sum(len(r) for n, r in view.nodes.items() if n not in gone)
         if nodes < self.min_nodes:

@@ -9,13 +9,23 @@ its generation/assignment protocol and the process groups of every generation in
   the rendezvous host (the ``--rdzv-endpoint`` node, ``is_host``); agents and workers on every
   node connect to it as clients (``c10d``). When that node is lost the store is gone with it,
   and so is the rendezvous: the job takes torch's restart path;
-* **several nodes, etcd rendezvous** (``etcd-v2`` or ``etcd``): a ``TCPStore`` that the agent
-  of node rank 0 hosts (``node0``), at the address its workers' ``MASTER_ADDR`` names. Not
-  etcd itself: the process groups of every generation live in the recovery store, and a
-  process group touches its store while it trains, so groups in etcd stopped training when
-  etcd did (seen: "No more machines in the cluster" in a step during an etcd outage, where
-  the restart path trains on). Losing node 0 is a lost node (a membership change), which
-  takes the restart path with either backend.
+* **several nodes, etcd rendezvous** (``etcd-v2`` or ``etcd``): a ``TCPStore`` in an agent
+  (``node0``). Every agent hosts one; the attempt starts on node rank 0's, at the address its
+  workers' ``MASTER_ADDR`` names, and no node is special: when the node whose store is in use
+  leaves, the store moves to the lowest remaining node id's agent
+  (:meth:`~elastic_runner.membership.View.successor`). A preempted host is alive while its
+  workers leave: the departure's announcer seeds the successor's store and names it in the
+  announcement (:func:`~elastic_runner.membership.announce_departure`), and the host's agent
+  waits until every other agent followed. A host that died without a word: each surviving
+  agent finds the store unreachable, claims the successor through the rendezvous round's
+  store in etcd (:func:`claim_successor`: every agent moves to the same one, and a node cut
+  off from etcd too does not move at all), seeds it from the view it last read, and tells
+  its workers through :data:`STORE_FILE` in its node-local heartbeat directory; the lost
+  host's departure is then announced like any lost node's. Not etcd itself: the process
+  groups of every generation live in the recovery store, and a process group touches its
+  store while it trains, so groups in etcd stopped training when etcd did (seen: "No more
+  machines in the cluster" in a step during an etcd outage, where the restart path trains
+  on).
 
 Every attempt (a rendezvous round that started workers) gets its own key prefix,
 ``elastic_runner/<run id>/<attempt>``: the agent of node rank 0 draws it and publishes it, with
@@ -27,9 +37,11 @@ running attempt keeps that attempt's prefix and store.
 from __future__ import annotations
 
 import json
+import os
 import uuid
 from dataclasses import asdict, dataclass
 from datetime import timedelta
+from pathlib import Path
 
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
@@ -39,6 +51,8 @@ from .etcd_check import ETCD_BACKENDS
 C10D_DEFAULT_PORT = 29400  # torchrun's default c10d rendezvous port
 _PREFIX_KEY = "elastic_runner/recovery_prefix"
 _STATUS_KEY = "elastic_runner/running"  # /<node rank>: that agent's running attempt or null
+_SUCCESSOR_KEY = "elastic_runner/successor"  # /<attempt prefix>/<dead endpoint>[/claims]
+STORE_FILE = "recovery-store.json"  # in the agent's heartbeat directory: the store it moved to
 
 
 @dataclass(frozen=True)
@@ -47,7 +61,8 @@ class StoreLocation:
 
     Attributes:
         kind: ``tcp`` (a TCPStore that this node's agent hosts), ``c10d`` (the c10d
-            rendezvous' TCPStore) or ``node0`` (a TCPStore in node rank 0's agent).
+            rendezvous' TCPStore) or ``node0`` (etcd: a TCPStore in an agent, node rank 0's at
+            the attempt's start; it moves when its node leaves).
         endpoint: ``host:port`` of the store (``node0``: known once the round is).
         prefix: this attempt's keys (set by the agent once the rendezvous round is known).
         run_id: the rendezvous id (``--rdzv-id``).
@@ -89,7 +104,9 @@ class StoreLocation:
         """For log lines: which store, where."""
         return {"tcp": f"this node's agent ({self.endpoint})",
                 "c10d": f"the c10d rendezvous store at {self.endpoint}",
-                "node0": f"node rank 0's agent ({self.endpoint or 'at each rendezvous'})",
+                "node0": (f"the store in an agent at {self.endpoint}" if self.endpoint else
+                          "a store in an agent, node rank 0's at each rendezvous, moving to "
+                          "another node's when its node leaves"),
                 }[self.kind]
 
 
@@ -135,3 +152,38 @@ def agree_attempt(round_store: dist.Store, node_rank: int, nnodes: int, run_id: 
         round_store.set(_PREFIX_KEY, json.dumps([*(going or fresh), going is not None]))
     prefix, agreed, was_running = json.loads(round_store.get(_PREFIX_KEY))
     return Attempt(prefix, agreed, was_running)
+
+
+def claim_successor(round_store: dist.Store, prefix: str, dead: str, proposed: str,
+                    timeout_s: float) -> str:
+    """The store every agent moves to once the recovery store at ``dead`` (``host:port``) is
+    unreachable: the first agent to claim it (an atomic ``add`` in ``round_store``, the
+    rendezvous round's store in etcd) sets its ``proposed`` endpoint; the others read that
+    one (waiting up to ``timeout_s`` seconds for it). Agents that proposed from the same view
+    propose the same node; the claim keeps two that read different views together.
+
+    Raises:
+        RuntimeError, LookupError: etcd unreachable, or no endpoint set within ``timeout_s``
+            (the first claimer died between its claim and the set).
+    """
+    key = f"{_SUCCESSOR_KEY}/{prefix}/{dead}"
+    if round_store.add(f"{key}/claims", 1) == 1:
+        round_store.set(key, proposed)
+    round_store.wait([key], timedelta(seconds=timeout_s))
+    return round_store.get(key).decode()
+
+
+def tell_workers(directory: Path, location: StoreLocation) -> None:
+    """Name the recovery store's new ``location`` to this node's workers: a file in the
+    agent's node-local ``directory`` (written whole, then renamed into place)."""
+    tmp = directory / f".{STORE_FILE}.{os.getpid()}"
+    tmp.write_text(location.to_json())
+    tmp.replace(directory / STORE_FILE)
+
+
+def told(directory: Path) -> StoreLocation | None:
+    """The location the agent last named in ``directory`` (:func:`tell_workers`), or None."""
+    try:
+        return StoreLocation.from_json((directory / STORE_FILE).read_text())
+    except (FileNotFoundError, ValueError, TypeError):
+        return None

@@ -19,9 +19,16 @@ from elastic_runner.membership import (
     announce_join,
     claim_node_id,
     pending_joins,
+    raise_counter,
     read_view,
     register,
     request_join,
+)
+from elastic_runner.recovery_store import (
+    StoreLocation,
+    claim_successor,
+    tell_workers,
+    told,
 )
 
 
@@ -67,6 +74,60 @@ def test_departure_is_announced_once_with_the_new_ranks(store: dist.TCPStore) ->
     assert store.add(key("generations"), 0) == 4
 
 
+def test_the_store_moves_with_its_departing_host_seeded_for_the_survivors(
+        store: dist.TCPStore) -> None:
+    """etcd: node 0 hosts the store and leaves; the announcement names node 1's store, which
+    holds the new view, the departure's claim and the generation counter before the old store
+    says anything."""
+    successor = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                              timeout=timedelta(seconds=5))
+    endpoints = {0: f"127.0.0.1:{store.port}", 1: f"127.0.0.1:{successor.port}", 2: "x:1"}
+    register(store, key, 0, [0, 1], hosts_store=True, nnodes=3, own_store=endpoints[0])
+    register(store, key, 1, [2, 3], hosts_store=False, nnodes=3, own_store=endpoints[1])
+    register(store, key, 2, [4, 5], hosts_store=False, nnodes=3, own_store=endpoints[2])
+    view = read_view(store, key)
+    assert view.stores == endpoints and view.store_node == 0
+    store.add(key("generations"), 5)
+    reached = []
+
+    def connect(endpoint: str) -> dist.Store:
+        reached.append(endpoint)
+        assert not store.check([key("gen", 6)])  # seeded before the announcement
+        return successor
+
+    generation, new, members = announce_departure(store, key, view, [0], "preempted",
+                                                  connect)
+    assert (generation, members, reached) == (6, [2, 3, 4, 5], [endpoints[1]])
+    assert new.store_node == 1 and new.nodes == {1: [0, 1], 2: [2, 3]}
+    assert json.loads(store.get(key("gen", 6)))["store"] == endpoints[1]
+    assert read_view(successor, key) == new == read_view(store, key)
+    assert successor.add(key("generations"), 1) == 7  # the next announcement there
+    assert successor.get(key("departed", 0)) == store.get(key("departed", 0))
+
+
+def test_raise_counter_only_raises(store: dist.TCPStore) -> None:
+    store.add(key("generations"), 4)
+    assert raise_counter(store, key("generations"), 2) == 4
+    assert raise_counter(store, key("generations"), 9) == 9
+    assert store.add(key("generations"), 1) == 10
+    assert raise_counter(store, key("fresh"), 3) == 3
+
+
+def test_agents_that_lost_the_store_agree_on_one_successor(store: dist.TCPStore,
+                                                           tmp_path) -> None:
+    """The first claim sets the successor; an agent that proposed another (it read an older
+    view) moves to the same one; its workers read it from the node's file."""
+    first = claim_successor(store, "job/attempt", "10.0.0.2:4000", "10.0.0.3:4001", 1)
+    second = claim_successor(store, "job/attempt", "10.0.0.2:4000", "10.0.0.4:4002", 1)
+    assert first == second == "10.0.0.3:4001"
+    assert claim_successor(store, "job/attempt", "10.0.0.3:4001", "10.0.0.4:4002",
+                           1) == "10.0.0.4:4002"  # the next host's failure is its own claim
+    assert told(tmp_path) is None
+    location = StoreLocation("node0", first, "job/attempt", "job")
+    tell_workers(tmp_path, location)
+    assert told(tmp_path) == location
+
+
 def test_a_joining_node_gets_a_fresh_id_and_ranks_after_the_members(store: dist.TCPStore
                                                                      ) -> None:
     # node 1 left earlier: ids 0 and 1 are taken, and so is 2 by another newcomer's claim
@@ -78,8 +139,9 @@ def test_a_joining_node_gets_a_fresh_id_and_ranks_after_the_members(store: dist.
     assert pending_joins(store, key, 0) == {}
     assert request_join(store, key, 3, 2) == 1
     assert request_join(store, key, 2, 1) == 2
-    assert pending_joins(store, key, 0) == {1: {"node": 3, "nproc": 2}, 2: {"node": 2, "nproc": 1}}
-    assert pending_joins(store, key, 1) == {2: {"node": 2, "nproc": 1}}
+    assert pending_joins(store, key, 0) == {1: {"node": 3, "nproc": 2, "store": ""},
+                                            2: {"node": 2, "nproc": 1, "store": ""}}
+    assert pending_joins(store, key, 1) == {2: {"node": 2, "nproc": 1, "store": ""}}
     generation, new = announce_join(store, key, view, {3: 2, 2: 1}, admitted=2)
     assert generation == 4 and new.nodes == {0: [0, 1], 2: [2], 3: [3, 4]}
     assert read_view(store, key) == new and new.world_size == 5
@@ -97,7 +159,11 @@ def test_policy_refuses_below_min_nodes_the_store_host_and_an_indivisible_batch(
     batch = BatchConfig(micro_batch_size=4, global_batch_size=32)  # world sizes 1, 2, 4, 8
     policy = Policy.for_batch(1, batch)
     assert policy.refuses(view, [2]) is None  # 6 -> 4 ranks
-    assert "hosts the recovery store" in policy.refuses(view, [0])
+    assert "hosts the recovery store" in policy.refuses(view, [0])  # c10d: no successor
+    standby = View(0, view.nodes, store_node=0, stores={0: "a:1", 1: "b:1", 2: "c:1"})
+    assert policy.refuses(standby, [0]) is None  # etcd: the store moves to node 1
+    assert standby.successor([0]) == 1 and standby.successor([0, 1]) == 2
+    assert "hosts the recovery store" in policy.refuses(standby, [0, 1, 2])
     assert "fewer than --nnodes MIN 3" in Policy.for_batch(3, batch).refuses(view, [2])
     uneven = View(0, {0: [0, 1, 2], 1: [3]}, store_node=0)
     assert "not divisible at world size 3" in policy.refuses(uneven, [1])

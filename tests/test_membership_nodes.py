@@ -190,6 +190,63 @@ def test_nodes_join_and_leave_in_place_2_3_2_1_2(launch, three_nodes_and_etcd, t
     check_samples(tmp_path)
 
 
+def test_etcd_the_store_host_leaves_and_then_dies_and_the_group_goes_on_in_place(
+        launch, netns_nodes, tmp_path):
+    """etcd-v2, three nodes; the node whose agent hosts the recovery store is preempted (3 ->
+    2: the store moves with the departure's announcement to the lowest remaining node id),
+    then the node that took it over is
+    killed (2 -> 1: the survivor's agent finds the store dead, claims the successor in etcd
+    and moves it to itself), then a new node joins (1 -> 2). The last node's worker keeps its
+    process throughout, no checkpoint is read, every sample is trained once."""
+    nodes = netns_nodes(3)
+    total = 500
+    with etcd_on(tmp_path / "etcd", nodes.host_address) as etcd:
+        def start_node(i: int, name: str = "") -> Job:
+            return start_one(launch, nodes, tmp_path, i, total, slow=0.08, name=name,
+                             etcd=etcd)
+
+        jobs = [start_node(i) for i in range(3)]
+        wait_until(lambda: 3 in sizes_seen(tmp_path), 180, "a step at world size 3")
+        # node ids: the first round's node ranks, or claimed on joining if a node was late
+        registered = re.compile(r"membership: node (\d+) registered")
+        by_id = {int(registered.search(j.output)[1]): j for j in jobs}
+        host = next(j for j in jobs if "hosts the recovery store" in j.output)
+        successor, last = [by_id[n] for n in sorted(by_id) if by_id[n] is not host]
+        kept = next(iter(last.workers().values()))
+        wait_until(lambda: len(steps(tmp_path / "trace")) >= 20, 120, "step 20")
+
+        # 1. the store's host is preempted: it leaves in place, the store moves to the next node
+        host.proc.send_signal(signal.SIGTERM)
+        assert host.wait(timeout=60) == 143, host.output[-3000:]
+        wait_until(lambda: sizes_in_order(tmp_path / "trace")[-1] == 2, 60, "world size 2")
+        assert "every agent followed" in host.output, host.output[-3000:]
+        moved = re.compile(r"the recovery store moved from .* to node (\d+)'s agent")
+        ids = {j: n for n, j in by_id.items()}
+        assert [int(m[1]) for m in moved.finditer(last.output)] == [ids[successor]]
+
+        # 2. the node that hosts it now is killed: the last node moves it to itself
+        successor.kill_all()
+        wait_until(lambda: sizes_in_order(tmp_path / "trace")[-1] == 1, 90, "world size 1")
+        assert [int(m[1]) for m in moved.finditer(last.output)] == [ids[successor], ids[last]]
+        assert "does not answer" in last.output
+
+        # 3. a new node joins the job whose store lives on node 2 now
+        again = start_node(0, "node0-again")
+        wait_until(lambda: sizes_in_order(tmp_path / "trace")[-1] == 2, 180,
+                   "world size 2 again")
+        assert kept.is_running()  # the last node's worker kept its process throughout
+        assert last.wait(timeout=400) == 0, last.output[-4000:]
+        assert again.wait(timeout=120) == 0, again.output[-4000:]
+
+    assert sizes_in_order(tmp_path / "trace")[-4:] == [3, 2, 1, 2]
+    assert [c[1] for c in changes(last)][-3:] == ["preempted", "lost", "join"]
+    assert "resumed from" not in last.output + again.output  # no checkpoint read
+    trace = steps(tmp_path / "trace")
+    assert sorted(trace) == list(range(1, total + 1))
+    assert {samples for _, samples in trace.values()} == {GLOBAL_BATCH}
+    check_samples(tmp_path)
+
+
 def test_c10d_a_node_the_global_batch_cannot_take_is_refused_and_the_group_goes_on(
         launch, netns_nodes, tmp_path):
     """Global batch 64 at world size 2; a third node would make 3, which does not divide it:
