@@ -87,6 +87,7 @@ ENV = "ELASTIC_RUNNER_INPLACE"  # the recovery store: a recovery_store.StoreLoca
 SPARE_ENV = "ELASTIC_RUNNER_SPARE"  # set on a spare only: "<node rank>.<number>"
 GENERATION_ENV = "ELASTIC_RUNNER_GENERATION"  # set on a replacement: the group it joins
 _POLL_S = 0.005
+_SPARE_POLL_S = 0.01  # a spare's look for its assignment (seconds)
 
 
 class Regroup(Exception):  # noqa: N818 - control flow: the worker rebuilds its trainer
@@ -286,14 +287,14 @@ class InPlaceRecovery:
                 if not self._follow_agent(deadline):
                     log.error("in-place recovery: the recovery store (%s) is unreachable (%s): "
                               "taking the restart path", self.location.describe(),
-                              _first_line(e))
+                              first_line(e))
                     return None
         if announced is None:
             if not is_peer_failure(error):  # this rank's own error: its agent replaces it
                 return None
             log.error("collective failed and no peer died within %.0f s "
                       "(recovery.detect_timeout_seconds): %s; restarting every worker",
-                      self.detect_timeout_s, _first_line(error))
+                      self.detect_timeout_s, first_line(error))
             self._ask_restart()
             return None
         if announced.get("restart"):  # an agent restarts every worker
@@ -304,7 +305,7 @@ class InPlaceRecovery:
             self._follow_join(announced, trainer, t0)
         report = RecoveryReport(self.generation + 1, announced["failed"], trainer.state.step)
         log.warning("in-place recovery: rank(s) %s died (%s); generation %d, the rest keep "
-                    "their process", announced["failed"], _first_line(error),
+                    "their process", announced["failed"], first_line(error),
                     report.generation)
         trainer.session.callbacks.on_phase("recovering", "in-place recovery", True)
         t1 = time.perf_counter()
@@ -554,8 +555,11 @@ class InPlaceRecovery:
         while time.monotonic() < deadline:
             location = told(Path(directory))
             if location is not None and location.endpoint != dead:
-                self._switch(location.endpoint)
-                raise_counter(self.store, self.key("generations"), self.generation)
+                try:
+                    self._switch(location.endpoint)
+                    raise_counter(self.store, self.key("generations"), self.generation)
+                except (RuntimeError, dist.DistError):  # gone too (two nodes lost at once)
+                    return False
                 log.warning("in-place recovery: the recovery store at %s does not answer; "
                             "this node's agent moved it to %s", dead, location.endpoint)
                 return True
@@ -579,7 +583,7 @@ class InPlaceRecovery:
                 if not self.store.check([self.key("gen", self.generation + 1)]):
                     raise
                 log.warning("generation %d did not form (%s); joining %d", self.generation,
-                            _first_line(e), self.generation + 1)
+                            first_line(e), self.generation + 1)
                 if dist.is_initialized():
                     dist.destroy_process_group()
                 self.generation += 1
@@ -615,14 +619,11 @@ class InPlaceRecovery:
         LOCAL_RANK, ... and :data:`GENERATION_ENV`)."""
         self.store.set(self.key("spare", spare, "ready"), "1")
         key = self.key("spare", spare, "assign")
-        while True:
-            try:
-                self.store.wait([key], timedelta(seconds=60))
-                break
-            except dist.DistNetworkError:  # the store is gone (its agent died): leave
-                raise
-            except (RuntimeError, LookupError):  # a wait timeout (etcd: LookupError)
-                continue
+        # polled, not Store.wait: a wait that times out makes c10d print a warning (a spare may
+        # stand by for hours), and one that never times out would hold off a signal's handler;
+        # a store that is gone (its agent died, or the store moved on) raises here: leave
+        while not self.store.check([key]):
+            time.sleep(_SPARE_POLL_S)
         env = json.loads(self.store.get(key))
         self.generation = int(env[GENERATION_ENV])
         # the node's id now (a node that joined claimed one after its spares started)
@@ -736,6 +737,7 @@ def _unpack(payload: torch.Tensor, device: torch.device) -> dict[str, Any]:
     return torch.load(data, weights_only=True, map_location=device)
 
 
-def _first_line(e: BaseException) -> str:
+def first_line(e: BaseException) -> str:
+    """``Type: first line of the message``, for one-line log messages."""
     lines = str(e).strip().splitlines()
     return f"{type(e).__name__}: {lines[0] if lines else ''}"

@@ -55,7 +55,7 @@ from .compat import EXIT_BAD_INPUT, leave_rendezvous_open
 from .config import RecoveryConfig
 from .fencing import EXIT_FENCED
 from .heartbeat import HEARTBEAT_ENV
-from .inplace import ENV, GENERATION_ENV, SPARE_ENV
+from .inplace import ENV, GENERATION_ENV, SPARE_ENV, first_line
 from .membership import (
     MIN_NODES_ENV,
     THREAD_STORE_TIMEOUT_S,
@@ -497,10 +497,10 @@ class InPlaceAgent(LocalElasticAgent):
         except Exception as e:  # noqa: BLE001 - etcd's client raises its own types
             log.error("the recovery store (%s) is unreachable (%s), and so is the rendezvous "
                       "backend (%s): not moving it", self._location.describe(),
-                      _first_line(error), _first_line(e))
+                      first_line(error), first_line(e))
             return
         node = next((n for n, e in view.stores.items() if e == chosen), successor)
-        self._move(chosen, view.moved_to(node), f"it does not answer ({_first_line(error)})")
+        self._move(chosen, view.moved_to(node), f"it does not answer ({first_line(error)})")
 
     def _move(self, endpoint: str, view: View, why: str) -> None:
         """Follow the recovery store to ``endpoint`` (``view``: the membership there, seeded
@@ -745,8 +745,3 @@ class InPlaceAgent(LocalElasticAgent):
         if spare is not None and spare.proc.poll() is None:
             os.killpg(spare.proc.pid, signal.SIGKILL)
             spare.proc.wait()
-
-
-def _first_line(e: BaseException) -> str:
-    lines = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {lines[0] if lines else ''}"

@@ -1,7 +1,7 @@
 """An etcd outage during training: training goes on (rendezvous is needed only at (re)start);
 a restart while etcd is down waits and proceeds once etcd is back. On the restart path
 (``recovery.mode=restart``): in place, the worker killed during the outage is replaced without a
-rendezvous (the recovery store is in node rank 0's agent, not in etcd)."""
+rendezvous (the recovery store is in an agent, not in etcd)."""
 
 from __future__ import annotations
 
