@@ -159,6 +159,8 @@ def regroup(cfg: Config, old: Trainer, recovery: InPlaceRecovery | NoRecovery,
     recovery._form_group(r.rank, r.world_size, r.generation)
     t1 = time.perf_counter()
     os.environ.update(RANK=str(r.rank), WORLD_SIZE=str(r.world_size))
+    if r.rank != old.info.rank:  # renumbered: a new rank 0 logs what rank 0 logs
+        setup_logging(r.rank)
     info = dataclasses.replace(old.info, rank=r.rank, world_size=r.world_size)
     metrics.world(r.world_size)
     trainer = build_trainer(cfg, info, metrics, (old.bundle, old.fingerprint), joining=True)

@@ -238,6 +238,8 @@ def test_etcd_the_store_host_leaves_and_then_dies_and_the_group_goes_on_in_place
         assert last.wait(timeout=400) == 0, last.output[-4000:]
         assert again.wait(timeout=120) == 0, again.output[-4000:]
 
+    # the last node's worker, rank 2 at the start, became rank 0 and logs as rank 0 does
+    assert "[rank0] INFO elastic_runner.checkpointing: committed checkpoint" in last.output
     assert sizes_in_order(tmp_path / "trace")[-4:] == [3, 2, 1, 2]
     assert [c[1] for c in changes(last)][-3:] == ["preempted", "lost", "join"]
     assert "resumed from" not in last.output + again.output  # no checkpoint read
