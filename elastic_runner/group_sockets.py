@@ -53,6 +53,7 @@ class GroupSockets:
 
     def __init__(self) -> None:
         self._owned: dict[int, str] = {}
+        self._exempt: dict[int, str] = {}  # opened by another thread meanwhile (:meth:`outside`)
         self._lock = threading.Lock()
         self.epoch = 0  # which group's sockets are recorded (one more per forming)
 
@@ -67,7 +68,26 @@ class GroupSockets:
         finally:
             after = _sockets()
             with self._lock:
-                self._owned.update({fd: t for fd, t in after.items() if before.get(fd) != t})
+                self._owned.update({fd: t for fd, t in after.items()
+                                    if before.get(fd) != t and self._exempt.get(fd) != t})
+
+    @contextlib.contextmanager
+    def outside(self) -> Iterator[None]:
+        """Sockets another thread opens inside the ``with`` block are never the group's, even
+        when a group forms meanwhile (seen: a :class:`~elastic_runner.inplace.GenerationWatch`
+        that reconnected to a moved store while the main thread formed the next group had its
+        client recorded, and the next :meth:`cut` broke it for good)."""
+        before = _sockets()
+        try:
+            yield
+        finally:
+            after = _sockets()
+            new = {fd: t for fd, t in after.items() if before.get(fd) != t}
+            with self._lock:
+                self._exempt.update(new)
+                for fd, t in new.items():
+                    if self._owned.get(fd) == t:
+                        del self._owned[fd]
 
     def cut(self, epoch: int | None = None, how: int = socket.SHUT_WR) -> int:
         """Shut down (``how``) every recorded socket that is still the one recorded (a closed
@@ -100,6 +120,9 @@ class NoSockets:
     epoch = 0
 
     def forming(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def outside(self) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
 
     def cut(self, epoch: int | None = None, how: int = socket.SHUT_WR) -> int:

@@ -642,28 +642,37 @@ class GenerationWatch:
 
     def __init__(self, recovery: InPlaceRecovery, interval_s: float = 0.1) -> None:
         self.recovery, self.interval_s = recovery, interval_s
-        self._store = connect(recovery.location, THREAD_STORE_TIMEOUT_S)
+        self._store = self._connect()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="generation-watch", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         recovery = self.recovery
-        endpoint = recovery.location.endpoint
+        endpoint, broken = recovery.location.endpoint, False
         while not self._stop.wait(self.interval_s):
             epoch = recovery.sockets.epoch  # before the generation: see GroupSockets.cut
             keys = [recovery.key("gen", recovery.generation + 1), recovery.key("restart")]
             try:
-                if recovery.location.endpoint != endpoint:  # the recovery store moved
+                # the recovery store moved, or this client failed: a new client
+                if broken or recovery.location.endpoint != endpoint:
                     endpoint = recovery.location.endpoint
-                    self._store = connect(recovery.location, THREAD_STORE_TIMEOUT_S)
+                    self._store, broken = self._connect(), False
                 announced = any(self._store.check([k]) for k in keys)
                 recovery.join_waiting = joins_waiting(self._store, recovery.key)
             except (RuntimeError, dist.DistError):  # store unreachable (partitioned): wait
+                broken = True
                 continue
             if announced and recovery.sockets.cut(epoch, socket.SHUT_RDWR):
                 log.warning("generation %d was announced while this rank waited in a "
                             "collective: leaving it", recovery.generation + 1)
+
+    def _connect(self) -> dist.Store:
+        """A client of the recovery store for this thread; its socket is never taken for a
+        process group's (:meth:`GroupSockets.outside
+        <elastic_runner.group_sockets.GroupSockets.outside>`)."""
+        with self.recovery.sockets.outside():
+            return connect(self.recovery.location, THREAD_STORE_TIMEOUT_S)
 
     def close(self) -> None:
         """Stop watching; waits for the thread (at most its store's timeout): a daemon thread

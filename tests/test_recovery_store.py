@@ -98,6 +98,30 @@ def test_cut_sockets_make_the_peer_read_end_of_file_and_leave_others_alone():
         s.close()
 
 
+@pytest.mark.parametrize("order", ["inside", "overlapping"])
+def test_a_socket_another_thread_opens_while_a_group_forms_is_never_cut(order):
+    """A store client that a watcher thread opens while the main thread forms a group (both
+    orders in which the two blocks can end) stays usable after the group's sockets are cut."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    group = GroupSockets()
+    forming = group.forming()
+    forming.__enter__()
+    with group.outside():
+        watcher = socket.create_connection(listener.getsockname())
+        if order == "overlapping":  # the group finishes forming before the thread's block
+            forming.__exit__(None, None, None)
+    ours = socket.create_connection(listener.getsockname())  # the group's
+    if order == "inside":
+        forming.__exit__(None, None, None)
+    watcher_peer, _ = listener.accept()
+    peer, _ = listener.accept()
+    assert group.cut() == (1 if order == "inside" else 0)
+    watcher.sendall(b"x")
+    assert watcher_peer.recv(16) == b"x"
+    for s in (listener, watcher, watcher_peer, ours, peer):
+        s.close()
+
+
 def test_heartbeat_touches_its_file_and_removes_it_when_closed(tmp_path, monkeypatch):
     assert isinstance(Heartbeat.from_env(10), NoHeartbeat)  # no agent's directory
     monkeypatch.setenv(HEARTBEAT_ENV, str(tmp_path))
