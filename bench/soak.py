@@ -22,7 +22,8 @@ rendezvous keep-alive lapse followed by a node that returns is the case that onc
 fault 9) ended with the returning node in a rendezvous round of its own beside the running one,
 fenced: torch's handler drops its own node after such an outage; ``compat`` fix 2 now keeps it
 (``tests/test_etcd.py``). The same ending came back once more (2026-11-25, fault 45: an outage at
-fault 39, then a node SIGKILLed and started again) and is not yet explained. ``tests/test_soak.py`` runs this mode with 5 faults, without outages.
+fault 39, then a node SIGKILLed and started again): with etcd SIGSTOPped the reads hung instead of
+failing, so no grace started; a hung read now starts it too. ``tests/test_soak.py`` runs this mode with 5 faults, without outages.
 
 Fault classes (the plan holds every class ``n // 7`` times, the remainder drawn; the order, the
 victims and the variants come from ``random.Random(seed)``):

@@ -240,29 +240,42 @@ def apply_rendezvous_fixes(cls: type = DynamicRendezvousHandler,
 
 
 _GRACE_UNTIL = "_elastic_runner_grace_until"  # monotonic s; inf while the backend is unreachable
+_SYNC_STARTED = "_elastic_runner_sync_started"  # monotonic s: when the running sync began
 _OWN_NODE = "_elastic_runner_node"
+
+
+def _lapse_s(holder: Any) -> float:
+    """The keep-alive lapse after which torch expires a node (seconds)."""
+    s = holder._settings
+    return (s.keep_alive_interval * s.keep_alive_max_attempt).total_seconds()
 
 
 def _grace_after_outage(sync: Callable[[Any], Any]) -> Callable[[Any], Any]:
     """``sync`` that starts a grace period when the backend answers again: while it lasts
     (one keep-alive lapse) ``_sanitize`` expires nobody, so the nodes that could not beat during
-    the outage beat again before they are judged."""
+    the outage beat again before they are judged. An outage is a sync that failed to connect,
+    or one that hung (a stopped server: the read returns once it runs again, and no error is
+    raised; :func:`_spare_own_heartbeat` sees that from the sync's start time)."""
     @functools.wraps(sync)
     def wrapper(self: Any) -> Any:
+        setattr(self, _SYNC_STARTED, time.monotonic())
         try:
             result = sync(self)
         except RendezvousConnectionError:
             setattr(self, _GRACE_UNTIL, float("inf"))
             raise
         if getattr(self, _GRACE_UNTIL, 0.0) == float("inf"):
-            lapse = self._settings.keep_alive_interval * self._settings.keep_alive_max_attempt
-            setattr(self, _GRACE_UNTIL, time.monotonic() + lapse.total_seconds())
-            log.warning("rendezvous backend reachable again: no node's keep-alive expires for "
-                        "%.0f s, so the running nodes beat again first", lapse.total_seconds())
+            _start_grace(self)
         return result
 
     setattr(wrapper, _MARK, True)
     return wrapper
+
+
+def _start_grace(holder: Any) -> None:
+    setattr(holder, _GRACE_UNTIL, time.monotonic() + _lapse_s(holder))
+    log.warning("rendezvous backend reachable again: no node's keep-alive expires for %.0f s, "
+                "so the running nodes beat again first", _lapse_s(holder))
 
 
 def _spare_own_heartbeat(sanitize: Callable[[Any], None]) -> Callable[[Any], None]:
@@ -270,6 +283,12 @@ def _spare_own_heartbeat(sanitize: Callable[[Any], None]) -> Callable[[Any], Non
     this process's own node (which is alive: it is running this code)."""
     @functools.wraps(sanitize)
     def wrapper(self: Any) -> None:
+        started = getattr(self, _SYNC_STARTED, None)
+        if started is not None and time.monotonic() - started \
+                > self._settings.keep_alive_interval.total_seconds():
+            # this read waited on a hung backend (seen: etcd SIGSTOPped; torch then reports a
+            # RendezvousTimeoutError, not a connection error): every beat is stale alike
+            _start_grace(self)
         if time.monotonic() < getattr(self, _GRACE_UNTIL, 0.0):
             self._dead_nodes = []
             return

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import pickle
 import re
+import signal
 import sys
 import threading
 import time
@@ -228,6 +229,34 @@ def test_a_node_that_outlived_an_etcd_outage_stays_in_its_rendezvous(patched_han
     assert sorted([second.rank, results[0].rank]) == [0, 1]
     for handler in (running, joiner):
         handler.shutdown()
+
+
+def test_two_running_nodes_both_beat_again_after_etcd_hung(patched_handler, etcd_server):
+    """etcd SIGSTOPped for 3x the keep-alive lapse under a round of two running nodes: their
+    reads hang and return once it runs again, with no connection error. Without the grace for
+    a hung read, the first node to read expired the other, which then never beat again (torch
+    beats only for a node in the state), and a node arriving later formed a round of its own
+    (seen in the membership soak at fault 45: the running group was fenced out)."""
+    run_id = f"hang-{uuid.uuid4().hex[:8]}"
+    (a, backend), (b, _) = (_handler(patched_handler, etcd_server, run_id, n)
+                            for n in ("node-a", "node-b"))
+    rounds: list = []
+    threads = [threading.Thread(target=lambda h=h: rounds.append(h.next_rendezvous()),
+                                daemon=True) for h in (a, b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert sorted(r.world_size for r in rounds) == [2, 2]
+    etcd_server.proc.send_signal(signal.SIGSTOP)
+    time.sleep(3 * KEEP_ALIVE_S * KEEP_ALIVE_ATTEMPTS)
+    back = datetime.now(timezone.utc)
+    etcd_server.proc.send_signal(signal.SIGCONT)
+    for h in (a, b):
+        wait_until(lambda h=h: _beat_after(backend, h._this_node, back), 15,
+                   f"{h._this_node}'s keep-alive after the hang")
+    for h in (a, b):
+        h.shutdown()
 
 
 # --- end to end: real agents and workers (gloo on CPU) ---
