@@ -277,18 +277,10 @@ class InPlaceRecovery:
             ``detect_timeout_s`` (the caller re-raises ``error``).
         """
         t0 = time.perf_counter()
-        deadline = time.monotonic() + self.detect_timeout_s
-        while True:
-            try:
-                announced = self._wait_generation(self.generation + 1,
-                                                  deadline - time.monotonic())
-                break
-            except (RuntimeError, dist.DistError) as e:  # the store itself is gone
-                if not self._follow_agent(deadline):
-                    log.error("in-place recovery: the recovery store (%s) is unreachable (%s): "
-                              "taking the restart path", self.location.describe(),
-                              first_line(e))
-                    return None
+        try:
+            announced = self._next_announcement()
+        except (RuntimeError, dist.DistError):  # the store is gone, and nobody moved it
+            return None
         if announced is None:
             if not is_peer_failure(error):  # this rank's own error: its agent replaces it
                 return None
@@ -338,6 +330,25 @@ class InPlaceRecovery:
             return self.recover(e, trainer)
         report.phases["state"] = time.perf_counter() - t3
         return report
+
+    def _next_announcement(self) -> dict[str, Any] | None:
+        """The next generation's announcement (or the restart path's), within
+        ``detect_timeout_s``; None when none came. A store that does not answer is followed to
+        where this node's agent moved it (:meth:`_follow_agent`).
+
+        Raises:
+            RuntimeError: the store is unreachable and no agent moved it (logged).
+        """
+        deadline = time.monotonic() + self.detect_timeout_s
+        while True:
+            try:
+                return self._wait_generation(self.generation + 1, deadline - time.monotonic())
+            except (RuntimeError, dist.DistError) as e:
+                if not self._follow_agent(deadline):
+                    log.error("in-place recovery: the recovery store (%s) is unreachable (%s): "
+                              "taking the restart path", self.location.describe(),
+                              first_line(e))
+                    raise
 
     def _follow_departure(self, announced: dict[str, Any], trainer: Trainer, t0: float
                           ) -> None:
@@ -491,7 +502,7 @@ class InPlaceRecovery:
             refuse_joins(self.store, self.key, requests, why)
             return [0, trainer.info.world_size, []]
         generation, new = announce_join(self.store, self.key, view, joining, max(requests),
-                                        {r["node"]: r.get("store", "") for r in requests.values()
+                                        {r["node"]: r["store"] for r in requests.values()
                                          if r.get("store")})
         return [generation, new.world_size, sorted(joining)]
 
