@@ -141,6 +141,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.torch_version import TorchVersion
 
 from .config import ConfigError
+from .logs import first_line
 from .preempt import EXIT_PREEMPTED
 from .restart_budget import (
     EXIT_BAD_INPUT,
@@ -317,7 +318,7 @@ def _retry_until_join_timeout(next_rendezvous: Callable[[Any], Any]) -> Callable
                 if left <= 0:
                     raise
                 log.warning("rendezvous backend unreachable (%s); retrying for up to %.0f s "
-                            "(join_timeout)", _first_line(e), left)
+                            "(join_timeout)", first_line(e), left)
                 time.sleep(_RETRY_S)
 
     setattr(wrapper, _MARK, True)
@@ -335,14 +336,10 @@ def _tolerate_outage(num_nodes_waiting: Callable[[Any], int]) -> Callable[[Any],
             if time.monotonic() - last_warning[0] > 30:
                 last_warning[0] = time.monotonic()
                 log.warning("rendezvous backend unreachable (%s): training continues; nodes "
-                            "cannot join until it is back", _first_line(e))
+                            "cannot join until it is back", first_line(e))
             return 0
 
     return wrapper
-
-
-def _first_line(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
 # --- 3. agent store in the workers ---
@@ -638,7 +635,7 @@ def check_torch(role: str) -> list[str]:
         try:
             problem = fix.check()
         except Exception as e:  # an internal so changed that inspecting it fails
-            problem = f"{type(e).__name__}: {_first_line(e)}"
+            problem = first_line(e)
         if problem is None:
             continue
         if fix.required and os.environ.get(IGNORE_CHECK_ENV) != "1":

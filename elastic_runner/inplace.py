@@ -62,10 +62,12 @@ from .dist import is_peer_failure
 from .fencing import FencedOut
 from .group_sockets import GroupSockets, NoSockets
 from .heartbeat import HEARTBEAT_ENV
+from .logs import first_line
 from .membership import (
     MIN_NODES_ENV,
     THREAD_STORE_TIMEOUT_S,
     Policy,
+    View,
     announce_departure,
     announce_join,
     answered_joins,
@@ -432,15 +434,7 @@ class InPlaceRecovery:
                 log.warning("membership: node(s) %s preempted, but the rest may not go on (%s): "
                             "every node stops", leaving, why)
             return
-        announced: list[Any] = [0, ""]
-        if trainer.info.rank == members[0]:
-            done = announce_departure(self.store, self.key, view, leaving, "preempted",
-                                      self._client)
-            if done is not None:
-                moved = done[1].store_node != view.store_node
-                announced = [done[0], done[1].stores[done[1].store_node] if moved else ""]
-        dist.broadcast_object_list(announced, src=members[0])
-        generation, store = announced
+        generation, store = self._announce_departure(trainer, view, leaving, members[0])
         if generation == 0:  # another process announced these departures: not expected
             return
         step = trainer.state.step
@@ -460,6 +454,25 @@ class InPlaceRecovery:
                                 cause="the step boundary of the departure")
         self._regroup(trainer, members.index(trainer.info.rank), len(members), generation,
                       report)
+
+    def _announce_departure(self, trainer: Trainer, view: View, leaving: list[int],
+                            announcer: int) -> tuple[int, str]:
+        """Rank ``announcer`` (the lowest remaining) announces the departure of the nodes
+        ``leaving`` (:func:`~elastic_runner.membership.announce_departure`: with etcd, the
+        successor's store is seeded first when the store's host leaves) and broadcasts the
+        generation and, if the store moved, its new ``host:port`` over the old group.
+        Collective. Returns ``(generation, endpoint)``; ``(0, "")``: another process had
+        announced it already."""
+        announced: list[Any] = [0, ""]
+        if trainer.info.rank == announcer:
+            done = announce_departure(self.store, self.key, view, leaving, "preempted",
+                                      self._client)
+            if done is not None:
+                generation, new, _ = done
+                moved = new.store_node != view.store_node
+                announced = [generation, new.stores[new.store_node] if moved else ""]
+        dist.broadcast_object_list(announced, src=announcer)
+        return announced[0], announced[1]
 
     def _take_in(self, trainer: Trainer) -> NoReturn:
         """At the step boundary a join request asked for: rank 0 answers the pending requests
@@ -755,9 +768,3 @@ def _pack(state: dict[str, Any]) -> torch.Tensor:
 def _unpack(payload: torch.Tensor, device: torch.device) -> dict[str, Any]:
     data = io.BytesIO(payload.cpu().numpy().tobytes())
     return torch.load(data, weights_only=True, map_location=device)
-
-
-def first_line(e: BaseException) -> str:
-    """``Type: first line of the message``, for one-line log messages."""
-    lines = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {lines[0] if lines else ''}"

@@ -36,13 +36,11 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
 import uuid
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -51,11 +49,13 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, W
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.api import SubprocessContext
 
+from .agent_store import AgentStore
 from .compat import EXIT_BAD_INPUT, leave_rendezvous_open
 from .config import RecoveryConfig
 from .fencing import EXIT_FENCED
 from .heartbeat import HEARTBEAT_ENV
-from .inplace import ENV, GENERATION_ENV, SPARE_ENV, first_line
+from .inplace import ENV, GENERATION_ENV, SPARE_ENV
+from .logs import first_line
 from .membership import (
     MIN_NODES_ENV,
     THREAD_STORE_TIMEOUT_S,
@@ -72,13 +72,7 @@ from .membership import (
     seed,
 )
 from .preempt import EXIT_PREEMPTED
-from .recovery_store import (
-    StoreLocation,
-    agree_attempt,
-    claim_successor,
-    connect,
-    tell_workers,
-)
+from .recovery_store import StoreLocation, claim_successor, connect, tell_workers
 from .watchdog import EXIT_HANG
 
 log = logging.getLogger(__name__)
@@ -156,19 +150,10 @@ class InPlaceAgent(LocalElasticAgent):
         self._beat: NodeBeat | NoBeat = NoBeat()
         self._on_replacement = on_replacement or (lambda r: None)
         # (not _store: torch's agent has one of its own)
-        self._rstore: dist.Store | None = None
-        self._hosted: dist.TCPStore | None = None  # one node, or node rank 0 with etcd
-        if location is None or location.kind == "node0":
-            self._hosted = dist.TCPStore(
-                "127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                timeout=timedelta(seconds=recovery.join_timeout_seconds))
-        if location is None:  # one node: the store lives in this process
-            self._rstore = self._hosted
-            location = StoreLocation("tcp", f"127.0.0.1:{self._hosted.port}")
-        self._location = location
+        self._rs = AgentStore(location, recovery.join_timeout_seconds,
+                              self._worker_group.spec.local_addr)
         self._heartbeats = Path(tempfile.mkdtemp(prefix="elastic-runner-heartbeats-"))
         self._node = 0
-        self._prefix = ""
         self._generation = 0
         self._spare: _Spare | None = None
         self._spares = 0
@@ -179,48 +164,16 @@ class InPlaceAgent(LocalElasticAgent):
         self._view: View | None = None  # the membership as last read (etcd: whom to move to)
         self.left_the_job = False  # this node left in place: no restart (compat's budget)
 
-    def _key(self, *parts: object) -> str:
-        return "/".join([self._prefix, *map(str, parts)])
-
-    @property
-    def _own_store(self) -> str:
-        """The ``host:port`` of the store this agent hosts (etcd; empty: none), at the address
-        torch advertises for this node (``--local-addr``, else its host name)."""
-        if self._hosted is None or self._location.kind != "node0":
-            return ""
-        host = self._worker_group.spec.local_addr or socket.getfqdn(socket.gethostname())
-        return f"{host}:{self._hosted.port}"
-
-    @property
-    def _recovery_store(self) -> dist.Store:
-        if self._rstore is None:  # after the rendezvous: the store exists then
-            self._rstore = connect(self._location, self._cfg.join_timeout_seconds)
-        return self._rstore
-
-    def _agree(self, worker_group: WorkerGroup, running: tuple[str, str] | None = None
-               ) -> bool:
-        """Several nodes: this round's key prefix and store endpoint, as node rank 0 says
-        (``node0``: the store it hosts, at the address torch advertises for its node), or
-        the attempt that some node's workers still run (``running``: this node's). Returns
-        whether the attempt was running (this round lets nodes join it)."""
-        offer = self._own_store or self._location.endpoint
-        attempt = agree_attempt(worker_group.store, worker_group.group_rank or 0,
-                                worker_group.group_world_size or 1, self._location.run_id,
-                                offer, running)
-        self._prefix = attempt.prefix
-        if attempt.endpoint != self._location.endpoint:  # node rank 0 changed: another store
-            self._location, self._rstore = self._location.at(attempt.endpoint, ""), None
-        return attempt.running
-
     # ------------------------------------------------------------ torch's agent hooks
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         self._node = worker_group.group_rank or 0
         joining = False
-        if self._location.kind == "tcp":
-            self._prefix = f"attempt-{uuid.uuid4().hex[:12]}"
+        if not self._rs.multi_node:
+            self._rs.prefix = f"attempt-{uuid.uuid4().hex[:12]}"
         else:  # the same prefix on every node, new every rendezvous round (unless running)
-            joining = self._agree(worker_group)
+            joining = self._rs.agree(worker_group.store, worker_group.group_rank or 0,
+                                     worker_group.group_world_size or 1)
         self._generation, self._grow, self._built_since, self._joining = 0, None, None, None
         self._view = None  # the previous attempt's membership says nothing about this one
         self._heartbeats.mkdir(parents=True, exist_ok=True)
@@ -228,11 +181,11 @@ class InPlaceAgent(LocalElasticAgent):
             beat.unlink(missing_ok=True)
         saved = {name: os.environ.get(name)
                  for name in (ENV, HEARTBEAT_ENV, MIN_NODES_ENV, SPARE_ENV)}
-        os.environ[ENV] = self._location.at(self._location.endpoint, self._prefix).to_json()
+        os.environ[ENV] = self._rs.for_workers().to_json()
         os.environ[HEARTBEAT_ENV] = str(self._heartbeats)
         os.environ[MIN_NODES_ENV] = str(self._policy.min_nodes)
         try:
-            self._recovery_store.check([self._key("restart")])  # connect before the workers
+            self._rs.store.check([self._rs.key("restart")])  # connect before the workers
             if joining:
                 self._stand_by_to_join(worker_group)
             else:
@@ -249,7 +202,7 @@ class InPlaceAgent(LocalElasticAgent):
         """torch's barrier of every node's agent at the end waits for the nodes of the
         rendezvous round; nodes that left in place never arrive (it would wait its whole
         timeout, 300 s): only the nodes still in the group count."""
-        if self._location.kind != "tcp":
+        if self._rs.multi_node:
             try:
                 self._worker_group.group_world_size = len(self._current_view().nodes)
             except (RuntimeError, dist.DistError) as e:
@@ -270,7 +223,8 @@ class InPlaceAgent(LocalElasticAgent):
             super()._shutdown(*args, **kwargs)
         finally:
             self._beat.close()
-        self._wait_for_followers()  # this node left, and the store it hosts moved on
+        # this node left, and the store it hosts moved on
+        self._rs.wait_for_followers(self._node, self._cfg.node_timeout_seconds or 10.0)
         shutil.rmtree(self._heartbeats, ignore_errors=True)
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
@@ -307,7 +261,7 @@ class InPlaceAgent(LocalElasticAgent):
         if failed:  # torch's restart path: release survivors (on every node) waiting for an
             # announcement, and keep the other nodes' agents from replacing anyone meanwhile
             with contextlib.suppress(RuntimeError, dist.DistError):
-                self._recovery_store.set(self._key("restart"), json.dumps({"restart": True}))
+                self._rs.store.set(self._rs.key("restart"), json.dumps({"restart": True}))
             return super()._monitor_workers(worker_group)
         try:
             if self._joining is not None:
@@ -334,25 +288,26 @@ class InPlaceAgent(LocalElasticAgent):
         (:mod:`elastic_runner.membership`)."""
         self._watch = None
         self._beat.close()
-        if self._location.kind == "tcp":
+        if not self._rs.multi_node:
             return
         # the store's host: c10d's rendezvous host; with etcd node rank 0, whose offer every
         # node took (each etcd agent hosts a store, only that one is used)
-        hosts = self._node == 0 if self._location.kind == "node0" else self._hosts_store
-        register(self._recovery_store, self._key, self._node,
+        hosts = self._node == 0 if self._rs.location.kind == "node0" else self._hosts_store
+        register(self._rs.store, self._rs.key, self._node,
                  [w.global_rank for w in worker_group.workers], hosts,
-                 None if joined else worker_group.group_world_size or 1, self._own_store)
+                 None if joined else worker_group.group_world_size or 1, self._rs.own)
         log.info("membership: node %d registered with rank(s) %s%s", self._node,
                  [w.global_rank for w in worker_group.workers],
-                 f"; it hosts the recovery store ({self._location.describe()})" if hosts else "")
+                 f"; it hosts the recovery store ({self._rs.location.describe()})"
+                 if hosts else "")
         if self._cfg.node_timeout_seconds is not None:
-            self._watch = NodeWatch(self._recovery_store, self._key, self._node,
+            self._watch = NodeWatch(self._rs.store, self._rs.key, self._node,
                                     self._cfg.node_timeout_seconds)
-            self._beat = NodeBeat(connect(self._location, THREAD_STORE_TIMEOUT_S),
-                                  self._key, self._node).start()
+            self._beat = NodeBeat(connect(self._rs.location, THREAD_STORE_TIMEOUT_S),
+                                  self._rs.key, self._node).start()
 
     def _current_view(self) -> View:
-        self._view = read_view(self._recovery_store, self._key)
+        self._view = read_view(self._rs.store, self._rs.key)
         return self._view
 
     # ------------------------------------------------------------ joins
@@ -362,10 +317,10 @@ class InPlaceAgent(LocalElasticAgent):
         node's workers run (not joining themselves, not shrunk), no restart under way, and the
         workers said they can take nodes in (the built-in trainer; a script's own loop
         cannot)."""
-        if self._location.kind == "tcp" or self._joining is not None or self._grow is not None:
+        if not self._rs.multi_node or self._joining is not None or self._grow is not None:
             return False
         try:
-            return (self._recovery_store.check([self._key("joins_in_place")])
+            return (self._rs.store.check([self._rs.key("joins_in_place")])
                     and not self._restart_asked())
         except (RuntimeError, dist.DistError):
             return False
@@ -383,7 +338,9 @@ class InPlaceAgent(LocalElasticAgent):
         nnodes = worker_group.group_world_size
         worker_group.workers = workers  # this node's workers keep their ranks and processes
         worker_group.master_addr, worker_group.master_port = master
-        self._agree(worker_group, running=(self._prefix, self._location.endpoint))
+        self._rs.agree(worker_group.store, worker_group.group_rank or 0,
+                       worker_group.group_world_size or 1,
+                       running=(self._rs.prefix, self._rs.location.endpoint))
         worker_group.group_rank = node  # the node keeps its id across rounds
         log.warning("membership: node(s) waiting to join: rendezvous round of %d nodes taken "
                     "in %.2f s; this node's workers go on and take them in at a step boundary",
@@ -392,7 +349,7 @@ class InPlaceAgent(LocalElasticAgent):
     def _stand_by_to_join(self, worker_group: WorkerGroup) -> None:
         """This node's agent joined a running attempt: claim a node id, and start the workers
         as spares that build the task and wait for the group to take them in."""
-        self._joining = _Join(claim_node_id(self._recovery_store, self._key,
+        self._joining = _Join(claim_node_id(self._rs.store, self._rs.key,
                                             self._current_view()))
         self._node = worker_group.group_rank = self._joining.node
         os.environ[SPARE_ENV] = self._joining.spares
@@ -403,17 +360,17 @@ class InPlaceAgent(LocalElasticAgent):
     def _follow_join(self, worker_group: WorkerGroup, pc: SubprocessContext) -> RunResult:
         """Joining: post the join request once every worker stands by, then hand each worker
         its place once the group announced the generation that takes this node in."""
-        join, store = self._joining, self._recovery_store
+        join, store = self._joining, self._rs.store
         assert join is not None
         if not join.request:
-            if all(store.check([self._key("spare", join.spare(lr), "ready")])
+            if all(store.check([self._rs.key("spare", join.spare(lr), "ready")])
                    for lr in pc.subprocess_handlers):
-                join.request = request_join(store, self._key, join.node,
-                                            len(pc.subprocess_handlers), self._own_store)
+                join.request = request_join(store, self._rs.key, join.node,
+                                            len(pc.subprocess_handlers), self._rs.own)
                 log.info("membership: node %d ready to join (request %d)", join.node,
                          join.request)
             return RunResult(state=WorkerState.HEALTHY)
-        refused = self._key("join", join.request, "refused")
+        refused = self._rs.key("join", join.request, "refused")
         if store.check([refused]):
             log.error("membership: the running job did not take this node in: %s",
                       store.get(refused).decode())
@@ -422,16 +379,16 @@ class InPlaceAgent(LocalElasticAgent):
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     handler.proc.wait(timeout=5)
             return self._leave(worker_group, "refused")
-        if not store.check([self._key("admitted", join.node)]):
+        if not store.check([self._rs.key("admitted", join.node)]):
             return RunResult(state=WorkerState.HEALTHY)
-        admitted = json.loads(store.get(self._key("admitted", join.node)))
+        admitted = json.loads(store.get(self._rs.key("admitted", join.node)))
         generation, world_size = admitted["generation"], admitted["world_size"]
         for local_rank, rank in enumerate(admitted["ranks"]):
             env = {**pc.envs[local_rank], "RANK": str(rank), "WORLD_SIZE": str(world_size),
                    "GROUP_RANK": str(join.node), GENERATION_ENV: str(generation)}
             worker_group.workers[local_rank].global_rank = rank
             worker_group.workers[local_rank].world_size = world_size
-            store.set(self._key("spare", join.spare(local_rank), "assign"), json.dumps(env))
+            store.set(self._rs.key("spare", join.spare(local_rank), "assign"), json.dumps(env))
         self._joining, self._generation = None, generation
         self._join_membership(worker_group, joined=True)
         log.warning("membership: node %d joined the running job in generation %d as rank(s) "
@@ -451,7 +408,8 @@ class InPlaceAgent(LocalElasticAgent):
             return
         if self._node in view.departed:  # cut off and left behind: its workers are fenced out
             return
-        if view.stores.get(view.store_node, self._location.endpoint) != self._location.endpoint:
+        here = self._rs.location.endpoint
+        if view.stores.get(view.store_node, here) != here:
             self._move(view.stores[view.store_node], view, "its host left")
             return
         lost = self._watch.lost(n for n in view.nodes if n not in view.departed)
@@ -463,10 +421,10 @@ class InPlaceAgent(LocalElasticAgent):
             log.error("membership: node(s) %s lost (no heartbeat for %.1f s) and the rest may "
                       "not go on without them (%s): torch's restart path", sorted(lost),
                       silent, why)
-            self._recovery_store.set(self._key("restart"), json.dumps({"restart": True}))
+            self._rs.store.set(self._rs.key("restart"), json.dumps({"restart": True}))
             return
-        done = announce_departure(self._recovery_store, self._key, view, sorted(lost), "lost",
-                                  self._connect)
+        done = announce_departure(self._rs.store, self._rs.key, view, sorted(lost), "lost",
+                                  self._rs.client)
         if done is not None:
             generation, new, _ = done
             log.warning("membership: node(s) %s lost: no heartbeat for %.1f s "
@@ -474,29 +432,23 @@ class InPlaceAgent(LocalElasticAgent):
                         "them at world size %d", sorted(lost), silent,
                         self._cfg.node_timeout_seconds, generation, new.world_size)
 
-    def _connect(self, endpoint: str) -> dist.Store:
-        """A client of the store at ``endpoint`` (this agent's own: the server itself)."""
-        if endpoint == self._own_store and self._hosted is not None:
-            return self._hosted
-        return connect(self._location.at(endpoint, ""), self._cfg.join_timeout_seconds)
-
     def _fail_over(self, error: BaseException) -> None:
         """The recovery store does not answer (etcd rendezvous): its host died. Move to the
         successor of the view last read, as claimed in etcd (:func:`claim_successor
         <elastic_runner.recovery_store.claim_successor>`), seeded from that view. Without a
         successor (c10d), or with etcd unreachable too (this node is cut off), nothing moves:
         the workers' failed collectives take torch's restart path."""
-        view, dead = self._view, self._location.endpoint
+        view, dead = self._view, self._rs.location.endpoint
         successor = view.successor() if view is not None else None
         if view is None or successor is None:
             log.debug("recovery store unavailable: %s", error)
             return
         try:
-            chosen = claim_successor(self._worker_group.store, self._prefix, dead,
+            chosen = claim_successor(self._worker_group.store, self._rs.prefix, dead,
                                      view.stores[successor], THREAD_STORE_TIMEOUT_S)
         except Exception as e:  # noqa: BLE001 - etcd's client raises its own types
             log.error("the recovery store (%s) is unreachable (%s), and so is the rendezvous "
-                      "backend (%s): not moving it", self._location.describe(),
+                      "backend (%s): not moving it", self._rs.location.describe(),
                       first_line(error), first_line(e))
             return
         node = next((n for n, e in view.stores.items() if e == chosen), successor)
@@ -506,42 +458,22 @@ class InPlaceAgent(LocalElasticAgent):
         """Follow the recovery store to ``endpoint`` (``view``: the membership there, seeded
         unless present): acknowledge in the old store (its leaving host waits for that), seed
         the new one, tell this node's workers and spares, and beat and watch there."""
-        old = self._location.describe()
+        old = self._rs.location.describe()
         with contextlib.suppress(RuntimeError, dist.DistError):
-            self._recovery_store.set(self._key("moved", self._node), endpoint)
-        store = self._connect(endpoint)
-        seed(store, self._key, view, max(self._generation, view.generation))
-        self._rstore, self._location = store, self._location.at(endpoint, "")
+            self._rs.store.set(self._rs.key("moved", self._node), endpoint)
+        store = self._rs.client(endpoint)
+        seed(store, self._rs.key, view, max(self._generation, view.generation))
+        self._rs.use(endpoint, store)
         self._view = view
-        tell_workers(self._heartbeats, self._location.at(endpoint, self._prefix))
+        tell_workers(self._heartbeats, self._rs.for_workers())
         self._drop_spare()  # it waits in the old store; the next one starts in the new one
         self._beat.close()
         if self._watch is not None:
-            self._watch = NodeWatch(store, self._key, self._node, self._watch.timeout_s)
-            self._beat = NodeBeat(connect(self._location, THREAD_STORE_TIMEOUT_S),
-                                  self._key, self._node).start()
+            self._watch = NodeWatch(store, self._rs.key, self._node, self._watch.timeout_s)
+            self._beat = NodeBeat(connect(self._rs.location, THREAD_STORE_TIMEOUT_S),
+                                  self._rs.key, self._node).start()
         log.warning("the recovery store moved from %s to node %d's agent (%s): %s", old,
                     view.store_node, endpoint, why)
-
-    def _wait_for_followers(self) -> None:
-        """This node leaves and its agent hosts the recovery store that moved to another node:
-        stay until every remaining node's agent has followed (``moved/<n>``), at most
-        ``recovery.node_timeout_seconds``; the workers followed in the announcement."""
-        if self._hosted is None or self._location.endpoint != self._own_store:
-            return
-        try:
-            view = read_view(self._hosted, self._key)
-        except (RuntimeError, dist.DistError):
-            return
-        if view.store_node == self._node:
-            return
-        keys = [self._key("moved", n) for n in view.nodes]
-        deadline = time.monotonic() + (self._cfg.node_timeout_seconds or 10.0)
-        while not self._hosted.check(keys) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        log.info("membership: the recovery store moved to node %d; %s", view.store_node,
-                 "every agent followed" if self._hosted.check(keys) else
-                 "not every agent followed in time")
 
     def _departed(self) -> str | None:
         """Why this node left the group in place (``preempted``, or ``lost``: the others
@@ -549,9 +481,9 @@ class InPlaceAgent(LocalElasticAgent):
         if self._watch is None:
             return None
         try:
-            key = self._key("departed", self._node)
-            if self._recovery_store.check([key]):
-                return self._recovery_store.get(key).decode().split(":")[0]
+            key = self._rs.key("departed", self._node)
+            if self._rs.store.check([key]):
+                return self._rs.store.get(key).decode().split(":")[0]
         except (RuntimeError, dist.DistError):
             pass
         return None
@@ -568,7 +500,7 @@ class InPlaceAgent(LocalElasticAgent):
             log.warning("membership: this node (%d) was %s and left the job; the others go on "
                         "without it", self._node, reason)
         self._remaining_restarts, self.left_the_job = 0, True
-        self._wait_for_followers()
+        self._rs.wait_for_followers(self._node, self._cfg.node_timeout_seconds or 10.0)
         leave_rendezvous_open(worker_group.spec.rdzv_handler)
         return super()._monitor_workers(worker_group)
 
@@ -591,7 +523,7 @@ class InPlaceAgent(LocalElasticAgent):
         others = [code for lr, code in codes.items() if lr not in failed]
         # several nodes: the survivors may all be elsewhere (if there are none, the
         # replacements find no peer to copy and resume from the checkpoint: inplace.rejoin)
-        survivors = bool(others) or self._location.kind != "tcp"
+        survivors = bool(others) or self._rs.multi_node
         # a failure while shrunk takes the restart path
         return (survivors and all(code is None for code in others)
                 and self._remaining_restarts > 0 and self._grow is None
@@ -601,11 +533,10 @@ class InPlaceAgent(LocalElasticAgent):
         """Whether a worker or agent of this attempt asked for torch's restart path, or the
         recovery store cannot be reached (c10d: the rendezvous host is gone)."""
         try:
-            return self._recovery_store.check([self._key("restart")])
+            return self._rs.store.check([self._rs.key("restart")])
         except (RuntimeError, dist.DistError) as e:
             log.error("the recovery store (%s) is unreachable (%s): torch's restart path",
-                      self._location.describe(), str(e).strip().splitlines()[0] if str(e)
-                      else type(e).__name__)
+                      self._rs.location.describe(), first_line(e))
             return True
 
     def _kill_hung(self, pc: SubprocessContext) -> None:
@@ -640,21 +571,21 @@ class InPlaceAgent(LocalElasticAgent):
         # continue shrunk: the survivors go on alone (generation g+1) and the replacement
         # joins them in g+2, announced once it is ready
         # (one node only: a shrunk group's bookkeeping lives in this agent)
-        shrink = self._cfg.continue_shrunk and not warm and self._location.kind == "tcp"
+        shrink = self._cfg.continue_shrunk and not warm and not self._rs.multi_node
         # one counter for the whole job: two nodes' agents never announce the same generation
-        self._generation = self._recovery_store.add(self._key("generations"), 2 if shrink else 1)
+        self._generation = self._rs.store.add(self._rs.key("generations"), 2 if shrink else 1)
         announce = self._generation - 1 if shrink else self._generation
         self._remaining_restarts -= 1
         # the replacement is the rank's next attempt: restarts used so far, as torch counts them
         attempt = worker_group.spec.max_restarts - self._remaining_restarts
         ranks, pids, spares = [], [], []
-        view = self._current_view() if self._location.kind != "tcp" else None
+        view = self._current_view() if self._rs.multi_node else None
         for local_rank in sorted(failed):
             spare = self._take_spare(pc)
             # GROUP_RANK: this node's id, which a node that joined claimed after its start
             env = {**pc.envs[local_rank], GENERATION_ENV: str(self._generation),
                    "TORCHELASTIC_RESTART_COUNT": str(attempt), "GROUP_RANK": str(self._node),
-                   ENV: self._location.at(self._location.endpoint, self._prefix).to_json()}
+                   ENV: self._rs.for_workers().to_json()}
             if view is not None:  # ranks renumbered since the start (a node left)
                 rank = view.nodes[self._node][local_rank]
                 env.update(RANK=str(rank), WORLD_SIZE=str(view.world_size))
@@ -662,7 +593,7 @@ class InPlaceAgent(LocalElasticAgent):
                 worker_group.workers[local_rank].world_size = view.world_size
             # the dead worker's file goes before the spare can start beating into it
             (self._heartbeats / str(local_rank)).unlink(missing_ok=True)
-            self._recovery_store.set(self._key("spare", spare.name, "assign"), json.dumps(env))
+            self._rs.store.set(self._rs.key("spare", spare.name, "assign"), json.dumps(env))
             pc.subprocess_handlers[local_rank] = _Adopted(spare.proc, local_rank)  # type: ignore
             worker = worker_group.workers[local_rank]
             worker.id = spare.proc.pid
@@ -675,7 +606,7 @@ class InPlaceAgent(LocalElasticAgent):
                              if w.global_rank not in ranks)  # one node: every rank is here
             news.update(members=members, world_size=len(members))
             self._grow = (self._generation, spares)
-        self._recovery_store.set(self._key("gen", announce), json.dumps(news))
+        self._rs.store.set(self._rs.key("gen", announce), json.dumps(news))
         replacement = Replacement(announce, tuple(ranks), tuple(failed.values()), warm,
                                   time.perf_counter() - t0)
         log.warning("rank(s) %s exited with code(s) %s: replaced in place by %s spare(s) "
@@ -691,9 +622,9 @@ class InPlaceAgent(LocalElasticAgent):
         if self._grow is None:
             return
         generation, spares = self._grow
-        if all(self._recovery_store.check([self._key("spare", s.name, "ready")])
+        if all(self._rs.store.check([self._rs.key("spare", s.name, "ready")])
                for s in spares):
-            self._recovery_store.set(self._key("gen", generation), json.dumps({"grow": True}))
+            self._rs.store.set(self._rs.key("gen", generation), json.dumps({"grow": True}))
             self._grow = None
             log.info("replacement(s) ready: generation %d brings the group back to full size",
                      generation)
@@ -717,13 +648,13 @@ class InPlaceAgent(LocalElasticAgent):
             self._spare = None
         spare = self._spare
         if spare is None and self._built_since is None \
-                and self._recovery_store.check([self._key("built")]):
+                and self._rs.store.check([self._rs.key("built")]):
             self._built_since = time.monotonic()
         if spare is None and self._built_since is not None \
                 and time.monotonic() - self._built_since >= self._cfg.spare_delay_seconds:
             self._spare = self._start_spare(pc)
         elif (spare is not None and not spare.ready
-              and self._recovery_store.check([self._key("spare", spare.name, "ready")])):
+              and self._rs.store.check([self._rs.key("spare", spare.name, "ready")])):
             spare.ready = True
             log.info("spare %s ready (task built) %.1f s after its start", spare.name,
                      time.monotonic() - spare.started)
@@ -733,7 +664,7 @@ class InPlaceAgent(LocalElasticAgent):
         env = {**os.environ, **pc.envs[0]}
         for variable in _RANK_VARIABLES:
             env.pop(variable, None)
-        env.update({ENV: self._location.at(self._location.endpoint, self._prefix).to_json(),
+        env.update({ENV: self._rs.for_workers().to_json(),
                     HEARTBEAT_ENV: str(self._heartbeats), SPARE_ENV: name, "RANK": "-1"})
         proc = subprocess.Popen([pc.entrypoint, *map(str, pc.args[0])], env=env,
                                 start_new_session=True)

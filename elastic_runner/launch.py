@@ -57,6 +57,7 @@ from .etcd_check import (
 )
 from .fencing import EXIT_FENCED
 from .inplace_agent import InPlaceAgent
+from .logs import first_line
 from .membership import Policy
 from .preempt import EXIT_PREEMPTED
 from .recovery_store import C10D_DEFAULT_PORT, StoreLocation
@@ -341,8 +342,7 @@ def rendezvous_cause(err: BaseException) -> str:
     parts = []
     e: BaseException | None = err
     while e is not None and len(parts) < 2:
-        text = str(e).strip().splitlines()
-        parts.append(f"{type(e).__name__}: {text[0]}" if text else type(e).__name__)
+        parts.append(first_line(e))
         e = e.__cause__ or e.__context__
     return " <- ".join(parts)
 

@@ -22,3 +22,10 @@ def setup_logging(rank: int, verbose: bool | None = None) -> None:
     root.handlers[:] = [handler]
     root.setLevel(level if rank == 0 else logging.WARNING)
     root.propagate = False
+
+
+def first_line(e: BaseException) -> str:
+    """``Type: first line of the message`` of ``e``, for one-line log messages (torch's and
+    etcd's errors carry multi-line C++ stack traces)."""
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__

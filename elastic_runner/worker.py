@@ -28,7 +28,7 @@ from .goodput import process_start_time
 from .health import MetricsServer
 from .heartbeat import Heartbeat
 from .inplace import SPARE_ENV, InPlaceRecovery, NoRecovery, Regroup, rejoin
-from .logs import setup_logging
+from .logs import first_line, setup_logging
 from .loop import Trainer, TrainingFailed
 from .metrics import AGENT_ENV, RankMetrics
 from .preempt import EXIT_PREEMPTED, Preempted
@@ -66,7 +66,7 @@ def main(config_path: str, overrides: list[str], resume: bool = True, verbose: b
         if not is_peer_failure(e):
             raise
         # another rank died or hung: a membership change for the agent's restart budget
-        log.error("lost a peer: %s", str(e).strip().splitlines()[0] if str(e).strip() else e)
+        log.error("lost a peer: %s", first_line(e))
         return EXIT_PEER_LOST
 
 

@@ -19,11 +19,13 @@ from types import SimpleNamespace
 import pytest
 import torch.distributed as dist
 
+from elastic_runner.agent_store import AgentStore
 from elastic_runner.config import RecoveryConfig
 from elastic_runner.group_sockets import GroupSockets, NoSockets
 from elastic_runner.heartbeat import HEARTBEAT_ENV, Heartbeat, NoHeartbeat
 from elastic_runner.inplace import InPlaceRecovery
 from elastic_runner.inplace_agent import InPlaceAgent
+from elastic_runner.membership import announce_departure, read_view, register
 from elastic_runner.recovery_store import Attempt, StoreLocation, agree_attempt, connect
 
 from .procs import wait_until
@@ -66,6 +68,58 @@ def test_every_node_agrees_on_the_attempt_and_store_through_the_round_store():
     # nodes 0 and 2 still run the attempt of round 2, node 1 joins: everyone takes it
     joined = round_("round-3/", {0: (again.prefix, "node1:7"), 2: (again.prefix, "node1:7")})
     assert joined[1] == Attempt(again.prefix, "node1:7", True)
+
+
+def test_each_etcd_agent_hosts_a_store_and_every_agent_takes_node_rank_0s():
+    """etcd: each agent's :class:`AgentStore` hosts a server and offers it; after the round
+    every agent uses node rank 0's (a client of it, even node rank 0's own agent), with one
+    prefix; a store not yet in use is reached through its own server."""
+    round_server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                 timeout=timedelta(seconds=10))
+    etcd = StoreLocation.for_rendezvous("etcd-v2", "etcd:2379", "job")
+    agents = [AgentStore(etcd, 10, "127.0.0.1") for _ in range(2)]
+    assert all(a.hosted is not None and a.own == f"127.0.0.1:{a.hosted.port}" for a in agents)
+    clients = [connect(StoreLocation("c10d", f"127.0.0.1:{round_server.port}"), 10)
+               for _ in agents]  # one client per agent: a client blocks while it waits
+    threads = [threading.Thread(target=lambda n=n: agents[n].agree(
+        dist.PrefixStore("round/", clients[n]), n, 2)) for n in (1, 0)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=20)
+    assert {a.location.endpoint for a in agents} == {agents[0].own}
+    assert agents[0].prefix == agents[1].prefix and agents[0].prefix.startswith(
+        "elastic_runner/job/")
+    agents[1].store.set(agents[1].key("x"), "1")  # a client of node rank 0's server
+    assert agents[0].hosted.get(agents[0].key("x")) == b"1"
+    assert agents[1].client(agents[1].own) is agents[1].hosted
+    assert agents[1].for_workers() == etcd.at(agents[0].own, agents[0].prefix)
+
+
+def test_a_leaving_host_waits_for_every_agent_to_follow_its_store():
+    """The host's agent waits until each remaining node acknowledged the move, at most its
+    timeout; a host whose store did not move returns at once."""
+    etcd = StoreLocation.for_rendezvous("etcd", "etcd:2379", "job")
+    host, successor = (AgentStore(etcd, 5, "127.0.0.1") for _ in range(2))
+    host.use(host.own)
+    host.prefix = "job/attempt"
+    endpoints = {0: host.own, 1: successor.own, 2: "127.0.0.1:2"}
+    for node in (0, 1, 2):
+        register(host.hosted, host.key, node, [node], node == 0, 3, endpoints[node])
+    t0 = time.monotonic()
+    host.wait_for_followers(0, 30)  # still the store's host: nothing to wait for
+    assert time.monotonic() - t0 < 5
+    announce_departure(host.hosted, host.key, read_view(host.hosted, host.key), [0],
+                       "preempted", host.client)
+    assert read_view(host.hosted, host.key).store_node == 1
+    acks = threading.Timer(0.5, lambda: [host.hosted.set(host.key("moved", n), endpoints[1])
+                                         for n in (1, 2)])
+    acks.start()
+    t0 = time.monotonic()
+    host.wait_for_followers(0, 30)
+    assert 0.4 < time.monotonic() - t0 < 20
+    assert host.hosted.check([host.key("moved", 2)])
+    acks.join()
 
 
 def test_a_restart_asked_for_ends_the_wait_for_a_generation():
