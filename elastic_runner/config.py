@@ -263,7 +263,8 @@ class FaultConfig(_Section):
     planted_metric: list[Float] | None = None  # replaces the early-stopping metric, one per eval
     perturb_rank: StrictInt | None = None  # this rank's weights diverge after loading a checkpoint
     trigger_file: str | None = None  # watched each step (one stat): a line "nan rank=R" written
-    #   from outside makes rank R's next loss NaN once, then is removed (see faults.py)
+    #   from outside makes rank R's next loss NaN once, then is removed; "slow rank=R
+    #   seconds=S" slows rank R by S seconds a step while it stands (see faults.py)
 
 
 class RecoveryConfig(_Section):

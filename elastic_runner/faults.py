@@ -16,14 +16,20 @@ Kinds (each a real event, not a simulation of the runner's reaction):
 
 Faults requested from outside while the job runs (``faults.trigger_file: PATH``, off by
 default): before each step every rank ``stat``-s PATH (nothing more while it is missing or
-empty; no trigger configured: a null object, not even the ``stat``). Each line is a request; the
-one kind so far is ``nan rank=R``: rank R's next loss becomes NaN, once (so every rank skips that
-update, see ``consensus.py``), and R removes the line. A rank reads and rewrites the file under
-an exclusive ``flock`` of PATH, so writers must take it too, e.g.
-``flock PATH -c 'echo "nan rank=1" >> PATH'`` (``bench/soak.py`` does this from Python). A line
-that does not parse is removed with a warning naming it; a line for a rank outside the group
-stays (every rank then reads the file at each step until it is removed). The rank logs
-``fault injection: rank R poisons its loss at step S (trigger file PATH)``.
+empty; no trigger configured: a null object, not even the ``stat``). Each line is a request:
+
+* ``nan rank=R``: rank R's next loss becomes NaN, once (so every rank skips that update, see
+  ``consensus.py``), and R removes the line; it logs ``fault injection: rank R poisons its loss
+  at step S (trigger file PATH)``;
+* ``slow rank=R seconds=S``: a standing request: while the line is in the file, rank R sleeps
+  S seconds before each step (a straggler made and ended from outside, as in a drill of the
+  straggler log and alerts); R logs when it starts and when it ends.
+
+A rank reads and rewrites the file under an exclusive ``flock`` of PATH, so writers must take it
+too, e.g. ``flock PATH -c 'echo "nan rank=1" >> PATH'`` (``bench/soak.py`` does this from
+Python). A line that does not parse is removed with a warning naming it; a line for a rank
+outside the group stays (every rank then reads the file at each step until it is removed).
+``R`` is a global rank of the current group: a rank renumbered in place answers to its new one.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ import re
 import signal
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -60,6 +67,7 @@ class FaultInjector:
         self.rank, self.restart_count = rank, restart_count
         self.once_dir = Path(cfg.once_dir) if cfg.once_dir else None
         self._fired: set[tuple[int, int]] = set()  # (spec index, step) already fired
+        self._requests = NO_REQUESTS  # the trigger file's, read at the current step's begin
 
     def _due(self, spec: FaultSpec, step: int, steps_this_attempt: int, span: int = 1) -> bool:
         if spec.step is not None:
@@ -88,21 +96,29 @@ class FaultInjector:
 
     def poison_loss(self, step: int, steps_this_attempt: int) -> bool:
         """True if the step about to run (global ``step``, 1-based) must produce a NaN loss: a
-        configured ``nan`` fault is due, or the trigger file asks for one (consumed here)."""
+        configured ``nan`` fault is due, or the trigger file asked for one at this step's
+        :meth:`begin_step` (consumed here)."""
         if any(spec.kind == "nan" and self._due(spec, step, steps_this_attempt, spec.count)
                and self._take(i, spec, step) for i, spec in self.specs):
             return True
-        if not self.trigger.take_nan():
+        if not self._requests.nan:
             return False
+        self._requests = Requests(slow_seconds=self._requests.slow_seconds)
         log.warning("fault injection: rank %d poisons its loss at step %d (trigger file %s)",
                     self.rank, step, self.trigger.path)
         return True
 
-    def slow_now(self, step: int, steps_this_attempt: int) -> None:
-        """Sleep before the step about to run if a ``slow`` fault covers it."""
-        for _, spec in self.specs:
-            if spec.kind == "slow" and self._due(spec, step, steps_this_attempt, spec.count):
-                time.sleep(spec.seconds)
+    def begin_step(self, step: int, steps_this_attempt: int) -> None:
+        """Before the step about to run: block forever if a ``hang`` fault is due, read the
+        trigger file's requests (once a step), and sleep for the ``slow`` faults and the
+        standing ``slow`` request that cover the step (seconds added, not overlapped)."""
+        self.hang_now(step, steps_this_attempt)
+        self._requests = self.trigger.poll()
+        delay = self._requests.slow_seconds + sum(
+            spec.seconds for _, spec in self.specs
+            if spec.kind == "slow" and self._due(spec, step, steps_this_attempt, spec.count))
+        if delay > 0:
+            time.sleep(delay)
 
     def hang_now(self, step: int, steps_this_attempt: int) -> None:
         """Block forever if a ``hang`` fault is due at the step about to run."""
@@ -134,61 +150,86 @@ class FaultInjector:
             os.kill(os.getpid(), signal.SIGKILL if spec.kind == "sigkill" else signal.SIGTERM)
 
 
+@dataclass(frozen=True)
+class Requests:
+    """What the trigger file asks of one rank at one step: a NaN loss (once), and the seconds
+    of its standing ``slow`` request (0: none)."""
+
+    nan: bool = False
+    slow_seconds: float = 0.0
+
+
+NO_REQUESTS = Requests()
+
+
 class NoTrigger:
     """No trigger file configured: nothing is ever requested (no file system access)."""
 
     path = None
 
-    def take_nan(self) -> bool:
-        return False
+    def poll(self) -> Requests:
+        return NO_REQUESTS
 
 
 class TriggerFile:
     """``faults.trigger_file`` as seen by one rank (see the module docstring)."""
 
-    LINE = re.compile(r"^nan\s+rank=(\d+)$")
+    NAN = re.compile(r"^nan\s+rank=(\d+)$")
+    SLOW = re.compile(r"^slow\s+rank=(\d+)\s+seconds=(\d+(?:\.\d*)?|\.\d+)$")
 
     def __init__(self, path: Path, rank: int) -> None:
         self.path, self.rank = path, rank
         self._warned = False
+        self._slow = 0.0  # the standing slow request last seen (logged when it changes)
 
-    def take_nan(self) -> bool:
-        """True (once per line) if a ``nan rank=<this rank>`` line is in the file; that line,
-        and any line that does not parse, is removed. Never raises: an unreadable file is
-        logged once and counts as empty."""
+    def poll(self) -> Requests:
+        """This rank's requests in the file now: a ``nan rank=<this rank>`` line (one per
+        call) and any line that does not parse are removed; ``slow`` lines stay. Never raises:
+        an unreadable file is logged once and counts as empty."""
         try:
             if os.stat(self.path).st_size == 0:
-                return False
+                return self._seen(Requests())
             with open(self.path, "r+") as f:
                 fcntl.flock(f, fcntl.LOCK_EX)  # released by close(): writers lock it too
                 lines = [ln.strip() for ln in f.read().splitlines() if ln.strip()]
-                keep, hit = self._consume(lines)
+                keep, requests = self._consume(lines)
                 if len(keep) != len(lines):
                     f.seek(0)
                     f.truncate()
                     f.write("".join(f"{ln}\n" for ln in keep))
-            return hit
+            return self._seen(requests)
         except FileNotFoundError:
-            return False
+            return self._seen(Requests())
         except OSError as e:
             if not self._warned:
                 self._warned = True
                 log.warning("faults.trigger_file %s: cannot read it (%s); no faults from it",
                             self.path, e)
-            return False
+            return self._seen(Requests())
 
-    def _consume(self, lines: list[str]) -> tuple[list[str], bool]:
-        keep, hit = [], False
+    def _consume(self, lines: list[str]) -> tuple[list[str], Requests]:
+        keep, nan, slow = [], False, 0.0
         for ln in lines:
-            m = self.LINE.match(ln)
-            if m is None:
+            m_nan, m_slow = self.NAN.match(ln), self.SLOW.match(ln)
+            if m_nan is None and m_slow is None:
                 log.warning("faults.trigger_file %s: removed the line %r (allowed: 'nan rank=R', "
-                            "R a global rank)", self.path, ln)
-            elif not hit and int(m[1]) == self.rank:
-                hit = True
-            else:
-                keep.append(ln)
-        return keep, hit
+                            "'slow rank=R seconds=S', R a global rank)", self.path, ln)
+                continue
+            if m_nan is not None and not nan and int(m_nan[1]) == self.rank:
+                nan = True
+                continue
+            if m_slow is not None and int(m_slow[1]) == self.rank:
+                slow = float(m_slow[2])
+            keep.append(ln)
+        return keep, Requests(nan=nan, slow_seconds=slow)
+
+    def _seen(self, requests: Requests) -> Requests:
+        if requests.slow_seconds != self._slow:
+            self._slow = requests.slow_seconds
+            log.warning("fault injection: rank %d %s (trigger file %s)", self.rank,
+                        f"sleeps {self._slow:g} s before each step" if self._slow
+                        else "no longer sleeps before each step", self.path)
+        return requests
 
 
 def _hang_forever() -> None:

@@ -266,8 +266,8 @@ class WatchdogHeartbeat(Callback):
 
 
 class FaultInjection(Callback):
-    """Configured faults (``faults.py``): hang and slow before a step, kill / raise after it;
-    a NaN loss through :meth:`poisoned`."""
+    """Configured faults and the trigger file's requests (``faults.py``): hang and slow before
+    a step, kill / raise after it; a NaN loss through :meth:`poisoned`."""
 
     def __init__(self, injector: FaultInjector) -> None:
         self.injector = injector
@@ -276,8 +276,7 @@ class FaultInjection(Callback):
 
     def on_step_begin(self, step: int, steps_this_attempt: int) -> None:
         self._attempt_steps = steps_this_attempt
-        self.injector.hang_now(step, steps_this_attempt)
-        self.injector.slow_now(step, steps_this_attempt)
+        self.injector.begin_step(step, steps_this_attempt)
 
     def poisoned(self, step: int) -> bool:
         return self.injector.poison_loss(step, self._attempt_steps)

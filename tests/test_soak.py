@@ -10,7 +10,7 @@ import logging
 import pytest
 
 from bench import soak
-from elastic_runner.config import FaultConfig, load_config
+from elastic_runner.config import FaultConfig, FaultSpec, load_config
 from elastic_runner.faults import FaultInjector, NoTrigger, TriggerFile
 
 from .needs import debian, require_command
@@ -47,18 +47,46 @@ def test_trigger_file_poisons_the_named_rank_once(tmp_path, caplog):
     cfg = FaultConfig(trigger_file=str(path))
     rank0, rank1 = FaultInjector(cfg, 0, 0), FaultInjector(cfg, 1, 0)
     assert rank1.active and rank1.specs == []  # the callbacks go in; no configured spec
-    assert not rank1.poison_loss(3, 3)  # no file yet
+
+    def step(injector: FaultInjector, n: int) -> bool:
+        injector.begin_step(n, n)
+        return injector.poison_loss(n, n)
+
+    assert not step(rank1, 3)  # no file yet
     path.write_text("nan rank=1\nbogus line\nnan rank=1\n")
     with caplog.at_level(logging.WARNING, logger="elastic_runner.faults"):
-        assert not rank0.poison_loss(4, 4)  # not its line; the bad one goes
+        assert not step(rank0, 4)  # not its line; the bad one goes
         assert path.read_text() == "nan rank=1\nnan rank=1\n"
-        assert rank1.poison_loss(5, 5)
+        assert step(rank1, 5)
         assert path.read_text() == "nan rank=1\n"  # one line, one NaN
-        assert rank1.poison_loss(6, 6) and not rank1.poison_loss(7, 7)
+        assert step(rank1, 6) and not step(rank1, 7)
     assert path.read_text() == ""
     text = caplog.text
-    assert "removed the line 'bogus line' (allowed: 'nan rank=R'" in text
+    assert "removed the line 'bogus line' (allowed: 'nan rank=R', 'slow rank=R seconds=S'" in text
     assert f"rank 1 poisons its loss at step 5 (trigger file {path})" in text
+
+
+def test_trigger_file_slows_the_named_rank_while_the_line_stands(tmp_path, caplog, monkeypatch):
+    path = tmp_path / "trigger"
+    cfg = FaultConfig(trigger_file=str(path), inject=[
+        FaultSpec(kind="slow", rank=1, step=2, count=1, seconds=0.5)])
+    rank0, rank1 = FaultInjector(cfg, 0, 0), FaultInjector(cfg, 1, 0)
+    slept: list[float] = []
+    monkeypatch.setattr("elastic_runner.faults.time.sleep", slept.append)
+    path.write_text("slow rank=1 seconds=0.25\nnan rank=1\n")
+    with caplog.at_level(logging.WARNING, logger="elastic_runner.faults"):
+        rank0.begin_step(1, 1)
+        rank1.begin_step(1, 1)
+        assert slept == [0.25] and rank1.poison_loss(1, 1)  # both requests at one read
+        rank1.begin_step(2, 2)  # the configured slow fault of step 2 adds to the request
+        assert slept == [0.25, 0.75] and not rank1.poison_loss(2, 2)
+        assert path.read_text() == "slow rank=1 seconds=0.25\n"  # it stands
+        path.write_text("")
+        rank1.begin_step(3, 3)
+    assert slept == [0.25, 0.75]  # ended with the line
+    text = caplog.text
+    assert text.count("rank 1 sleeps 0.25 s before each step") == 1
+    assert "rank 1 no longer sleeps before each step" in text and "rank 0" not in text
 
 
 def test_no_trigger_file_is_a_null_object_and_the_key_loads():
