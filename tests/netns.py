@@ -18,8 +18,8 @@ when namespaces cannot be made and skips it elsewhere.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
-import random
 import shutil
 import subprocess
 from collections.abc import Callable, Iterator
@@ -29,10 +29,16 @@ import pytest
 from .needs import require_netns
 
 _IP = "ip"
+# each Nodes of this process a tag of its own: the kernel removes a deleted namespace's veth
+# asynchronously, so a name used again at once can still exist (a random tag repeated when a
+# test seeded the global RNG in this process: "ip link add" failed with status 2)
+_MADE = itertools.count()
 
 
 def _run(*argv: str) -> None:
-    subprocess.run(argv, check=True, capture_output=True, timeout=30)
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)}: exit {done.returncode}: {done.stderr.strip()}")
 
 
 class Nodes:
@@ -40,8 +46,9 @@ class Nodes:
 
     def __init__(self, count: int) -> None:
         self.count = count
-        self.tag = f"{os.getpid() % 1000:03d}{random.randrange(1000):03d}"
-        self.subnet = f"10.231.{random.randrange(1, 255)}"
+        made = next(_MADE)
+        self.tag = f"{os.getpid() % 1000:03d}{made % 1000:03d}"
+        self.subnet = f"10.231.{(os.getpid() + made) % 254 + 1}"
         self.bridge = f"erb{self.tag}"
         self.names = [f"er{self.tag}n{i}" for i in range(count)]
         self._made: list[Callable[[], None]] = []
@@ -97,7 +104,7 @@ class Nodes:
 
     def close(self) -> None:
         while self._made:
-            with contextlib.suppress(subprocess.SubprocessError, OSError):
+            with contextlib.suppress(subprocess.SubprocessError, OSError, RuntimeError):
                 self._made.pop()()
 
 

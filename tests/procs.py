@@ -7,6 +7,7 @@ reach them: teardown kills every descendant by pid (psutil), then the process it
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import signal
 import socket
@@ -37,6 +38,28 @@ def wait_until(predicate: Callable[[], bool], timeout: float, what: str,
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
         time.sleep(poll)
+
+
+class Pace:
+    """A job's rank slowed by ``seconds`` a step from outside, through the job's trigger file
+    (``faults.trigger_file``, a standing ``slow`` request: elastic_runner/faults.py), so that
+    faults the test injects land mid-run. :meth:`end` lifts it once the test's last fault is
+    done: a run of a fixed number of steps then ends at full speed instead of running its
+    slowed tail. The slow-down changes no number the run computes, only its timing."""
+
+    def __init__(self, path: Path, seconds: float, rank: int = 0) -> None:
+        self.path = path
+        path.write_text(f"slow rank={rank} seconds={seconds}\n")
+
+    @property
+    def args(self) -> list[str]:
+        """The config override that makes a job read the trigger file."""
+        return [f"faults.trigger_file={self.path}"]
+
+    def end(self) -> None:
+        with open(self.path, "r+") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)  # the ranks rewrite it under the same lock
+            f.truncate()
 
 
 class Job:

@@ -27,7 +27,7 @@ from elastic_runner.config import load_config
 
 from .etcd import EtcdServer
 from .k8s import K8S, by_kind, problems, render
-from .procs import REPO, free_port, wait_until
+from .procs import REPO, Pace, free_port, wait_until
 from .test_metrics import get
 from .test_monitoring_files import DASHBOARD, RULES, promtool_path
 from .test_multinode import world_sizes
@@ -379,15 +379,14 @@ def test_operator_rehearsal_a_worker_killed_in_one_pod_is_replaced_in_place(
         config.write_text(_config_map("cpu", "job.yaml"))
         ck, trace = tmp_path / "checkpoints" / "elastic-runner", tmp_path / "trace"
         args, cmd = command_args("cpu"), container("cpu")["command"]
-        pods = []
+        pods, pace = [], Pace(tmp_path / "pace", 0.05)  # rank 0 slowed until the recovery
         for i in range(2):
             argv = [sys.executable, "-m", "elastic_runner", *cmd[1:]]
             argv[argv.index(args.config)] = str(config)  # the ConfigMap, "mounted" here
             argv += [f"checkpoint.dir={ck}", "training.max_steps=300",
                      "early_stopping.enabled=false", "data.num_workers=0",
                      f"audit.trace_dir={trace}", "recovery.spare_delay_seconds=1",
-                     "faults.inject=[{kind: slow, rank: 0, step: 1, count: 100000, "
-                     "seconds: 0.05}]"]
+                     "metrics.linger_seconds=0", *pace.args]  # no final scrape to wait for
             pods.append(launch(nodes.argv(i, argv), name=f"worker-{i}",
                                env={**env, **nodes.env(i)}))
         ready = re.compile(r"spare \S+ ready")
@@ -395,6 +394,9 @@ def test_operator_rehearsal_a_worker_killed_in_one_pod_is_replaced_in_place(
         others = {p.pid for p in pods[0].workers().values()}
         victim = max(r for r in pods[1].workers() if r >= 0)
         pods[1].workers()[victim].send_signal(signal.SIGKILL)
+        wait_until(lambda: any("in-place recovery 1 done" in p.output for p in pods), 120,
+                   "the recovery")
+        pace.end()
         for pod in pods:
             assert pod.wait(timeout=300) == 0, pod.output[-3000:]
     finally:

@@ -14,22 +14,21 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from elastic_runner import audit
 
-from .procs import CONFIGS, cli, free_port, wait_until
+from .procs import CONFIGS, Pace, cli, free_port, wait_until
 from .test_metrics import get, samples
 from .test_train_torchrun import assert_same_tensors, final_state
 
 pytestmark = pytest.mark.slow
 
 DIGITS = str(CONFIGS / "digits.yaml")
-STEPS = 1200
+STEPS = 600  # the outside kills end near step 90 (rank 0 paced until the last)
 COMMON = [DIGITS, "logging.tensorboard_dir=null", "early_stopping.enabled=false",
           f"training.max_steps={STEPS}", "training.max_epochs=1000", "checkpoint.every_steps=40",
           "training.log_every_steps=10", "eval.every_steps=0"]
 # digits: 19 steps per epoch at world size 2 (global batch 64), evaluated at each epoch's end
 FAULTS = ("faults.inject=[{kind: sigkill, rank: 0, step: 40, during: checkpoint},"
           " {kind: sigkill, rank: 1, step: 76, during: evaluation},"
-          " {kind: sigkill, rank: 1, after_steps: 0, attempts: 20, during: joining},"
-          " {kind: slow, rank: 0, step: 1, count: 100000, seconds: 0.03}]")
+          " {kind: sigkill, rank: 1, after_steps: 0, attempts: 20, during: joining}]")
 OUTSIDE_KILLS = 10
 _REPLACED = re.compile(r"rank\(s\) \[(\d+)\] exited with code\(s\) \[(-?\d+)\]: replaced in "
                        r"place by (\w+) spare\(s\) pid\(s\) \[(\d+)\] \(generation (\d+)")
@@ -54,7 +53,8 @@ def test_ten_kills_a_checkpoint_write_an_evaluation_and_a_joiner(launch, tmp_pat
                  name="reference")
 
     ck, trace, port = tmp_path / "ck", tmp_path / "trace", free_port()
-    job = launch(cli("run", *COMMON, FAULTS, f"faults.once_dir={tmp_path / 'once'}",
+    pace = Pace(tmp_path / "pace", 0.03)  # rank 0 slowed until the last kill
+    job = launch(cli("run", *COMMON, FAULTS, *pace.args, f"faults.once_dir={tmp_path / 'once'}",
                      f"checkpoint.dir={ck}", "--trace-samples", str(trace), "--nproc-per-node",
                      "2", "--max-restarts", "20", "--metrics-port", str(port)), name="job")
     # the three injected faults: rank 0 dies while step 40's checkpoint is written (after the
@@ -99,6 +99,7 @@ def test_ten_kills_a_checkpoint_write_an_evaluation_and_a_joiner(launch, tmp_pat
                    f"kill {i + 1}: a step committed after generation {generation}")
         resumed = int(_WENT_ON.findall(job.output)[-1])
         lost.append(before - resumed)
+    pace.end()
     assert job.wait(timeout=600) == 0, job.output[-4000:]
     assert ref.wait(timeout=300) == 0, ref.output[-3000:]
 
@@ -117,15 +118,17 @@ def test_continue_shrunk_keeps_every_sample_once_and_the_global_batch(launch, tm
     """No warm spare (``recovery.spare=false``): rank 0 goes on alone at once with twice the
     accumulation, and the group is whole again once the replacement has started."""
     ck, trace = tmp_path / "ck", tmp_path / "trace"
+    pace = Pace(tmp_path / "pace", 0.02)  # rank 0 slowed until the group is whole again
     job = launch(cli("run", DIGITS, "logging.tensorboard_dir=null", "early_stopping.enabled=false",
                      "training.max_steps=500", "training.max_epochs=1000",
                      "batch.micro_batch_size=16", "batch.global_batch_size=64",
-                     "recovery.continue_shrunk=true", "recovery.spare=false",
-                     "faults.inject=[{kind: slow, rank: 0, step: 1, count: 100000, "
-                     "seconds: 0.02}]", f"checkpoint.dir={ck}", "--trace-samples", str(trace),
+                     "recovery.continue_shrunk=true", "recovery.spare=false", *pace.args,
+                     f"checkpoint.dir={ck}", "--trace-samples", str(trace),
                      "--nproc-per-node", "2"), name="shrunk")
     wait_until(lambda: max(audit.steps_recorded(trace, 0), default=0) >= 40, 240, "40 steps")
     job.workers()[1].send_signal(signal.SIGKILL)
+    wait_until(lambda: "back to world size 2" in job.output, 240, "the group whole again")
+    pace.end()
     assert job.wait(timeout=400) == 0, job.output[-4000:]
 
     log = job.output

@@ -19,7 +19,7 @@ from elastic_runner import audit
 
 from .etcd import etcd_on
 from .netns import Nodes
-from .procs import Job, cli, wait_until
+from .procs import Job, Pace, cli, wait_until
 from .test_inplace import DIGITS, done, replacements
 from .test_train_torchrun import assert_same_tensors, final_state
 
@@ -30,24 +30,23 @@ _READY = re.compile(r"spare (\S+) ready")
 _HUNG = re.compile(r"local_rank \d+ \(pid (\d+)\) sent no heartbeat for ([\d.]+) s")
 
 
-def common(steps: int, slow_s: float, faults: str = "") -> list[str]:
-    """digits for ``steps`` steps with rank 0 slowed by ``slow_s`` per step (so the faults land
-    before the end), plus the ``faults`` given (``, {kind: ...}`` items)."""
+def common(steps: int, faults: str = "") -> list[str]:
+    """digits for ``steps`` steps, with the ``faults`` given (a YAML list of fault specs)."""
     return [DIGITS, "logging.tensorboard_dir=null", "early_stopping.enabled=false",
             f"training.max_steps={steps}", "training.max_epochs=1000", "eval.every_steps=0",
             "checkpoint.every_steps=40", "training.log_every_steps=10",
-            f"faults.inject=[{{kind: slow, rank: 0, step: 1, count: 100000, "
-            f"seconds: {slow_s}}}{faults}]"]
+            *([f"faults.inject={faults}"] if faults else [])]
 
 
 def start_nodes(launch, nodes: Nodes, tmp_path, args: list[str], nproc: int,
-                rdzv: list[str]) -> list[Job]:
-    """One ``elastic-runner run`` per node of ``nodes`` (``rdzv``: the rendezvous options;
-    ``{host}`` in them becomes ``true`` on node 0 and ``false`` elsewhere)."""
+                rdzv: list[str], pace: Pace) -> list[Job]:
+    """One ``elastic-runner run`` per node of ``nodes``, rank 0 slowed by ``pace`` so that the
+    faults land before the end (``rdzv``: the rendezvous options; ``{host}`` in them becomes
+    ``true`` on node 0 and ``false`` elsewhere)."""
     jobs = []
     for i in range(nodes.count):
         opts = [o.replace("{host}", "true" if i == 0 else "false") for o in rdzv]
-        argv = cli("run", *args, "recovery.spare_delay_seconds=1",
+        argv = cli("run", *args, *pace.args, "recovery.spare_delay_seconds=1",
                    "recovery.heartbeat_timeout_seconds=2", f"checkpoint.dir={tmp_path / 'ck'}",
                    f"faults.once_dir={tmp_path / 'once'}", "--trace-samples",
                    str(tmp_path / "trace"), "--nnodes", str(nodes.count), "--nproc-per-node",
@@ -57,7 +56,8 @@ def start_nodes(launch, nodes: Nodes, tmp_path, args: list[str], nproc: int,
 
 
 def reference(launch, tmp_path, args: list[str], world_size: int) -> Job:
-    """The same training uninterrupted, on one node (gloo sums in the same order)."""
+    """The same training uninterrupted, on one node (gloo sums in the same order), at full
+    speed (the nodes' slow-down changes no number)."""
     return launch(cli("run", *args, f"checkpoint.dir={tmp_path / 'ref'}", "--nproc-per-node",
                       str(world_size)), name="reference")
 
@@ -102,12 +102,12 @@ def check_run(jobs: list[Job], ref: Job, tmp_path, generations: int) -> None:
 
 
 def test_c10d_two_nodes_crash_hang_and_the_store_hosts_worker(launch, netns_nodes, tmp_path):
-    args = common(steps=700, slow_s=0.05)
+    args = common(steps=700)
     ref = reference(launch, tmp_path, args, 2)
-    nodes = netns_nodes(2)
+    nodes, pace = netns_nodes(2), Pace(tmp_path / "pace", 0.05)
     host, other = start_nodes(launch, nodes, tmp_path, args, 1, [
         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{nodes.address(0)}:{RDZV_PORT}",
-        "--rdzv-conf", "is_host={host}"])
+        "--rdzv-conf", "is_host={host}"], pace)
     wait_until(lambda: len(ranks(host)) == len(ranks(other)) == 1, 180, "both workers")
     (victim,), (keeper,) = ranks(other), ranks(host)
     host_pid = ranks(host)[keeper].pid
@@ -131,6 +131,7 @@ def test_c10d_two_nodes_crash_hang_and_the_store_hosts_worker(launch, netns_node
     wait_until(lambda: spares_ready(host) >= 1, 180, "node 0's spare")
     psutil.Process(host_pid).send_signal(signal.SIGKILL)
     wait_until(lambda: 3 in recoveries([host, other]), 120, "recovery 3")
+    pace.end()
 
     check_run([host, other], ref, tmp_path, generations=3)
     # one generation counter for the job: node 1 announced 1 and 2, node 0 announced 3
@@ -154,13 +155,14 @@ def test_etcd_two_nodes_of_two_a_crash_during_a_checkpoint_write_and_one_outside
     # find_unused_parameters is set, and gloo's ring sums each element in an order set by its
     # place in a bucket (measured without it: largest weight difference 3e-8 after one kill,
     # 9e-5 after two; bench/soak.py's EXACT_DDP says the same of restarts)
-    ref = reference(launch, tmp_path, [*common(steps=400, slow_s=0.05), *EXACT_DDP], 4)
+    ref = reference(launch, tmp_path, [*common(steps=400), *EXACT_DDP], 4)
     # rank 0 dies while step 80's checkpoint is written (after the snapshot, in the background
     # write): on etcd no node is special, so its own node's spare replaces it
-    args = [*common(400, 0.05, ", {kind: sigkill, rank: 0, step: 80, during: checkpoint}"),
+    args = [*common(400, "[{kind: sigkill, rank: 0, step: 80, during: checkpoint}]"),
             *EXACT_DDP]
+    pace = Pace(tmp_path / "pace", 0.05)
     jobs = start_nodes(launch, nodes, tmp_path, args, 2, [
-        "--rdzv-backend", "etcd-v2", "--rdzv-endpoint", etcd.endpoint])
+        "--rdzv-backend", "etcd-v2", "--rdzv-endpoint", etcd.endpoint], pace)
     wait_until(lambda: 1 in recoveries(jobs), 240, "recovery 1 (the checkpoint write)")
     ck = tmp_path / "ck" / "step-00000080"
     assert not ck.exists() or (ck / "manifest.json").exists()  # never half published
@@ -172,4 +174,5 @@ def test_etcd_two_nodes_of_two_a_crash_during_a_checkpoint_write_and_one_outside
     victim = max(ranks(far))
     psutil.Process(live_pid(far, victim)).send_signal(signal.SIGKILL)
     wait_until(lambda: 2 in recoveries(jobs), 120, "recovery 2")
+    pace.end()
     check_run(jobs, ref, tmp_path, generations=2)

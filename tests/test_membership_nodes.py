@@ -20,7 +20,7 @@ from elastic_runner import audit
 
 from .etcd import EtcdServer, etcd_on
 from .netns import Nodes
-from .procs import Job, cli, wait_until
+from .procs import Job, Pace, cli, wait_until
 from .test_inplace import DIGITS
 
 pytestmark = pytest.mark.slow
@@ -31,17 +31,16 @@ _CHANGE = re.compile(r"membership: node\(s\) \[([\d, ]+)\] (preempted|lost|join)
                      r"generation (\d+) goes on (?:without them )?at world size (\d+)")
 
 
-def start(launch, nodes: Nodes, tmp_path, steps: int) -> list[Job]:
-    """digits on every node, 1 worker each, rank 0 slowed so the faults land mid-run."""
-    return [start_one(launch, nodes, tmp_path, i, steps) for i in range(nodes.count)]
+def start(launch, nodes: Nodes, tmp_path, steps: int, pace: Pace) -> list[Job]:
+    """digits on every node, 1 worker each, rank 0 slowed by ``pace``."""
+    return [start_one(launch, nodes, tmp_path, i, steps, pace) for i in range(nodes.count)]
 
 
-def start_one(launch, nodes: Nodes, tmp_path, i: int, steps: int, slow: float = 0.04,
-               name: str = "", etcd: EtcdServer | None = None, global_batch: int = GLOBAL_BATCH
-               ) -> Job:
-    """``elastic-runner run`` of digits on node ``i`` (1 worker; rank 0 slowed by ``slow``
-    seconds a step so the faults land mid-run; the rendezvous completes 1 s after it has the
-    minimum of nodes): c10d hosted by node 0, or ``etcd``."""
+def start_one(launch, nodes: Nodes, tmp_path, i: int, steps: int, pace: Pace, name: str = "",
+              etcd: EtcdServer | None = None, global_batch: int = GLOBAL_BATCH) -> Job:
+    """``elastic-runner run`` of digits on node ``i`` (1 worker; rank 0 slowed by ``pace`` so
+    the faults land mid-run; the rendezvous completes 1 s after it has the minimum of nodes):
+    c10d hosted by node 0, or ``etcd``."""
     rdzv = (["--rdzv-backend", "etcd-v2", "--rdzv-endpoint", etcd.endpoint,
              "--rdzv-conf", "last_call_timeout=1"] if etcd is not None else
             ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"{nodes.address(0)}:{RDZV_PORT}",
@@ -50,9 +49,7 @@ def start_one(launch, nodes: Nodes, tmp_path, i: int, steps: int, slow: float = 
                f"training.max_steps={steps}", "training.max_epochs=1000",
                "eval.every_steps=0", "checkpoint.every_steps=50",
                "training.log_every_steps=10", f"batch.global_batch_size={global_batch}",
-               "faults.inject=[{kind: slow, rank: 0, step: 1, count: 100000, "
-               f"seconds: {slow}}}]",
-               "recovery.spare=false", "recovery.node_timeout_seconds=3",
+               *pace.args, "recovery.spare=false", "recovery.node_timeout_seconds=3",
                f"checkpoint.dir={tmp_path / 'ck'}", "--trace-samples",
                str(tmp_path / "trace"), "--nnodes", f"1:{nodes.count}",
                "--nproc-per-node", "1", "--rdzv-id", "members", "--max-restarts", "3", *rdzv)
@@ -93,7 +90,8 @@ def check_samples(tmp_path) -> None:
 def test_c10d_a_partitioned_node_is_left_behind_and_fenced_out_when_it_heals(
         launch, netns_nodes, tmp_path):
     nodes = netns_nodes(3)
-    jobs = start(launch, nodes, tmp_path, steps=400)
+    pace = Pace(tmp_path / "pace", 0.04)
+    jobs = start(launch, nodes, tmp_path, steps=400, pace=pace)
     wait_until(lambda: all(len(j.workers()) == 1 for j in jobs), 180, "three workers")
     kept = [next(iter(j.workers().values())) for j in jobs[:2]]
     wait_until(lambda: len(steps(tmp_path / "trace")) >= 30, 120, "step 30")
@@ -110,6 +108,7 @@ def test_c10d_a_partitioned_node_is_left_behind_and_fenced_out_when_it_heals(
     assert jobs[2].wait(timeout=240) == 3, jobs[2].output[-4000:]
     assert "fenced out" in jobs[2].output
     assert all(p.is_running() for p in kept)  # the group went on, undisturbed
+    pace.end()
     for job in jobs[:2]:
         assert job.wait(timeout=300) == 0, job.output[-4000:]
     assert len(changes(jobs[0])) == 1  # the healed node changed nothing more
@@ -132,28 +131,18 @@ def sizes_in_order(trace) -> list[int]:
     return out
 
 
-@pytest.fixture
-def three_nodes_and_etcd(tmp_path, netns_nodes, request):
-    """Three nodes, and with ``request.param == "etcd-v2"`` an etcd server in the root
-    namespace on their bridge (else None: c10d)."""
+def test_c10d_nodes_join_and_leave_in_place_2_3_2_1_2(launch, netns_nodes, tmp_path):
+    """c10d: two nodes; a third joins (3), is preempted (2), node 1 is killed (1), a new node
+    joins in node 1's place (2): node 0's worker keeps its process throughout, no checkpoint
+    is read, the global batch is the same at every step and every sample is trained once.
+    (The rendezvous host, node 0, cannot leave in place with c10d; with etcd it can: the next
+    test.)"""
     nodes = netns_nodes(3)
-    if request.param != "etcd-v2":
-        yield nodes, None
-        return
-    with etcd_on(tmp_path / "etcd", nodes.host_address) as server:
-        yield nodes, server
-
-
-@pytest.mark.parametrize("three_nodes_and_etcd", ["c10d", "etcd-v2"], indirect=True)
-def test_nodes_join_and_leave_in_place_2_3_2_1_2(launch, three_nodes_and_etcd, tmp_path):
-    """Two nodes; a third joins (3), is preempted (2), node 1 is killed (1), a new node joins
-    in node 1's place (2): node 0's worker keeps its process throughout, no checkpoint is
-    read, the global batch is the same at every step and every sample is trained once."""
-    nodes, etcd = three_nodes_and_etcd
     total = 600  # the second join lands near step 260 (CPU, 2 cores)
+    pace = Pace(tmp_path / "pace", 0.08)
 
     def start_node(i: int, name: str = "") -> Job:
-        return start_one(launch, nodes, tmp_path, i, total, slow=0.08, name=name, etcd=etcd)
+        return start_one(launch, nodes, tmp_path, i, total, pace, name=name)
 
     jobs = [start_node(i) for i in (0, 1)]
     wait_until(lambda: all(len(j.workers()) == 1 for j in jobs), 180, "two workers")
@@ -177,6 +166,7 @@ def test_nodes_join_and_leave_in_place_2_3_2_1_2(launch, three_nodes_and_etcd, t
     again = start_node(1, "node1-again")
     wait_until(lambda: sizes_in_order(tmp_path / "trace")[-1] == 2, 180, "world size 2 again")
     assert kept.is_running()  # node 0's worker kept its process throughout
+    pace.end()
     assert jobs[0].wait(timeout=400) == 0, jobs[0].output[-4000:]
     assert again.wait(timeout=120) == 0, again.output[-4000:]
 
@@ -190,62 +180,68 @@ def test_nodes_join_and_leave_in_place_2_3_2_1_2(launch, three_nodes_and_etcd, t
     check_samples(tmp_path)
 
 
-def test_etcd_the_store_host_leaves_and_then_dies_and_the_group_goes_on_in_place(
+def test_etcd_2_3_2_1_2_the_store_host_leaves_then_its_successor_dies_in_place(
         launch, netns_nodes, tmp_path):
-    """etcd-v2, three nodes; the node whose agent hosts the recovery store is preempted (3 ->
-    2: the store moves with the departure's announcement to the lowest remaining node id),
-    then the node that took it over is
-    killed (2 -> 1: the survivor's agent finds the store dead, claims the successor in etcd
-    and moves it to itself), then a new node joins (1 -> 2). The last node's worker keeps its
-    process throughout, no checkpoint is read, every sample is trained once."""
+    """etcd-v2: two nodes (node 0's agent hosts the recovery store); a third joins (3); node 0
+    is preempted (2: the store moves with the departure's announcement to the lowest remaining
+    node id, node 1); node 1, which hosts it now, is killed (1: the joined node's agent finds
+    the store dead, claims the successor in etcd and moves it to itself); a new node joins the
+    job whose store lives on the joined node (2). The joined node's worker keeps its process
+    from its admission on, no checkpoint is read, the global batch is the same at every step
+    and every sample is trained once."""
     nodes = netns_nodes(3)
-    total = 500
+    total = 600
+    pace = Pace(tmp_path / "pace", 0.08)
     with etcd_on(tmp_path / "etcd", nodes.host_address) as etcd:
         def start_node(i: int, name: str = "") -> Job:
-            return start_one(launch, nodes, tmp_path, i, total, slow=0.08, name=name,
-                             etcd=etcd)
+            return start_one(launch, nodes, tmp_path, i, total, pace, name=name, etcd=etcd)
 
-        jobs = [start_node(i) for i in range(3)]
-        wait_until(lambda: 3 in sizes_seen(tmp_path), 180, "a step at world size 3")
-        # node ids: the first round's node ranks, or claimed on joining if a node was late
-        registered = re.compile(r"membership: node (\d+) registered")
-        by_id = {int(registered.search(j.output)[1]): j for j in jobs}
+        jobs = [start_node(i) for i in (0, 1)]
+        wait_until(lambda: len(steps(tmp_path / "trace")) >= 20, 180, "step 20")
         host = next(j for j in jobs if "hosts the recovery store" in j.output)
-        successor, last = [by_id[n] for n in sorted(by_id) if by_id[n] is not host]
-        kept = next(iter(last.workers().values()))
-        wait_until(lambda: len(steps(tmp_path / "trace")) >= 20, 120, "step 20")
+        successor = next(j for j in jobs if j is not host)
 
-        # 1. the store's host is preempted: it leaves in place, the store moves to the next node
+        # 1. a third node joins: the running workers go on and take it in at a step boundary
+        last = start_node(2)
+        wait_until(lambda: 3 in sizes_seen(tmp_path), 180, "a step at world size 3")
+        assert "joined the running job" in last.output
+        kept = next(iter(last.workers().values()))
+        ids = {j: int(re.search(r"membership: node (\d+) (?:registered|joined)", j.output)[1])
+               for j in (host, successor, last)}
+        assert sorted(ids.values()) == [0, 1, 2] and ids[last] == 2
+
+        # 2. the store's host is preempted: it leaves in place, the store moves to node 1
         host.proc.send_signal(signal.SIGTERM)
         assert host.wait(timeout=60) == 143, host.output[-3000:]
         wait_until(lambda: sizes_in_order(tmp_path / "trace")[-1] == 2, 60, "world size 2")
         assert "every agent followed" in host.output, host.output[-3000:]
         moved = re.compile(r"the recovery store moved from .* to node (\d+)'s agent")
-        ids = {j: n for n, j in by_id.items()}
         assert [int(m[1]) for m in moved.finditer(last.output)] == [ids[successor]]
 
-        # 2. the node that hosts it now is killed: the last node moves it to itself
+        # 3. the node that hosts it now is killed: the joined node moves it to itself
         successor.kill_all()
         wait_until(lambda: sizes_in_order(tmp_path / "trace")[-1] == 1, 90, "world size 1")
         assert [int(m[1]) for m in moved.finditer(last.output)] == [ids[successor], ids[last]]
         assert "does not answer" in last.output
 
-        # 3. a new node joins the job whose store lives on node 2 now
+        # 4. a new node joins the job whose store lives on the joined node now
         again = start_node(0, "node0-again")
         wait_until(lambda: sizes_in_order(tmp_path / "trace")[-1] == 2, 180,
                    "world size 2 again")
-        assert kept.is_running()  # the last node's worker kept its process throughout
+        assert kept.is_running()  # the joined node's worker kept its process throughout
+        pace.end()
         assert last.wait(timeout=400) == 0, last.output[-4000:]
         assert again.wait(timeout=120) == 0, again.output[-4000:]
 
-    # the last node's worker, rank 2 at the start, became rank 0 and logs as rank 0 does
+    # the joined node's worker, rank 2 when it joined, became rank 0 and logs as rank 0 does
     assert "[rank0] INFO elastic_runner.checkpointing: committed checkpoint" in last.output
-    assert sizes_in_order(tmp_path / "trace")[-4:] == [3, 2, 1, 2]
+    assert sizes_in_order(tmp_path / "trace") == [2, 3, 2, 1, 2]
     assert [c[1] for c in changes(last)][-3:] == ["preempted", "lost", "join"]
     assert "resumed from" not in last.output + again.output  # no checkpoint read
     trace = steps(tmp_path / "trace")
     assert sorted(trace) == list(range(1, total + 1))
     assert {samples for _, samples in trace.values()} == {GLOBAL_BATCH}
+    assert all(len(sizes) == 1 for sizes, _ in trace.values())
     check_samples(tmp_path)
 
 
@@ -255,12 +251,14 @@ def test_c10d_a_node_the_global_batch_cannot_take_is_refused_and_the_group_goes_
     rank 0 refuses the join, the step the ranks stopped at is redone in the same group, the
     new node's agent ends with an error, and the job completes at world size 2."""
     nodes = netns_nodes(3)
-    jobs = [start_one(launch, nodes, tmp_path, i, 300, global_batch=64) for i in (0, 1)]
+    pace = Pace(tmp_path / "pace", 0.04)
+    jobs = [start_one(launch, nodes, tmp_path, i, 300, pace, global_batch=64) for i in (0, 1)]
     wait_until(lambda: len(steps(tmp_path / "trace")) >= 20, 180, "step 20")
-    third = start_one(launch, nodes, tmp_path, 2, 300, global_batch=64)
+    third = start_one(launch, nodes, tmp_path, 2, 300, pace, global_batch=64)
     assert third.wait(timeout=180) != 0, third.output[-3000:]
     assert "did not take this node in: batch.global_batch_size is not divisible at world " \
            "size 3" in third.output
+    pace.end()
     for job in jobs:
         assert job.wait(timeout=300) == 0, job.output[-4000:]
     assert "they stay out" in jobs[0].output
