@@ -181,9 +181,7 @@ class InPlaceAgent(LocalElasticAgent):
             beat.unlink(missing_ok=True)
         saved = {name: os.environ.get(name)
                  for name in (ENV, HEARTBEAT_ENV, MIN_NODES_ENV, SPARE_ENV)}
-        os.environ[ENV] = self._rs.for_workers().to_json()
-        os.environ[HEARTBEAT_ENV] = str(self._heartbeats)
-        os.environ[MIN_NODES_ENV] = str(self._policy.min_nodes)
+        os.environ.update(self._worker_variables())
         try:
             self._rs.store.check([self._rs.key("restart")])  # connect before the workers
             if joining:
@@ -664,12 +662,18 @@ class InPlaceAgent(LocalElasticAgent):
         env = {**os.environ, **pc.envs[0]}
         for variable in _RANK_VARIABLES:
             env.pop(variable, None)
-        env.update({ENV: self._rs.for_workers().to_json(),
-                    HEARTBEAT_ENV: str(self._heartbeats), SPARE_ENV: name, "RANK": "-1"})
+        env.update({**self._worker_variables(), SPARE_ENV: name, "RANK": "-1"})
         proc = subprocess.Popen([pc.entrypoint, *map(str, pc.args[0])], env=env,
                                 start_new_session=True)
         log.info("spare %s started (pid %d)", name, proc.pid)
         return _Spare(name, proc, time.monotonic())
+
+    def _worker_variables(self) -> dict[str, str]:
+        """What every worker and spare of this agent reads: the recovery store, the heartbeat
+        directory and ``--nnodes`` MIN (a spare without it took a worker's SIGTERM for a
+        departure the job allows: the 2:2 soak, a replaced rank preempted)."""
+        return {ENV: self._rs.for_workers().to_json(), HEARTBEAT_ENV: str(self._heartbeats),
+                MIN_NODES_ENV: str(self._policy.min_nodes)}
 
     def _drop_spare(self) -> None:
         spare, self._spare = self._spare, None

@@ -23,9 +23,15 @@ from elastic_runner.agent_store import AgentStore
 from elastic_runner.config import RecoveryConfig
 from elastic_runner.group_sockets import GroupSockets, NoSockets
 from elastic_runner.heartbeat import HEARTBEAT_ENV, Heartbeat, NoHeartbeat
-from elastic_runner.inplace import InPlaceRecovery
+from elastic_runner.inplace import ENV, SPARE_ENV, InPlaceRecovery
 from elastic_runner.inplace_agent import InPlaceAgent
-from elastic_runner.membership import announce_departure, read_view, register
+from elastic_runner.membership import (
+    MIN_NODES_ENV,
+    Policy,
+    announce_departure,
+    read_view,
+    register,
+)
 from elastic_runner.recovery_store import Attempt, StoreLocation, agree_attempt, connect
 
 from .procs import wait_until
@@ -213,3 +219,25 @@ def test_the_agent_kills_a_worker_whose_heartbeat_stopped(tmp_path):
         if proc.poll() is None:
             proc.kill()
         proc.wait(timeout=30)
+
+
+def test_a_spare_reads_what_the_workers_read_from_its_agent(tmp_path):
+    """A spare (a real process started by the agent's ``_start_spare``) gets the recovery
+    store, the heartbeat directory and ``--nnodes`` MIN as the workers do: without MIN a
+    replacement that was then preempted took its node out of a ``--nnodes 2:2`` job (the soak:
+    it left in place instead of taking the restart path)."""
+    agent = InPlaceAgent.__new__(InPlaceAgent)
+    location = StoreLocation("tcp", "127.0.0.1:1", "attempt/1")
+    agent._node, agent._spares, agent._heartbeats = 1, 0, tmp_path / "beats"
+    agent._rs = SimpleNamespace(for_workers=lambda: location)
+    agent._policy = Policy(min_nodes=2)
+    out = tmp_path / "env.json"
+    code = "import json, os, sys; json.dump(dict(os.environ), open(sys.argv[1], 'w'))"
+    pc = SimpleNamespace(entrypoint=sys.executable, args={0: ("-c", code, str(out))},
+                         envs={0: {"LOCAL_RANK": "0", "RANK": "3", "GROUP_RANK": "1"}})
+    spare = InPlaceAgent._start_spare(agent, pc)
+    assert spare.proc.wait(timeout=60) == 0
+    env = json.loads(out.read_text())
+    assert env[MIN_NODES_ENV] == "2" and env[HEARTBEAT_ENV] == str(tmp_path / "beats")
+    assert StoreLocation.from_json(env[ENV]) == location
+    assert env[SPARE_ENV] == "1.0" and env["RANK"] == "-1"
