@@ -354,16 +354,25 @@ class InPlaceRecovery:
 
     def _follow_departure(self, announced: dict[str, Any], trainer: Trainer, t0: float
                           ) -> None:
-        """An agent announced that node(s) left (lost: no heartbeat). This node's workers, if
-        it is one of them (a healed partition), are fenced out; the others go on without it.
+        """Node(s) left: lost (an agent announced it: no heartbeat), or preempted (the lowest
+        remaining rank announced it at a step boundary, while this rank's collective was cut
+        short). This node's workers, if it is one of them, leave: as preempted, or fenced out
+        when it was declared lost (a healed partition); the others go on without it.
 
         Raises:
+            Preempted: this node was preempted and left (its other ranks left in
+                :meth:`leave`; this one was still in the departure's collective when its
+                generation watch saw the announcement: the membership soak's fault 83).
             FencedOut: this node was declared lost.
             Regroup: as this rank's new number in the smaller group.
         """
         generation = self.generation + 1
         if announced.get("store") and self.node not in announced["departed"]:
             self._switch(announced["store"])
+        if self.node in announced["departed"] and announced["reason"] == "preempted":
+            raise Preempted(f"node {self.node} preempted: it left the job after step "
+                            f"{trainer.state.step}; the others go on at world size "
+                            f"{announced['world_size']} (generation {generation})")
         if self.node in announced["departed"]:
             raise FencedOut(f"node {self.node} was declared lost in generation {generation} "
                             f"({announced['reason']}: no heartbeat within "

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -21,6 +22,7 @@ import torch.distributed as dist
 
 from elastic_runner.agent_store import AgentStore
 from elastic_runner.config import RecoveryConfig
+from elastic_runner.fencing import FencedOut
 from elastic_runner.group_sockets import GroupSockets, NoSockets
 from elastic_runner.heartbeat import HEARTBEAT_ENV, Heartbeat, NoHeartbeat
 from elastic_runner.inplace import ENV, SPARE_ENV, InPlaceRecovery
@@ -32,6 +34,7 @@ from elastic_runner.membership import (
     read_view,
     register,
 )
+from elastic_runner.preempt import Preempted
 from elastic_runner.recovery_store import Attempt, StoreLocation, agree_attempt, connect
 
 from .procs import wait_until
@@ -241,3 +244,24 @@ def test_a_spare_reads_what_the_workers_read_from_its_agent(tmp_path):
     assert env[MIN_NODES_ENV] == "2" and env[HEARTBEAT_ENV] == str(tmp_path / "beats")
     assert StoreLocation.from_json(env[ENV]) == location
     assert env[SPARE_ENV] == "1.0" and env["RANK"] == "-1"
+
+
+@pytest.mark.parametrize(("reason", "raised", "says"), [
+    ("preempted", Preempted, "node 1 preempted: it left the job after step 7; the others go on "
+                             "at world size 2 (generation 5)"),
+    ("lost", FencedOut, "node 1 was declared lost in generation 5")])
+def test_a_rank_of_a_departed_node_leaves_as_its_node_did(reason, raised, says):
+    """A rank whose collective was cut short by its node's departure (its generation watch saw
+    the announcement while it was still in the departure's broadcast) leaves as preempted when
+    its node was preempted (exit 143, as its node's other ranks), fenced out when it was lost
+    (the membership soak: it was fenced out, exit 3, and its agent ended with 3)."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=5))
+    recovery = InPlaceRecovery(store, "attempt", 4, detect_timeout_s=1, join_timeout_s=5,
+                               location=StoreLocation("node0", "127.0.0.1:1", "attempt"),
+                               node=1, nnodes=2)
+    announced = {"departed": [1], "reason": reason, "world_size": 2, "failed": [2, 3],
+                 "members": [0, 1]}
+    trainer = SimpleNamespace(state=SimpleNamespace(step=7))
+    with pytest.raises(raised, match=re.escape(says)):
+        recovery._follow_departure(announced, trainer, time.perf_counter())
