@@ -668,8 +668,10 @@ class GenerationWatch:
     """Breaks this worker's collective when a newer generation (or torch's restart path) is
     announced while it waits: a partitioned node's peers get no reset and no error, their
     collective just never completes (gloo has no abort, see :mod:`elastic_runner.group_sockets`).
-    A daemon thread looks every ``interval_s`` through its own store client and, once the
-    announcement is there, shuts down the current group's connections both ways, so this
+    A daemon thread looks every ``interval_s`` through its own store client and, once an
+    announcement that a peer cannot finish the collective is there (a failed worker, a lost
+    node, the restart path; not a departure at a step boundary or a join, see
+    :meth:`_must_leave_collective`), shuts down the current group's connections both ways, so this
     rank's waiting collective (and any peer's that waits on this rank) fails at once and :meth:`InPlaceRecovery.recover` follows the
     announcement. Several nodes only (on one node a dead peer's connections reset)."""
 
@@ -685,13 +687,12 @@ class GenerationWatch:
         endpoint, broken = recovery.location.endpoint, False
         while not self._stop.wait(self.interval_s):
             epoch = recovery.sockets.epoch  # before the generation: see GroupSockets.cut
-            keys = [recovery.key("gen", recovery.generation + 1), recovery.key("restart")]
             try:
                 # the recovery store moved, or this client failed: a new client
                 if broken or recovery.location.endpoint != endpoint:
                     endpoint = recovery.location.endpoint
                     self._store, broken = self._connect(), False
-                announced = any(self._store.check([k]) for k in keys)
+                announced = self._must_leave_collective(recovery.generation + 1)
                 recovery.join_waiting = joins_waiting(self._store, recovery.key)
             except (RuntimeError, dist.DistError):  # store unreachable (partitioned): wait
                 broken = True
@@ -699,6 +700,21 @@ class GenerationWatch:
             if announced and recovery.sockets.cut(epoch, socket.SHUT_RDWR):
                 log.warning("generation %d was announced while this rank waited in a "
                             "collective: leaving it", recovery.generation + 1)
+
+    def _must_leave_collective(self, generation: int) -> bool:
+        """Whether generation ``generation`` (or the restart path) was announced in a way this
+        rank's collective cannot finish: a peer failed, or a node was lost. Not a departure at a
+        step boundary or a join: their announcer writes the announcement while every rank is
+        in the same collective with it, which completes on its own (cut short, a rank of the
+        membership soak hung in that broadcast until its step watchdog fired)."""
+        recovery = self.recovery
+        if self._store.check([recovery.key("restart")]):
+            return True
+        name = recovery.key("gen", generation)
+        if not self._store.check([name]):
+            return False
+        announced = json.loads(self._store.get(name))
+        return announced.get("reason") not in ("preempted", "joined")
 
     def _connect(self) -> dist.Store:
         """A client of the recovery store for this thread; its socket is never taken for a

@@ -25,7 +25,7 @@ from elastic_runner.config import RecoveryConfig
 from elastic_runner.fencing import FencedOut
 from elastic_runner.group_sockets import GroupSockets, NoSockets
 from elastic_runner.heartbeat import HEARTBEAT_ENV, Heartbeat, NoHeartbeat
-from elastic_runner.inplace import ENV, SPARE_ENV, InPlaceRecovery
+from elastic_runner.inplace import ENV, SPARE_ENV, GenerationWatch, InPlaceRecovery
 from elastic_runner.inplace_agent import InPlaceAgent
 from elastic_runner.membership import (
     MIN_NODES_ENV,
@@ -265,3 +265,29 @@ def test_a_rank_of_a_departed_node_leaves_as_its_node_did(reason, raised, says):
     trainer = SimpleNamespace(state=SimpleNamespace(step=7))
     with pytest.raises(raised, match=re.escape(says)):
         recovery._follow_departure(announced, trainer, time.perf_counter())
+
+
+def test_the_generation_watch_cuts_a_collective_only_when_a_peer_cannot_finish_it():
+    """A replacement's generation, a lost node and the restart path cut the waiting collective;
+    a departure at a step boundary and a join do not: their announcer wrote them while every rank
+    was in the same collective with it (cut short, a rank hung in that broadcast: the membership
+    soak's fault 92)."""
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                           timeout=timedelta(seconds=5))
+    location = StoreLocation("node0", f"127.0.0.1:{server.port}", "attempt")
+    recovery = InPlaceRecovery(server, "attempt", 4, detect_timeout_s=1, join_timeout_s=5,
+                               location=location, node=0, nnodes=2)
+    watch = GenerationWatch(recovery, interval_s=60)  # looked at here, not by its thread
+    try:
+        assert not watch._must_leave_collective(5)  # nothing announced
+        for announced, cut in [({"departed": [1], "reason": "preempted"}, False),
+                               ({"joined": [2], "reason": "joined"}, False),
+                               ({"departed": [1], "reason": "lost"}, True),
+                               ({"failed": [3], "members": [0, 1, 2, 3]}, True)]:
+            server.set("attempt/gen/5", json.dumps(announced))
+            assert watch._must_leave_collective(5) is cut, announced
+        server.delete_key("attempt/gen/5")
+        server.set("attempt/restart", "1")
+        assert watch._must_leave_collective(5)
+    finally:
+        watch.close()
