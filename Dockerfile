@@ -57,7 +57,7 @@ RUN set -eu; \
     fi; \
     pip install --no-cache-dir ${CONSTRAINTS:+-c "$CONSTRAINTS"} ".${EXTRAS:+[$EXTRAS]}" \
         $EXTRA_PACKAGES; \
-    python -c "import torch, elastic_runner.launch, elastic_runner.worker; print('torch', torch.__version__)"; \
+    python -c "import torch, elastic_runner.agent.launch, elastic_runner.worker; print('torch', torch.__version__)"; \
     elastic-runner --help >/dev/null
 
 FROM ${PYTHON_IMAGE}

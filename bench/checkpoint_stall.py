@@ -32,9 +32,8 @@ import warnings
 from pathlib import Path
 
 import torch
-
-from elastic_runner.async_save import AsyncCheckpointer
-from elastic_runner.checkpoint import write_checkpoint
+from elastic_runner.checkpoint.storage.async_save import AsyncCheckpointer
+from elastic_runner.checkpoint.storage.storage import write_checkpoint
 
 
 def make_state(size_mb: int) -> dict[str, torch.Tensor]:

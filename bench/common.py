@@ -19,9 +19,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
-# rank 0's step log line of the runner: "HH:MM:SS.mmm [rank0] INFO elastic_runner.loop: epoch E
+# rank 0's step log line of the runner: "HH:MM:SS.mmm [rank0] INFO elastic_runner.train.loop: epoch E
 # step N/T ..."
-RUNNER_STEP = re.compile(r"^(\d\d:\d\d:\d\d\.\d\d\d) \[rank0\] INFO elastic_runner\.loop: "
+RUNNER_STEP = re.compile(r"^(\d\d:\d\d:\d\d\.\d\d\d) \[rank0\] INFO elastic_runner\.train\.loop: "
                          r"epoch \d+ step (\d+)/")
 
 

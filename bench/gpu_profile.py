@@ -25,10 +25,10 @@ import time
 import torch
 from torch.utils.data import DataLoader, default_collate
 
-from elastic_runner.build import build_trainer
-from elastic_runner.callbacks import Callback
 from elastic_runner.config import load_config, task_builder
 from elastic_runner.dist import init_distributed
+from elastic_runner.train.build import build_trainer
+from elastic_runner.train.callbacks import Callback
 
 from .gpu import CONFIG, GPT2_SMALL
 

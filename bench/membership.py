@@ -11,7 +11,7 @@ every worker and resumes from the newest checkpoint; in place, node 1's workers 
 boundary and the new ones join at one, node 0's worker keeping its process.
 
 Measured from rank 0's metrics (node 0's agent serves them): the ETTR (productive seconds / job
-wall seconds, ``goodput.py``) and the seconds by cause, once node 1 has rejoined the last time
+wall seconds, ``observe/goodput.py``) and the seconds by cause, once node 1 has rejoined the last time
 and rank 0 published after it; the membership changes and restarts the logs show next to the
 signals sent.
 
@@ -42,8 +42,8 @@ LOG_EVERY = 20
 START_TIMEOUT_S = 300.0
 _JOINED = re.compile(r"membership: node\(s\) \[\d+\] join after step")
 _LEFT = re.compile(r"membership: node\(s\) \[\d+\] preempted after step")
-_RESUMED = re.compile(r"\[rank0\] INFO elastic_runner\.session: resumed from")
-_STEP = re.compile(r"\[rank0\] INFO elastic_runner\.loop: epoch \d+ step (\d+)/")
+_RESUMED = re.compile(r"\[rank0\] INFO elastic_runner\.train\.session: resumed from")
+_STEP = re.compile(r"\[rank0\] INFO elastic_runner\.train\.loop: epoch \d+ step (\d+)/")
 _AT_TWO = re.compile(r"\[rank0\] INFO elastic_runner\.\w+: task \w+: .* world size 2;")
 
 

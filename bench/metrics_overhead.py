@@ -67,9 +67,9 @@ _MICRO = """
 import os, tempfile, time, json
 os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp()
 from prometheus_client import CollectorRegistry, generate_latest
-from elastic_runner.agent_metrics import LiveWorkersCollector
+from elastic_runner.observe.node_metrics import LiveWorkersCollector
 from elastic_runner.config import MetricsConfig
-from elastic_runner.metrics import RankMetrics
+from elastic_runner.observe.metrics import RankMetrics
 m = RankMetrics(MetricsConfig(job="j", node="n"), 0, 0)
 n = 20000
 t = time.perf_counter()

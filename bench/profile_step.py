@@ -46,9 +46,9 @@ QUIET = ["logging.tensorboard_dir=null", "logging.progress_bar=false",
 def build(task: str, workdir: Path) -> tuple[Callable[[int], None], Callable[[int], None], Any]:
     """The runner's and the bare loop's ``run(n_steps)`` on one shared model, and the
     trainer (to close)."""
-    from elastic_runner.build import build_trainer
     from elastic_runner.config import load_config
     from elastic_runner.dist import init_distributed
+    from elastic_runner.train.build import build_trainer
 
     cfg = load_config(TASK_CONFIGS[task], [f"checkpoint.dir={workdir}", *QUIET])
     trainer = build_trainer(cfg, init_distributed("gloo"))

@@ -47,7 +47,7 @@ default of ``elastic-runner run`` on one node):
   10 s (``--ettr-intervals``), restart path vs in place; the ETTR and the badput by cause are read
   from rank 0's series on the job's metrics endpoint (``elastic_runner_ettr``,
   ``elastic_runner_goodput_seconds``) once the last kill's recovery is done and rank 0 logged
-  after it. ``wall`` = productive / ETTR (rank 0's job wall time, ``goodput.py``); the causes
+  after it. ``wall`` = productive / ETTR (rank 0's job wall time, ``observe/goodput.py``); the causes
   sum to it (``unattributed`` = wall - their sum, ~0). ``kills`` = the signals sent;
   ``failures`` = the failures the agent saw ("replaced in place", "worker group failed"
   lines); ``recoveries`` = those the job came back from, read in its log (distinct generations
@@ -80,9 +80,9 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+from elastic_runner.data.loader.audit import read_entries
 
-from elastic_runner.audit import read_entries
-from elastic_runner.metrics import GOODPUT_CAUSES
+from elastic_runner.observe.metrics import GOODPUT_CAUSES
 from tests.procs import CONFIGS, Job, cli, wait_until
 
 from .common import etcd_server, free_port, spread
@@ -101,15 +101,15 @@ RUN_TIMEOUT_S = 180
 _STAMP = r"(\d\d:\d\d:\d\d\.\d\d\d)"
 _TORCH_STAMP = r"[WE]\d{4} (\d\d:\d\d:\d\d\.\d{3})\d*"
 _DETECT = re.compile(rf"^(?:{_TORCH_STAMP} .*Sending process \d+ closing signal"
-                     rf"|{_STAMP} INFO elastic_runner\.agent_metrics: (?:worker group "
+                     rf"|{_STAMP} INFO elastic_runner\.observe\.node_metrics: (?:worker group "
                      r"(?:failed|unhealthy)|workers stopped for a membership change))")
-_RDZV = re.compile(rf"^{_STAMP} INFO elastic_runner\.agent_metrics: rendezvous round \d+ took "
+_RDZV = re.compile(rf"^{_STAMP} INFO elastic_runner\.observe\.node_metrics: rendezvous round \d+ took "
                    r"([\d.]+) s")
 _STARTUP = re.compile(rf"^{_STAMP} \[rank0\] INFO elastic_runner\.worker: startup: interpreter "
                       r"and imports ([\d.]+) s, device ([\d.]+) s, process group ([\d.]+) s, "
                       r"data and model ([\d.]+) s, checkpoint load ([\d.]+) s")
-_FAULT = re.compile(rf"^{_STAMP} \[rank1\] WARNING elastic_runner\.faults: fault")
-_RESUMED = re.compile(rf"^{_STAMP} \[rank0\] INFO elastic_runner\.session: resumed from \S+: "
+_FAULT = re.compile(rf"^{_STAMP} \[rank1\] WARNING elastic_runner\.train\.faults: fault")
+_RESUMED = re.compile(rf"^{_STAMP} \[rank0\] INFO elastic_runner\.train\.session: resumed from \S+: "
                       r"step (\d+)")
 
 
@@ -250,7 +250,7 @@ def node_leave_join(backend: str, endpoint: str, workdir: Path
 
 KILL_AFTER_STEP = 30
 _SPARE_READY = re.compile(r"spare \S+ ready")  # "spare 0" or "spare 0.0" (node.number)
-_DONE = re.compile(rf"^{_STAMP} \[rank\d\] WARNING elastic_runner\.loop: in-place recovery \d+ "
+_DONE = re.compile(rf"^{_STAMP} \[rank\d\] WARNING elastic_runner\.train\.loop: in-place recovery \d+ "
                    r"done: step (\d+) committed [\d.]+ s after the failure \((.*)\)$", re.M)
 
 
@@ -370,13 +370,13 @@ def ettr_run(path: str, interval: float, seconds: float, workdir: Path) -> dict[
 
 
 # one failure the agent saw: a worker replaced in place, or the worker group restarted
-_FAILED = re.compile(r"^\S+ (?:WARNING elastic_runner\.inplace_agent: rank\(s\) .*: replaced in "
-                     r"place by|INFO elastic_runner\.agent_metrics: worker group failed: "
+_FAILED = re.compile(r"^\S+ (?:WARNING elastic_runner\.agent\.inplace_agent: rank\(s\) .*: replaced in "
+                     r"place by|INFO elastic_runner\.observe\.node_metrics: worker group failed: "
                      r"restarting it)", re.M)
 # the job came back: a step committed after an in-place recovery (one line per survivor), or
 # rank 0 loaded the newest checkpoint (a restart, or in place with no survivor left) or found
 # none (a restart before the first checkpoint; also the job's first start)
-_DONE_IN_PLACE = re.compile(r"^\S+ \[rank\d+\] WARNING elastic_runner\.loop: in-place recovery "
+_DONE_IN_PLACE = re.compile(r"^\S+ \[rank\d+\] WARNING elastic_runner\.train\.loop: in-place recovery "
                             r"(\d+) done", re.M)
 _STARTED = re.compile(r"^\S+ \[rank0\] INFO elastic_runner\.\w+: (?:resumed from \S+: step|no "
                       r"checkpoint in .*: starting from scratch)", re.M)

@@ -14,7 +14,7 @@ in another order and the weights drift by a few ulps (2 ranks hide it: a + b == 
 
 ``--min-nodes 1`` runs the job at ``--nnodes 1:2`` instead: a node that leaves (killed,
 preempted, or taken out by its worker's SIGTERM) no longer stops the group; the other node goes
-on without it in place (``membership.py``: ranks renumbered, the global batch constant), and the
+on without it in place (``recovery/membership.py``: ranks renumbered, the global batch constant), and the
 driver starts it again, to join in place, before the next fault (:func:`restore`). The class
 ``node-preempt`` is added. The world size changes, so there is no reference run (the weights
 differ in summation order); the audit still must be exact. An etcd outage longer than the
@@ -45,7 +45,7 @@ victims and the variants come from ``random.Random(seed)``):
   checkpoint has its ``state.pt`` truncated or one bit flipped (a new file: a hard-linked best
   checkpoint keeps its bytes), and every worker is SIGKILLed: with no survivor to copy, the
   replacements must resume from an older checkpoint;
-* ``nan``: ``nan rank=R`` written to the job's ``faults.trigger_file`` (``faults.py``): rank R's
+* ``nan``: ``nan rank=R`` written to the job's ``faults.trigger_file`` (``train/faults.py``): rank R's
   next loss is NaN and every rank must skip that update (the trace marks it ``skipped``).
 
 One at a time: a fault is injected only after the job recovered from the previous one and then
@@ -57,7 +57,7 @@ Per fault: ``path`` (``in_place``: an ``in-place recovery N done`` line, no chec
 committed after the recovery (after the resume for a restart; after etcd is back for an outage;
 the first committed step after the skipped one for a NaN); ``steps_redone`` = the last step
 committed before the fault minus the step the group went on from. For the job: completed (both agents exit 0, the final checkpoint is at
-``max_steps``), the sample audit per completed epoch (``elastic_runner.audit``), resumes from a
+``max_steps``), the sample audit per completed epoch (``elastic_runner.data.audit``), resumes from a
 checkpoint that the driver had corrupted (must be 0; read from the ``resumed from`` lines), and
 the final model tensors against a reference run of the same config (same launch, no faults
 except NaNs at the steps the soak skipped, so both skip the same updates), bitwise.
@@ -92,14 +92,14 @@ from typing import Any
 import psutil
 import torch
 
-from elastic_runner import audit
-from elastic_runner import checkpoint as ckpt
+from elastic_runner.checkpoint.storage import storage as ckpt
+from elastic_runner.data.loader import audit
 from tests.etcd import EtcdServer
 from tests.procs import CONFIGS, Job, cli
 
 CLASSES = ("worker-sigkill", "worker-sigterm", "worker-hang", "node-kill", "etcd-outage",
            "ckpt-corrupt", "nan")
-# --min-nodes 1: nodes leave and join the running group in place (membership.py)
+# --min-nodes 1: nodes leave and join the running group in place (recovery/membership.py)
 MEMBERSHIP_CLASSES = (*CLASSES, "node-preempt")
 PREEMPTED = 143  # a node's agent after SIGTERM, or after its node left in place
 LEAVES = ("node-kill", "node-preempt", "worker-sigterm")  # --min-nodes 1: a node leaves

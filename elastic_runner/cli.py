@@ -4,7 +4,7 @@ generate}``.
 Options and ``key.path=value`` overrides may come in any order after the command (and ``-v``
 before or after it).
 
-Exit codes: 0 success; 1 the job or command failed; 2 bad input (config, arguments, checkpoint).
+Exit codes: :mod:`elastic_runner.exit_codes` (listed by ``elastic-runner --help``).
 """
 
 from __future__ import annotations
@@ -18,14 +18,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .checkpoint import CheckpointError
-from .config import ConfigError
-from .restart_budget import EXIT_BAD_INPUT, RestartBudget, newest_checkpoint_step
+from .agent.restart_budget import RestartBudget, newest_checkpoint_step
+from .checkpoint.storage import CheckpointError
+from .config_base import ConfigError
+from .exit_codes import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, described
 
 if TYPE_CHECKING:
-    from .audit import EpochReport
+    from .data.audit import EpochReport
 
-EXIT_OK, EXIT_FAILED = 0, 1
 
 
 class _IntermixedParser(argparse.ArgumentParser):
@@ -75,7 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="elastic-runner",
         description="Fault-tolerant elastic DDP training on torchrun: atomic checkpoints, "
-                    "automatic resume, rank-0 early stopping.")
+                    "automatic resume, rank-0 early stopping.",
+        epilog="exit codes: " + "; ".join(f"{code} {name.removeprefix('EXIT_').lower().replace('_', ' ')}"
+                                          for name, code, _ in described()))
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
                                 parser_class=_IntermixedParser)
@@ -188,8 +190,8 @@ def _add_other_commands(sub: Any) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from .agent.launch import launch
     from .config import load_config
-    from .launch import launch
 
     if args.config.endswith(".py"):
         return _run_script(args)
@@ -211,8 +213,9 @@ def _run_script(args: argparse.Namespace) -> int:
     """``run SCRIPT.py ... -- ARGS``: the agent starts your own training script (see
     ``examples/own_loop.py``) instead of the built-in trainer; the preemption grace and the
     metrics endpoint take the config's defaults and ``--metrics-port``."""
-    from .config import MetricsConfig, PreemptionConfig
-    from .launch import launch
+    from .agent.config import PreemptionConfig
+    from .agent.launch import launch
+    from .observe.config import MetricsConfig
 
     if not Path(args.config).is_file():
         raise ConfigError(f"training script {args.config} not found")
@@ -249,7 +252,7 @@ def cmd_schema(args: argparse.Namespace) -> int:
 
 
 def cmd_checkpoints(args: argparse.Namespace) -> int:
-    from . import checkpoint as ckpt
+    from .checkpoint import storage as ckpt
 
     infos = ckpt.list_checkpoints(args.dir)
     if not infos:
@@ -273,7 +276,7 @@ def _dash(v: object) -> str:
 
 def cmd_audit(args: argparse.Namespace) -> int:
     """Exit 0 when every complete epoch trained each expected sample exactly once, else 1."""
-    from .audit import audit
+    from .data.audit import audit
 
     reports = audit(args.trace)
     if not reports:
@@ -310,7 +313,7 @@ def _print_epoch(r: EpochReport) -> None:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from .export import export
+    from .tasks.export import export
 
     out, files = export(args.checkpoint, args.out_dir)
     print(f"exported to {out}: {', '.join(files)}")
@@ -319,7 +322,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
     from .config import load_config
-    from .export import evaluate_split, model_from_checkpoint
+    from .tasks.export import evaluate_split, model_from_checkpoint
 
     cfg = load_config(args.config, args.overrides)
     _, bundle, model, state = model_from_checkpoint(cfg, args.checkpoint)
@@ -329,7 +332,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from .export import model_from_checkpoint, sample
+    from .tasks.export import model_from_checkpoint, sample
 
     cfg, bundle, model, _ = model_from_checkpoint(None, args.checkpoint)
     text = sample(bundle, model, args.prompt, args.max_new_tokens, args.seed)
@@ -352,7 +355,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"elastic-runner: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
-        return 130
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -51,7 +51,7 @@ does when one is gone (required: exit code 2 with one line; optional: a warning,
    ``<qualname>.success|failure|duration.ms``; ``elastic/agent/server/api.py``:
    ``SimpleElasticAgent._rendezvous`` and ``_invoke_run``'s ``workers.<role>.remaining_restarts``
    and ``workers.<role>.<state>``; ``local_elastic_agent.py``: ``_start_workers``,
-   ``_stop_workers``; optional, agent). :mod:`elastic_runner.agent_metrics` turns them into the
+   ``_stop_workers``; optional, agent). :mod:`elastic_runner.observe.node_metrics` turns them into the
    node's agent series; without them those series stop changing.
 5. **DDP comm-hook details** (``torch/nn/parallel/distributed.py``; optional, worker).
    ``register_comm_hook`` records ``(hook, state)`` in ``self._comm_hooks``
@@ -90,7 +90,7 @@ does when one is gone (required: exit code 2 with one line; optional: a warning,
    ``_stop_workers``, ``_shutdown``, ``_monitor_workers``, ``self._pcontext`` and, when
    configured, ``_check_uninterruptible_state_timeout``; optional,
    agent). :func:`agent_class` makes ``launch_agent`` build
-   :class:`~elastic_runner.inplace_agent.InPlaceAgent`, which swaps a spare into a dead
+   :class:`~elastic_runner.agent.inplace_agent.InPlaceAgent`, which swaps a spare into a dead
    worker's slot. Without them ``run`` recovers by restarting every worker, as torchrun does.
 
 10. **torchrun's ``--shutdown-timeout``** (``run.py``: ``get_args_parser``; optional, agent).
@@ -140,17 +140,15 @@ from torch.distributed.run import config_from_args, determine_local_world_size, 
 from torch.nn.parallel import DistributedDataParallel
 from torch.torch_version import TorchVersion
 
-from .config import ConfigError
-from .logs import first_line
-from .preempt import EXIT_PREEMPTED
-from .restart_budget import (
-    EXIT_BAD_INPUT,
-    EXIT_PEER_LOST,
+from .agent.restart_budget import (
     FAILED_STOP_SECONDS,
     PEER_SETTLE_SECONDS,
     RestartBudget,
     failures_of,
 )
+from .config_base import ConfigError
+from .exit_codes import EXIT_BAD_INPUT, EXIT_PEER_LOST, EXIT_PREEMPTED
+from .logs import first_line
 
 __all__ = [
     "AGENT_STORE_ENV", "BELOW_TORCH", "DEFAULT_JOIN_TIMEOUT_S", "ETCD_OPTION_SPELLINGS",
@@ -444,7 +442,7 @@ def _check_monitor_workers() -> str | None:
 def apply_agent_fixes(cls: type = LocalElasticAgent, budget: RestartBudget | None = None
                       ) -> bool:
     """Patch ``cls`` (torch's ``LocalElasticAgent``) in this process with fix 8: each failed
-    attempt's remaining restarts are judged by ``budget`` (``restart_budget.py``: no restart
+    attempt's remaining restarts are judged by ``budget`` (``agent/restart_budget.py``: no restart
     after bad input or a fenced-out writer or in a crash loop; preemptions and lost peers do
     not spend ``--max-restarts``), and the rest of a failed group is SIGKILLed
     ``FAILED_STOP_SECONDS`` after its SIGTERM. Idempotent; a later call replaces the budget.

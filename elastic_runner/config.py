@@ -1,7 +1,9 @@
 """Typed run configuration, loaded from YAML in exactly one place.
 
-A config file is a YAML mapping whose sections map onto the pydantic models below (unknown keys
-are errors). The ``data`` and ``model`` sections are typed by the task: a task module may define
+A config file is a YAML mapping whose sections map onto pydantic models (unknown keys are
+errors): :class:`Config` here assembles them, and each section's model lives with its concern
+(``train/config.py``, ``checkpoint/config.py``, ``recovery/config.py``, ...; all importable from
+here). The ``data`` and ``model`` sections are typed by the task: a task module may define
 ``DataConfig`` (a subclass of :class:`DataConfig`) and ``ModelConfig`` (a subclass of
 :class:`ModelConfig`) models, and those validate the sections. ``elastic-runner schema`` prints the
 JSON Schema of the file (:func:`config_schema`).
@@ -22,28 +24,52 @@ import os
 import types
 import typing
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (
     BaseModel,
-    BeforeValidator,
     ConfigDict,
     Field,
     SerializeAsAny,
-    StrictBool,
     StrictInt,
     TypeAdapter,
     ValidationError,
     create_model,
-    field_validator,
     model_validator,
 )
 from pydantic.fields import FieldInfo
-from pydantic_core import ErrorDetails, PydanticCustomError
+from pydantic_core import ErrorDetails
 
-if TYPE_CHECKING:
-    import torch
+from .agent.config import PreemptionConfig, RestartsConfig
+from .checkpoint.config import CheckpointConfig
+from .config_base import ConfigError, Hint, Section, invalid
+from .data.config import AuditConfig, DataConfig
+from .observe.config import LoggingConfig, MetricsConfig, WatchdogConfig
+from .recovery.config import RecoveryConfig
+from .train.config import (
+    BatchConfig,
+    DDPConfig,
+    DistributedConfig,
+    EarlyStoppingConfig,
+    EvalConfig,
+    FaultConfig,
+    FaultSpec,
+    ModelConfig,
+    OptimizerConfig,
+    ScheduleConfig,
+    TrainingConfig,
+)
+
+# the file's model and its loader, and every section's model (each defined with its concern)
+__all__ = [
+    "AuditConfig", "BatchConfig", "CheckpointConfig", "Config", "ConfigError", "DDPConfig",
+    "DataConfig", "DistributedConfig", "EarlyStoppingConfig", "EvalConfig", "FaultConfig",
+    "FaultSpec", "LoggingConfig", "MetricsConfig", "ModelConfig", "OptimizerConfig",
+    "PreemptionConfig", "RecoveryConfig", "RestartsConfig", "ScheduleConfig", "TrainingConfig",
+    "WatchdogConfig", "available_tasks", "build_key", "config_schema", "dump_yaml",
+    "fingerprint", "from_dict", "load_config", "task_builder", "task_target",
+]
 
 BUILTIN_TASKS = {
     "digits": "elastic_runner.tasks.digits:build",
@@ -54,315 +80,19 @@ BUILTIN_TASKS = {
 TASK_ENTRY_POINTS = "elastic_runner.tasks"  # importlib.metadata group: name = "pkg.module:build"
 
 
-class ConfigError(ValueError):
-    """A config file or override is invalid; the message names the key path."""
-
-
-class Hint:
-    """``Annotated`` metadata: the error text for a value outside the field's bounds."""
-
-    def __init__(self, text: str) -> None:
-        self.text = text
-
-
-def _not_bool(value: Any) -> Any:
-    if isinstance(value, bool):
-        raise PydanticCustomError("float_type", "Input should be a valid number")
-    return value
-
-
-# A float field: ints and numeric strings (YAML 1.1 reads ``1e-3`` as a string) are accepted,
-# booleans are not. Ints and booleans of the runner's own sections are strict (no "5", no 1.0).
-Float = Annotated[float, BeforeValidator(_not_bool)]
-Port = Annotated[StrictInt | None, Field(ge=1, le=65535),
-                 Hint("must be a TCP port (1-65535) or null")]
-
-
-def _invalid(message: str, key: str = "") -> PydanticCustomError:
-    """A validation error whose text is ``message``; ``key`` (a field) is appended to the path."""
-    return PydanticCustomError("config", "{message}", {"message": message, "key": key})
-
-
-class _Section(BaseModel):
-    """A config section: unknown keys are errors; an empty (``null``) section means defaults."""
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=False)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_is_defaults(cls, value: Any) -> Any:
-        return {} if value is None else value
-
-
-class DataConfig(_Section):
-    """Data loading shared by all tasks; tasks subclass it for their own fields."""
-
-    num_workers: StrictInt = Field(0, ge=0)  # DataLoader worker processes per rank
-    pin_memory: StrictBool = False
-
-
-class ModelConfig(_Section):
-    """Base of a task's ``model:`` section (a task without one gets the mapping as a dict)."""
-
-
-class OptimizerConfig(_Section):
-    name: Literal["adamw", "sgd"] = "adamw"
-    lr: Float = Field(1e-3, gt=0)  # peak learning rate (after warm-up)
-    weight_decay: Float = 0.0
-    betas: tuple[Float, Float] = (0.9, 0.999)
-    momentum: Float = 0.9  # sgd only
-    # torch's fused kernel (one launch for all parameters; it can skip an update on the device,
-    # which the lagged step vote needs); auto: on CUDA, not on CPU
-    fused: Literal["auto"] | StrictBool = "auto"
-
-    def fused_on(self, device: torch.device) -> bool:
-        """Whether to build the optimizer with ``fused=True`` on ``device``."""
-        return device.type == "cuda" if self.fused == "auto" else self.fused
-
-
-class ScheduleConfig(_Section):
-    """Learning-rate schedule: linear warm-up, then cosine decay to ``min_lr_ratio * lr``.
-
-    The cosine runs over the optimizer steps left after warm-up until ``training.max_steps`` (or
-    ``max_epochs`` worth of steps), as in SGDR (Loshchilov & Hutter, 2017) without restarts.
-    """
-
-    name: Literal["cosine", "constant"] = "cosine"
-    warmup_steps: StrictInt = Field(0, ge=0)
-    min_lr_ratio: Float = Field(0.1, ge=0, le=1)
-
-
-class BatchConfig(_Section):
-    """Batch sizes in samples. Global batch = world_size * micro_batch_size * grad_accum_steps.
-
-    With ``global_batch_size`` set, ``grad_accum_steps`` is derived from it and the current world
-    size (``global / (world_size * micro_batch_size)``), so the optimisation trajectory does not
-    change when nodes come and go; ``optimizer.lr`` is then the LR of that fixed global batch.
-    Without it, the per-rank batch is fixed and the global batch (and so the effective LR per
-    sample) changes with the world size; the LR is not rescaled automatically.
-    """
-
-    micro_batch_size: StrictInt = Field(32, ge=1)  # per rank, per forward/backward
-    grad_accum_steps: StrictInt = Field(1, ge=1)  # per optimizer step (ignored with global)
-    global_batch_size: StrictInt | None = None  # samples per optimizer step, constant on resizes
-
-    @model_validator(mode="after")
-    def _global_is_multiple(self) -> BatchConfig:
-        if self.global_batch_size is not None and self.global_batch_size % self.micro_batch_size:
-            raise _invalid("must be a multiple of batch.micro_batch_size", "global_batch_size")
-        return self
-
-    def accumulation_for(self, world_size: int) -> int:
-        """Micro-batches per optimizer step at ``world_size``.
-
-        Raises:
-            ConfigError: ``global_batch_size`` is not a multiple of world_size x micro_batch_size;
-                the message lists the world sizes (up to 64) that divide it.
-        """
-        if self.global_batch_size is None:
-            return self.grad_accum_steps
-        per_step = world_size * self.micro_batch_size
-        if self.global_batch_size % per_step:
-            valid = [w for w in range(1, 65)
-                     if self.global_batch_size % (w * self.micro_batch_size) == 0]
-            raise ConfigError(
-                f"batch.global_batch_size: {self.global_batch_size} is not divisible by "
-                f"world_size {world_size} x micro_batch_size {self.micro_batch_size}; "
-                f"valid world sizes: {valid or 'none'}")
-        return self.global_batch_size // per_step
-
-
-class TrainingConfig(_Section):
-    max_epochs: StrictInt = Field(10, ge=1)
-    max_steps: StrictInt | None = Field(None, ge=1)  # optimizer steps; whichever limit is first
-    grad_clip_norm: Float | None = 1.0
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"  # fp16 uses a GradScaler (CUDA only)
-    log_every_steps: StrictInt = Field(10, ge=1)
-    max_bad_steps: StrictInt = Field(3, ge=1)  # non-finite steps in a row before a rollback
-    # the step vote decided on the device and read one step later (no host synchronisation per
-    # step, see consensus.LaggedConsensus); auto: on CUDA with a fused optimizer and no sample
-    # trace (the trace reads every step's loss)
-    lagged_vote: Literal["auto"] | StrictBool = "auto"
-    # torch.use_deterministic_algorithms(True), cuDNN autotuning off and, on CUDA,
-    # CUBLAS_WORKSPACE_CONFIG=:4096:8 unless set (docs/gpu.md says what is bitwise then)
-    deterministic: StrictBool = False
-
-
-class EvalConfig(_Section):
-    every_steps: StrictInt = 0  # 0: evaluate at the end of each epoch only
-    max_batches: StrictInt | None = None  # per rank; None = the whole validation split
-
-
-class CheckpointConfig(_Section):
-    dir: str = "runs/checkpoints"
-    every_steps: StrictInt = Field(50, ge=0)  # 0: only at epoch ends
-    at_epoch_end: StrictBool = True  # also save after the last step of every epoch
-    every_seconds: Float | None = Field(None, gt=0)  # also save after this much wall-clock time
-    async_save: StrictBool = True  # snapshot to reused host buffers, write in the background
-    keep_last: StrictInt = Field(3, ge=1)
-    keep_best: StrictBool = True
-    resume: StrictBool = True  # load the newest valid checkpoint on every (re)start
-
-
-class EarlyStoppingConfig(_Section):
-    enabled: StrictBool = False
-    metric: str = "val_loss"
-    mode: Literal["min", "max"] = "min"
-    patience: StrictInt = Field(3, ge=1)  # evaluations without improvement before stopping
-    min_delta: Float = 0.0
-
-
-class DDPConfig(_Section):
-    bucket_cap_mb: Float = 25.0
-    static_graph: StrictBool = False
-    find_unused_parameters: StrictBool = False
-
-
-class DistributedConfig(_Section):
-    backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: nccl on CUDA, gloo on CPU
-    timeout_seconds: Float = Field(600.0, gt=0)  # collective and store timeout
-    ddp: DDPConfig = Field(default_factory=DDPConfig)
-
-
-class LoggingConfig(_Section):
-    progress_bar: StrictBool = True  # rank 0 only
-    tensorboard_dir: str | None = None  # rank 0 writes scalars when set
-
-
-class AuditConfig(_Section):
-    trace_dir: str | None = None  # per-rank JSONL sample trace (see audit.py); None: off
-
-
-class FaultSpec(_Section):
-    """One injected fault: rank ``rank`` does ``kind`` when it completes global optimizer step
-    ``step`` (or its ``after_steps``-th step of the current restart attempt), in restart attempts
-    ``0 .. attempts-1``. ``nan`` poisons the loss of ``count`` consecutive steps starting at that
-    step; with ``repeat`` it fires again when those steps are replayed after a rollback. ``slow``
-    makes ``count`` consecutive steps take ``seconds`` longer on the rank (a straggler)."""
-
-    kind: Literal["sigkill", "sigterm", "raise", "hang", "nan", "slow"] = "sigkill"
-    rank: StrictInt = 0
-    step: StrictInt | None = None
-    after_steps: StrictInt | None = None
-    attempts: StrictInt = 1
-    count: StrictInt = 1
-    repeat: StrictBool = False
-    seconds: Float = 0.0  # ``slow``: extra time each of ``count`` steps takes on this rank
-    during: Literal["step", "checkpoint", "evaluation", "joining"] = "step"  # sigkill/sigterm/
     #   raise: after the step (default), while the step's checkpoint is written (after the
     #   snapshot), as the evaluation after the step begins, or as a replacement joins a running
     #   group (its process group formed, the state not yet agreed; its own steps: after_steps 0)
 
 
-class FaultConfig(_Section):
-    """Off-by-default fault injection for tests and drills (see ``faults.py``). The environment
-    variable ``ELASTIC_RUNNER_FAULTS`` (a YAML list of fault specs) is appended to ``inject``."""
-
-    inject: list[FaultSpec] = Field(default_factory=list)
-    once_dir: str | None = None  # marker files here make each fault fire once per job
-    planted_metric: list[Float] | None = None  # replaces the early-stopping metric, one per eval
-    perturb_rank: StrictInt | None = None  # this rank's weights diverge after loading a checkpoint
-    trigger_file: str | None = None  # watched each step (one stat): a line "nan rank=R" written
     #   from outside makes rank R's next loss NaN once, then is removed; "slow rank=R
-    #   seconds=S" slows rank R by S seconds a step while it stands (see faults.py)
+    #   seconds=S" slows rank R by S seconds a step while it stands (see train/faults.py)
 
 
-class RecoveryConfig(_Section):
-    """What happens when a worker dies (see ``docs/recovery.md``).
-
-    ``in_place`` (``elastic-runner run``, on one node or several): the surviving workers on
-    every node keep their process, leave the step in flight, re-form the process group with a
-    replacement that the failed worker's agent takes from its node's warm spare, and send it
-    their state; a failure with no survivor on its node, a lost node, an unreachable recovery
-    store or plain torchrun fall back to ``restart``: torchrun's agents stop every worker and
-    start new ones, which resume from the newest checkpoint."""
-
-    mode: Literal["in_place", "restart"] = "in_place"
-    spare: StrictBool = True  # keep one warm replacement per node (imported, task built)
-    spare_delay_seconds: Float = Field(10.0, ge=0)  # start it this long after the workers
-    #   built the task: a short job never pays for one (a failure before gets a cold start)
-    detect_timeout_seconds: Float = Field(10.0, gt=0)  # a rank whose collective failed waits
-    #   this long for its agent to name a failed peer; then the error is a failure as before
-    join_timeout_seconds: Float = Field(120.0, gt=0)  # re-forming the group with the
-    #   replacement (covers a spare that is still starting)
-    continue_shrunk: StrictBool = False  # no warm spare at hand: the survivors go on at the
-    #   smaller world size at once (needs batch.global_batch_size) and the replacement joins at
-    #   a later step boundary; off: they wait for it (bitwise replay needs the world size)
-    #   (one node only; across nodes the survivors wait for the replacement)
-    heartbeat_timeout_seconds: Float | None = Field(10.0, gt=0)  # the agent kills and replaces
-    #   a worker whose heartbeat thread is silent this long (SIGSTOP, a frozen process); keep
-    #   it below watchdog.hang_timeout_seconds, whose expiry restarts every worker; None: off
-    node_timeout_seconds: Float | None = Field(5.0, gt=0)  # several nodes: a node whose
-    #   agent's heartbeat in the recovery store is silent this long (killed, partitioned) is
-    #   lost, and the others go on without it in place (membership.py); below
-    #   detect_timeout_seconds, which the survivors wait for that; None: a lost node restarts
-    #   every worker
-
-    @model_validator(mode="after")
-    def _lost_before_given_up(self) -> RecoveryConfig:
-        if (self.node_timeout_seconds is not None
-                and self.node_timeout_seconds >= self.detect_timeout_seconds):
-            raise _invalid(f"must be below recovery.detect_timeout_seconds "
-                           f"({self.detect_timeout_seconds:g}): the survivors of a lost node "
-                           "wait that long for the generation without it",
-                           "node_timeout_seconds")
-        return self
-
-
-class RestartsConfig(_Section):
-    """Which failures spend torchrun's ``--max-restarts`` under ``elastic-runner run`` (the
-    rules: ``restart_budget.py`` and the README's "Restart budget"). Bad input (exit 2) and a
-    fenced-out writer (exit 3) are never restarted; a crash spends one restart."""
-
-    preemption: StrictInt = Field(100, ge=0)  # restarts after exit 143 that spend none of it
-    peer_lost: StrictInt = Field(100, ge=0)  # restarts after a peer died or hung (exit 4: a
-    #   membership change seen from this node) that spend none of it
-    crash_loop: StrictInt = Field(3, ge=0)  # this many identical failures in a row without a
     #   newer checkpoint stop the job at once (0: off)
 
 
-class PreemptionConfig(_Section):
-    """How long workers have, after SIGTERM reaches the agent, to checkpoint and exit before the
-    agent SIGKILLs them (``run`` passes it as torchrun's ``--shutdown-timeout``; under plain
-    torchrun use that flag or ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``). Keep a pod's
-    ``terminationGracePeriodSeconds`` above it."""
-
-    grace_seconds: StrictInt = Field(30, ge=1)
-
-
-class WatchdogConfig(_Section):
-    """Hang detection: a rank whose step (or long operation) exceeds its budget dumps the stack
-    traces of all its threads to the log and exits, so torchrun restarts the group."""
-
-    hang_timeout_seconds: Float | None = 300.0  # one optimizer step; None: off
-    long_op_timeout_seconds: Float = 1800.0  # first step of an attempt, checkpoint I/O, eval
-    dump_grace_seconds: Float = 2.0  # wait before exiting, so stuck peers dump their stacks too
-
-
-class MetricsConfig(_Section):
-    """Prometheus metrics and health endpoints (see ``metrics.py`` and ``health.py``)."""
-
-    enabled: StrictBool = True  # record per-rank series (off: no recording, no endpoint)
-    port: Port = None  # the node's endpoint, served by `run`; plain torchrun workers serve
-    #                    port + local_rank themselves; None: no endpoint
-    address: str = "127.0.0.1"  # bind address; 0.0.0.0 to be scraped from other hosts (pods)
-    job: str = ""  # `job` label; empty: the rendezvous id
-    node: str = ""  # `node` label; empty: the hostname (the pod name on Kubernetes)
-    heartbeat_timeout_seconds: Float | None = Field(None, gt=0)  # silence of a training rank
-    #   before it is unhealthy; None: watchdog.hang_timeout_seconds, or 300 when it is off
-    straggler_threshold: Float = 1.5  # log a rank whose step time exceeds this x the median;
-    #   0: no exchange of step times
-    linger_seconds: Float = Field(0.0, ge=0)  # keep serving after the job ended, for a scrape
-
-    @field_validator("straggler_threshold")
-    @classmethod
-    def _ratio_or_off(cls, value: float) -> float:
-        if value != 0 and value <= 1:
-            raise _invalid("must be > 1 (a ratio to the median) or 0 (off)")
-        return value
-
-
-class Config(_Section):
+class Config(Section):
     """A whole config file. Build it with :func:`load_config` or :func:`from_dict`, which type
     ``data`` and ``model`` with the task's classes."""
 
@@ -391,16 +121,16 @@ class Config(_Section):
     @model_validator(mode="after")
     def _lagged_vote_without_trace(self) -> Config:
         if self.training.lagged_vote is True and self.audit.trace_dir is not None:
-            raise _invalid("cannot be true with audit.trace_dir set (the sample trace reads "
-                           "every step's loss and records each step's vote as it is taken); "
-                           "use auto or false", "training.lagged_vote")
+            raise invalid("cannot be true with audit.trace_dir set (the sample trace reads "
+                          "every step's loss and records each step's vote as it is taken); "
+                          "use auto or false", "training.lagged_vote")
         return self
 
     @model_validator(mode="after")
     def _shrink_keeps_the_global_batch(self) -> Config:
         if self.recovery.continue_shrunk and self.batch.global_batch_size is None:
-            raise _invalid("needs batch.global_batch_size (the global batch must stay the same "
-                           "at the smaller world size)", "recovery.continue_shrunk")
+            raise invalid("needs batch.global_batch_size (the global batch must stay the same "
+                          "at the smaller world size)", "recovery.continue_shrunk")
         return self
 
     def to_dict(self) -> dict[str, Any]:
@@ -787,7 +517,7 @@ def from_dict(raw: dict[str, Any]) -> Config:
     return cfg
 
 
-def _task_section(cls: type[_Section] | None, value: Any) -> Any:
+def _task_section(cls: type[Section] | None, value: Any) -> Any:
     """A ``data``/``model`` section validated with the task's class (``None``: a plain mapping).
 
     Raises:
@@ -986,7 +716,7 @@ def config_schema(task: str | None = None) -> dict[str, Any]:
             **model.model_json_schema()}
 
 
-def _open_section(cls: type[_Section]) -> type[_Section]:
+def _open_section(cls: type[Section]) -> type[Section]:
     """``cls`` accepting unknown keys, for the task-independent schema."""
     return types.new_class(cls.__name__, (cls,), {},
                            lambda ns: ns.update(model_config=ConfigDict(extra="allow"),

@@ -158,7 +158,7 @@ def init_distributed(backend: str = "auto", timeout_s: float = 600.0,
 
     Without ``WORLD_SIZE`` in the environment (no launcher) no process group is created and the
     run is world size 1. ``store``: the group's store (in-place recovery's generation store,
-    see ``inplace.py``); without it, under torchrun with a shared agent store, the group's store
+    see ``recovery/inplace.py``); without it, under torchrun with a shared agent store, the group's store
     is namespaced per attempt (see module docstring).
     """
     rank = _env_int("RANK", 0)
@@ -253,7 +253,7 @@ _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "gloo/tra
 def is_peer_failure(error: BaseException) -> bool:
     """Whether ``error`` (or an error it was raised from) is a collective or store operation
     that failed because another rank died or hung: the worker exits
-    ``restart_budget.EXIT_PEER_LOST`` then, which does not spend ``--max-restarts``."""
+    ``exit_codes.EXIT_PEER_LOST`` then, which does not spend ``--max-restarts``."""
     e: BaseException | None = error
     seen = 0
     while e is not None and seen < 8:

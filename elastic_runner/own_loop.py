@@ -37,29 +37,31 @@ from torch import nn
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .callbacks import Callback, Callbacks
-from .checkpointing import CheckpointManager
-from .config import EarlyStoppingConfig, FaultConfig, FaultSpec, MetricsConfig
-from .consensus import CommHook, make_consensus
-from .data import ElasticDataLoader
+from .checkpoint.manager import CheckpointManager
+from .data.loader import ElasticDataLoader
 from .dist import current_rank
-from .early_stop import EarlyStopping
-from .faults import FaultInjector
+from .exit_codes import EXIT_PREEMPTED
 from .logs import setup_logging
-from .metrics import RankMetrics
-from .preempt import EXIT_PREEMPTED, Preempted, PreemptionFlag
-from .reporting import Budgets, FaultInjection, runner_callbacks
-from .session import RollbackRequested, SessionOptions, TrainingFailed, TrainingSession
-from .state import RNGState, TrainState
-from .stop import StopPolicy
-from .straggler import StragglerMonitor
+from .observe.config import MetricsConfig
+from .observe.metrics import RankMetrics
+from .observe.reporting import Budgets, FaultInjection, runner_callbacks
+from .observe.straggler import StragglerMonitor
+from .preempt import Preempted, PreemptionFlag
+from .train.callbacks import Callback, Callbacks
+from .train.config import EarlyStoppingConfig, FaultConfig, FaultSpec
+from .train.consensus import CommHook, make_consensus
+from .train.early_stop import EarlyStopping
+from .train.faults import FaultInjector
+from .train.session import RollbackRequested, SessionOptions, TrainingFailed, TrainingSession
+from .train.state import RNGState, TrainState
+from .train.stop import StopPolicy
 
 
 class FaultTolerantLoop:
     """What :func:`fault_tolerant` returns: the session's step protocol in loop-sized calls.
 
     Attributes:
-        session: the underlying :class:`~elastic_runner.session.TrainingSession`.
+        session: the underlying :class:`~elastic_runner.train.session.TrainingSession`.
     """
 
     def __init__(self, session: TrainingSession, params: list[nn.Parameter],
@@ -101,7 +103,7 @@ class FaultTolerantLoop:
         """True when every rank may apply this step's update (no non-finite loss anywhere,
         finite gradients, no stop requested); the same answer on all ranks. ``grad_norm``: the
         total gradient norm if you have it (``clip_grad_norm_``'s result); otherwise it is
-        computed (on DDP the step's vote travels in it, see ``consensus.py``)."""
+        computed (on DDP the step's vote travels in it, see ``train/consensus.py``)."""
         if grad_norm is None:
             grad_norm = nn.utils.get_total_norm(
                 [p.grad for p in self._params if p.grad is not None])
@@ -177,7 +179,7 @@ def fault_tolerant(model: nn.Module, optimizer: torch.optim.Optimizer,
         model: the model as trained: a ``DistributedDataParallel`` (its step vote then rides on
             the gradient all-reduce) or a plain module (world size 1, or a vote by all-reduce).
         optimizer: its optimizer (checkpointed).
-        loader: an :class:`~elastic_runner.data.ElasticDataLoader` (its cursor is
+        loader: an :class:`~elastic_runner.data.loader.ElasticDataLoader` (its cursor is
             checkpointed and only finished steps move it).
         checkpoint_dir: local path or fsspec URL shared by all nodes.
         every_steps, every_seconds, async_save, keep_last: checkpoint cadence and retention.
@@ -190,7 +192,7 @@ def fault_tolerant(model: nn.Module, optimizer: torch.optim.Optimizer,
         trace_dir: write the sample audit trace (``elastic-runner audit DIR``) there.
         comm_hook, hook_state: your own DDP comm hook, wrapped rather than replaced (the vote
             then costs one small all-reduce per step; without it, none).
-        callbacks: your own :class:`~elastic_runner.callbacks.Callback` objects.
+        callbacks: your own :class:`~elastic_runner.train.callbacks.Callback` objects.
 
     The runner logs to stderr (rank 0: INFO, others: WARNING) unless the program configured
     logging (a handler on the root or the ``elastic_runner`` logger) before this call.

@@ -19,8 +19,6 @@ from types import FrameType
 
 log = logging.getLogger(__name__)
 
-EXIT_PREEMPTED = 128 + signal.SIGTERM  # 143
-
 
 class Preempted(Exception):  # noqa: N818 - a control-flow signal, not an error
     """Raised after the preemption checkpoint is committed; the worker exits 143."""

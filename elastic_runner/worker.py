@@ -17,23 +17,25 @@ import time
 import torch
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
-from .build import build_optimizer, build_task, build_trainer
-from .callbacks import JOINING
-from .checkpoint import CheckpointError
+from .checkpoint.fencing import FencedOut
+from .checkpoint.storage import CheckpointError
 from .compat import check_torch
-from .config import Config, ConfigError, MetricsConfig, load_config
+from .config import Config, load_config
+from .config_base import ConfigError
 from .dist import destroy_distributed, init_distributed, is_peer_failure, open_device
-from .fencing import EXIT_FENCED, FencedOut
-from .goodput import process_start_time
-from .health import MetricsServer
-from .heartbeat import Heartbeat
-from .inplace import SPARE_ENV, InPlaceRecovery, NoRecovery, Regroup, rejoin
+from .exit_codes import EXIT_BAD_INPUT, EXIT_FENCED, EXIT_OK, EXIT_PEER_LOST, EXIT_PREEMPTED
 from .logs import first_line, setup_logging
-from .loop import Trainer, TrainingFailed
-from .metrics import AGENT_ENV, RankMetrics
-from .preempt import EXIT_PREEMPTED, Preempted
-from .restart_budget import EXIT_BAD_INPUT, EXIT_PEER_LOST
+from .observe.config import MetricsConfig
+from .observe.goodput import process_start_time
+from .observe.health import MetricsServer
+from .observe.metrics import AGENT_ENV, RankMetrics
+from .preempt import Preempted
+from .recovery.heartbeat import Heartbeat
+from .recovery.inplace import SPARE_ENV, InPlaceRecovery, NoRecovery, Regroup, rejoin
 from .tasks.base import TaskBundle
+from .train.build import build_optimizer, build_task, build_trainer
+from .train.callbacks import JOINING
+from .train.loop import Trainer, TrainingFailed
 
 log = logging.getLogger("elastic_runner.worker")
 
@@ -50,7 +52,7 @@ def main(config_path: str, overrides: list[str], resume: bool = True, verbose: b
          ) -> int:
     """Train one rank; returns the process exit code (2 for bad config or checkpoint, 143
     preempted, 3 fenced out: a newer group claimed the checkpoint directory, 4 a peer died or
-    hung: see ``restart_budget.py``)."""
+    hung: see ``agent/restart_budget.py``)."""
     entered = time.time()
     setup_logging(int(os.environ.get("RANK", 0)), verbose)
     try:
@@ -127,7 +129,7 @@ def _train(config_path: str, overrides: list[str], resume: bool, entered: float,
             server.close()
         heartbeat.close()
         watch.close()
-    return 0
+    return EXIT_OK
 
 
 def fit(cfg: Config, trainer: Trainer, recovery: InPlaceRecovery | NoRecovery,

@@ -7,19 +7,19 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
+from elastic_runner.checkpoint.storage.manager import CheckpointManager
+from elastic_runner.data.loader.loader import ElasticDataLoader
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from elastic_runner.callbacks import Callback, Callbacks, LogEvent, StepEnd
-from elastic_runner.checkpointing import CheckpointManager
 from elastic_runner.config import EarlyStoppingConfig
-from elastic_runner.consensus import LocalConsensus
-from elastic_runner.data import ElasticDataLoader
-from elastic_runner.early_stop import EarlyStopping
-from elastic_runner.session import SessionOptions, TrainingSession
-from elastic_runner.state import TrainState
-from elastic_runner.stop import StopPolicy, StopReason
-from elastic_runner.straggler import StragglerMonitor
+from elastic_runner.observe.straggler import StragglerMonitor
+from elastic_runner.train.callbacks import Callback, Callbacks, LogEvent, StepEnd
+from elastic_runner.train.consensus import LocalConsensus
+from elastic_runner.train.early_stop import EarlyStopping
+from elastic_runner.train.session import SessionOptions, TrainingSession
+from elastic_runner.train.state import TrainState
+from elastic_runner.train.stop import StopPolicy, StopReason
 
 CPU = torch.device("cpu")
 

@@ -42,7 +42,7 @@ def wait_until(predicate: Callable[[], bool], timeout: float, what: str,
 
 class Pace:
     """A job's rank slowed by ``seconds`` a step from outside, through the job's trigger file
-    (``faults.trigger_file``, a standing ``slow`` request: elastic_runner/faults.py), so that
+    (``faults.trigger_file``, a standing ``slow`` request: elastic_runner/train/faults.py), so that
     faults the test injects land mid-run. :meth:`end` lifts it once the test's last fault is
     done: a run of a fixed number of steps then ends at full speed instead of running its
     slowed tail. The slow-down changes no number the run computes, only its timing."""

@@ -9,10 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
-
-from elastic_runner.batches import (
+from elastic_runner.data.loader.batches import (
     batch_loss,
     batch_size,
     check_samples,
@@ -21,9 +18,12 @@ from elastic_runner.batches import (
     targets,
     to_device,
 )
-from elastic_runner.build import build_optimizer, build_scheduler
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
 from elastic_runner.config import ConfigError, from_dict
 from elastic_runner.tasks.base import TaskBundle, metric_sums, weight_decay_groups
+from elastic_runner.train.build import build_optimizer, build_scheduler
 
 
 class Recorder(nn.Module):

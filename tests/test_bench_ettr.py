@@ -11,36 +11,36 @@ from bench.recovery import count_recoveries
 # survivor is left, the replacements resume from the newest checkpoint; kills 4 and 5: a step
 # committed after each
 IN_PLACE = """\
-10:08:27.698 [rank0] INFO elastic_runner.checkpointing: no checkpoint in /ck: starting from scratch
-10:08:38.182 WARNING elastic_runner.inplace_agent: rank(s) [0] exited with code(s) [-9]: \
+10:08:27.698 [rank0] INFO elastic_runner.checkpoint.manager: no checkpoint in /ck: starting from scratch
+10:08:38.182 WARNING elastic_runner.agent.inplace_agent: rank(s) [0] exited with code(s) [-9]: \
 replaced in place by cold spare(s) pid(s) [14931] (generation 1; 99 restarts left)
-10:08:48.106 WARNING elastic_runner.inplace_agent: rank(s) [1] exited with code(s) [-9]: \
+10:08:48.106 WARNING elastic_runner.agent.inplace_agent: rank(s) [1] exited with code(s) [-9]: \
 replaced in place by cold spare(s) pid(s) [15051] (generation 2; 98 restarts left)
-10:08:58.109 WARNING elastic_runner.inplace_agent: rank(s) [0] exited with code(s) [-9]: \
+10:08:58.109 WARNING elastic_runner.agent.inplace_agent: rank(s) [0] exited with code(s) [-9]: \
 replaced in place by cold spare(s) pid(s) [15063] (generation 3; 97 restarts left)
-10:08:58.113 [rank1] WARNING elastic_runner.inplace: generation 2 was superseded while forming \
+10:08:58.113 [rank1] WARNING elastic_runner.recovery.inplace: generation 2 was superseded while forming \
 (another worker died); joining 3
-10:09:04.283 [rank0] WARNING elastic_runner.inplace: in-place recovery: no survivor holds the \
+10:09:04.283 [rank0] WARNING elastic_runner.recovery.inplace: in-place recovery: no survivor holds the \
 state; resuming from the newest checkpoint
-10:09:04.353 [rank0] INFO elastic_runner.session: resumed from /ck/step-00000114: step 114, \
+10:09:04.353 [rank0] INFO elastic_runner.train.session: resumed from /ck/step-00000114: step 114, \
 epoch 6, 0 samples into the epoch
-10:09:08.202 WARNING elastic_runner.inplace_agent: rank(s) [1] exited with code(s) [-9]: \
+10:09:08.202 WARNING elastic_runner.agent.inplace_agent: rank(s) [1] exited with code(s) [-9]: \
 replaced in place by cold spare(s) pid(s) [15143] (generation 4; 96 restarts left)
-10:09:13.515 [rank0] WARNING elastic_runner.loop: in-place recovery 4 done: step 191 committed \
+10:09:13.515 [rank0] WARNING elastic_runner.train.loop: in-place recovery 4 done: step 191 committed \
 5.390 s after the failure (detection 0.078 s, teardown 0.000 s, group 5.088 s, state 0.145 s)
-10:09:18.110 WARNING elastic_runner.inplace_agent: rank(s) [0] exited with code(s) [-9]: \
+10:09:18.110 WARNING elastic_runner.agent.inplace_agent: rank(s) [0] exited with code(s) [-9]: \
 replaced in place by cold spare(s) pid(s) [15216] (generation 5; 95 restarts left)
-10:09:22.962 [rank1] WARNING elastic_runner.loop: in-place recovery 5 done: step 260 committed \
+10:09:22.962 [rank1] WARNING elastic_runner.train.loop: in-place recovery 5 done: step 260 committed \
 4.879 s after the failure (detection 0.029 s, teardown 0.000 s, group 4.684 s, state 0.084 s)
 """
 
 RESTART = """\
-10:15:45.214 [rank0] INFO elastic_runner.checkpointing: no checkpoint in /ck: starting from scratch
-10:15:55.511 INFO elastic_runner.agent_metrics: worker group failed: restarting it
-10:16:01.074 [rank0] INFO elastic_runner.session: resumed from /ck/step-00000513: step 513, \
+10:15:45.214 [rank0] INFO elastic_runner.checkpoint.manager: no checkpoint in /ck: starting from scratch
+10:15:55.511 INFO elastic_runner.observe.node_metrics: worker group failed: restarting it
+10:16:01.074 [rank0] INFO elastic_runner.train.session: resumed from /ck/step-00000513: step 513, \
 epoch 27, 0 samples into the epoch
-10:16:05.497 INFO elastic_runner.agent_metrics: worker group failed: restarting it
-10:16:11.536 [rank0] INFO elastic_runner.session: resumed from /ck/step-00000722: step 722, \
+10:16:05.497 INFO elastic_runner.observe.node_metrics: worker group failed: restarting it
+10:16:11.536 [rank0] INFO elastic_runner.train.session: resumed from /ck/step-00000722: step 722, \
 epoch 38, 0 samples into the epoch
 """
 

@@ -7,12 +7,12 @@ import inspect
 
 import pytest
 import torch
+from elastic_runner.checkpoint.storage.manager import CheckpointEvent
+from elastic_runner.checkpoint.storage.storage import CheckpointInfo
 
-from elastic_runner.callbacks import Callback, Callbacks, LogEvent, StepEnd
-from elastic_runner.checkpoint import CheckpointInfo
-from elastic_runner.checkpointing import CheckpointEvent
-from elastic_runner.inplace import RecoveryReport
-from elastic_runner.stop import StopReason
+from elastic_runner.recovery.inplace import RecoveryReport
+from elastic_runner.train.callbacks import Callback, Callbacks, LogEvent, StepEnd
+from elastic_runner.train.stop import StopReason
 
 EVENT = StepEnd(step=3, epoch=0, seconds=0.1, data_seconds=0.01, samples=4, global_samples=8,
                 loss=torch.tensor(0.5), mean_loss=0.5, lr=0.1,

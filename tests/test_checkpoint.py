@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from elastic_runner import checkpoint as ckpt
+from elastic_runner.checkpoint.storage import storage as ckpt
 
 
 def state(v: float) -> dict:

@@ -8,10 +8,10 @@ import fsspec
 import pytest
 import torch
 
-from elastic_runner import checkpoint as ckpt
-from elastic_runner.build import build_trainer
+from elastic_runner.checkpoint.storage import storage as ckpt
 from elastic_runner.config import load_config
 from elastic_runner.dist import init_distributed
+from elastic_runner.train.build import build_trainer
 
 from .procs import CONFIGS
 

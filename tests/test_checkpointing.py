@@ -9,12 +9,12 @@ import time
 
 import pytest
 import torch
+from elastic_runner.checkpoint.storage.manager import CheckpointEvent, CheckpointManager
+from elastic_runner.data.loader.sampler import ElasticSampler
 from torch import nn
 
-from elastic_runner import checkpoint as ckpt
-from elastic_runner.checkpointing import CheckpointEvent, CheckpointManager
-from elastic_runner.sampler import ElasticSampler
-from elastic_runner.state import TrainState
+from elastic_runner.checkpoint.storage import storage as ckpt
+from elastic_runner.train.state import TrainState
 
 from .ft_helpers import assert_bitwise
 

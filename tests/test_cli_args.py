@@ -8,8 +8,8 @@ import subprocess
 
 import pytest
 
+from elastic_runner.agent.launch import torchrun_argv
 from elastic_runner.cli import _overrides, build_parser, main
-from elastic_runner.launch import torchrun_argv
 
 from .procs import CONFIGS, REPO, cli
 from .test_config import user_task

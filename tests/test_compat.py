@@ -35,8 +35,8 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from elastic_runner import compat
-from elastic_runner.agent_metrics import AgentMonitor
 from elastic_runner.config import ConfigError
+from elastic_runner.observe.node_metrics import AgentMonitor
 
 REPO = Path(__file__).resolve().parents[1]
 torch_rendezvous = importlib.import_module("torch.distributed.rendezvous")

@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from elastic_runner.consensus import (
+from elastic_runner.train.consensus import (
     AllReduceConsensus,
     CommHookConsensus,
     GradientConsensus,

@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from elastic_runner.data.loader.loader import ElasticDataLoader, elastic_dataloader
+from elastic_runner.data.loader.sampler import ElasticSampler
 from torch.utils.data import Dataset
-
-from elastic_runner.data import ElasticDataLoader, elastic_dataloader
-from elastic_runner.sampler import ElasticSampler
 
 N, B, SEED = 50, 3, 4
 
@@ -136,7 +135,7 @@ def test_workers_draw_the_same_random_transform_at_the_same_cursor():
     assert random_batches(12, 1)[0] != a[0]
 
 
-@pytest.mark.xfail(strict=True, reason="documented limitation (data.py): worker processes seed "
+@pytest.mark.xfail(strict=True, reason="documented limitation (data/loader.py): worker processes seed "
                    "their generators once per iter(), from the cursor of that iter(), so a "
                    "resumed epoch draws other random transforms than the uninterrupted one")
 def test_resumed_epoch_draws_the_same_worker_randomness_as_an_uninterrupted_one():

@@ -20,10 +20,11 @@ from typing import Any
 import pytest
 import yaml
 
-from elastic_runner import audit, health
-from elastic_runner import checkpoint as ckpt
+from elastic_runner.checkpoint.storage import storage as ckpt
 from elastic_runner.cli import build_parser
 from elastic_runner.config import load_config
+from elastic_runner.data.loader import audit
+from elastic_runner.observe import health
 
 from .etcd import EtcdServer
 from .k8s import K8S, by_kind, problems, render

@@ -3,7 +3,7 @@
 import math
 
 from elastic_runner.config import EarlyStoppingConfig
-from elastic_runner.early_stop import EarlyStopping
+from elastic_runner.train.early_stop import EarlyStopping
 
 
 def run(values, **kw):

@@ -28,9 +28,9 @@ from torch.distributed.elastic.rendezvous.etcd_rendezvous_backend import create_
 from torch.distributed.run import config_from_args, get_args_parser
 
 from elastic_runner import compat
+from elastic_runner.agent.etcd_check import EtcdCheckError, check_etcd, parse_conf
+from elastic_runner.agent.launch import torchrun_argv
 from elastic_runner.cli import build_parser
-from elastic_runner.etcd_check import EtcdCheckError, check_etcd, parse_conf
-from elastic_runner.launch import torchrun_argv
 
 from .etcd import EtcdServer
 from .procs import CONFIGS, cli, free_port, wait_until

@@ -10,8 +10,8 @@ import signal
 
 import pytest
 
-from elastic_runner import audit
-from elastic_runner import checkpoint as ckpt
+from elastic_runner.checkpoint.storage import storage as ckpt
+from elastic_runner.data.loader import audit
 
 from .procs import CONFIGS, cli, wait_until
 from .test_outside_faults import trainers
@@ -24,14 +24,14 @@ BASE = [DIGITS, "logging.tensorboard_dir=null", "early_stopping.enabled=false",
         "training.max_steps=12", "checkpoint.every_steps=4"]
 
 
-# rank 0's log lines of a preemption and of the next attempt's resume (see session.py)
-_PREEMPTING = re.compile(r"\[rank0\] WARNING elastic_runner\.session: preemption: checkpointing "
+# rank 0's log lines of a preemption and of the next attempt's resume (see train/session.py)
+_PREEMPTING = re.compile(r"\[rank0\] WARNING elastic_runner\.train\.session: preemption: checkpointing "
                          r"step (\d+), then stopping")
-_SAVED = re.compile(r"\[rank0\] INFO elastic_runner\.checkpointing: checkpoint of step (\d+): ")
+_SAVED = re.compile(r"\[rank0\] INFO elastic_runner\.checkpoint\.manager: checkpoint of step (\d+): ")
 _LEFT = re.compile(r"\[rank(\d)\] WARNING elastic_runner\.worker: preempted by signal after step "
                    r"(\d+); checkpoint step-\d{8} committed")
 _EXITCODE = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: \d+ \(pid: (\d+)\)")
-_RESUMED = re.compile(r"\[rank0\] INFO elastic_runner\.session: resumed from (\S+): step (\d+), "
+_RESUMED = re.compile(r"\[rank0\] INFO elastic_runner\.train\.session: resumed from (\S+): step (\d+), "
                       r"epoch (\d+), (\d+) samples into the epoch")
 
 

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from elastic_runner import audit
-from elastic_runner.callbacks import StepEnd
-from elastic_runner.goodput import CAUSES, Goodput, process_start_time
+from elastic_runner.data.loader import audit
+from elastic_runner.observe.goodput import CAUSES, Goodput, process_start_time
+from elastic_runner.train.callbacks import StepEnd
 
 from .procs import CONFIGS, cli, wait_until
 
@@ -295,11 +295,11 @@ def test_process_start_is_on_the_wall_clock():
 
 # ---------------------------------------------------------------- a real run
 
-_SUMMARY = re.compile(r"^(\d\d:\d\d:\d\d\.\d{3}) \[rank0\] INFO elastic_runner\.loop: goodput: "
+_SUMMARY = re.compile(r"^(\d\d:\d\d:\d\d\.\d{3}) \[rank0\] INFO elastic_runner\.train\.loop: goodput: "
                       r"ETTR ([\d.]+) over ([\d.]+) s of job wall time \(productive ([\d.]+) s; "
                       r"badput: (.*)\)$", re.M)
 _RECOVERED = {"in_place": re.compile(r"in-place recovery \d+ done: step \d+ committed"),
-              "restart": re.compile(r"\[rank0\] INFO elastic_runner\.session: resumed from ")}
+              "restart": re.compile(r"\[rank0\] INFO elastic_runner\.train\.session: resumed from ")}
 REAL_STEPS = 400
 
 

@@ -18,12 +18,12 @@ import signal
 import pytest
 import torch
 
-from elastic_runner import checkpoint as ckpt
-from elastic_runner.build import build_trainer
-from elastic_runner.callbacks import Callback
+from elastic_runner.checkpoint.storage import storage as ckpt
 from elastic_runner.config import load_config
-from elastic_runner.consensus import LaggedConsensus
 from elastic_runner.dist import init_distributed
+from elastic_runner.train.build import build_trainer
+from elastic_runner.train.callbacks import Callback
+from elastic_runner.train.consensus import LaggedConsensus
 
 from .procs import CONFIGS, cli, free_port, wait_until
 from .test_metrics import get, samples

@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import torch
 
-from elastic_runner import checkpoint as ckpt
+from elastic_runner.checkpoint.storage import storage as ckpt
 from elastic_runner.config import (
     MAX_ALIAS_NODES,
     MAX_FILE_BYTES,
@@ -32,7 +32,7 @@ from elastic_runner.config import (
     ConfigError,
     load_config,
 )
-from elastic_runner.export import resolve_checkpoint
+from elastic_runner.tasks.export import resolve_checkpoint
 
 from .procs import CONFIGS, run_cli
 

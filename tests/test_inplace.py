@@ -12,7 +12,7 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from elastic_runner import audit
+from elastic_runner.data.loader import audit
 
 from .procs import CONFIGS, Pace, cli, free_port, wait_until
 from .test_metrics import get, samples
@@ -33,7 +33,7 @@ OUTSIDE_KILLS = 10
 _REPLACED = re.compile(r"rank\(s\) \[(\d+)\] exited with code\(s\) \[(-?\d+)\]: replaced in "
                        r"place by (\w+) spare\(s\) pid\(s\) \[(\d+)\] \(generation (\d+)")
 _DONE = re.compile(r"in-place recovery (\d+) done: step (\d+) committed ([\d.]+) s")
-_WENT_ON = re.compile(r"\[rank0\] INFO elastic_runner\.inplace: rank 0 (?:goes on at|received the "
+_WENT_ON = re.compile(r"\[rank0\] INFO elastic_runner\.recovery\.inplace: rank 0 (?:goes on at|received the "
                       r"state of) step (\d+)")
 
 

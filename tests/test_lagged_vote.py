@@ -1,4 +1,4 @@
-"""The lagged step vote (``training.lagged_vote``, :class:`~elastic_runner.consensus.LaggedConsensus`):
+"""The lagged step vote (``training.lagged_vote``, :class:`~elastic_runner.train.consensus.LaggedConsensus`):
 the update is skipped on the device through a fused optimizer's ``found_inf`` and the host reads
 the verdict a step later. It is the CUDA default; on CPU torch's fused AdamW takes the same
 ``found_inf``, so its semantics are tested here: bitwise the same training as the eager vote
@@ -12,12 +12,12 @@ import signal
 import pytest
 import torch
 
-from elastic_runner.build import build_trainer
-from elastic_runner.callbacks import Callback
 from elastic_runner.config import ConfigError, load_config
-from elastic_runner.consensus import LaggedConsensus, LocalConsensus, skips_on_device
 from elastic_runner.dist import init_distributed
 from elastic_runner.preempt import Preempted
+from elastic_runner.train.build import build_trainer
+from elastic_runner.train.callbacks import Callback
+from elastic_runner.train.consensus import LaggedConsensus, LocalConsensus, skips_on_device
 
 from .ft_helpers import weights
 from .procs import CONFIGS, cli, wait_until

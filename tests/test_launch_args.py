@@ -7,9 +7,9 @@ import pytest
 from torch.distributed.run import config_from_args, get_args_parser
 
 from elastic_runner import compat
+from elastic_runner.agent.launch import agent_environment, omp_threads, torchrun_argv
 from elastic_runner.cli import build_parser
 from elastic_runner.compat import SHARE_STORE_SWITCH, check_torch
-from elastic_runner.launch import agent_environment, omp_threads, torchrun_argv
 
 
 def torchrun_args(*cmd: str):
@@ -212,7 +212,7 @@ def test_users_omp_num_threads_and_switch_are_kept(monkeypatch, caplog):
 def test_the_root_cause_line_names_the_rank_that_failed_on_its_own(tmp_path, failures, named):
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-    from elastic_runner.launch import root_cause_line
+    from elastic_runner.agent.launch import root_cause_line
 
     procs = {}
     for rank, (code, timestamp) in failures.items():

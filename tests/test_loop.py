@@ -7,11 +7,11 @@ import time
 import pytest
 import torch
 
-from elastic_runner.build import build_trainer
 from elastic_runner.config import load_config
 from elastic_runner.dist import init_distributed
-from elastic_runner.loop import lr_factor
-from elastic_runner.stop import StopReason
+from elastic_runner.train.build import build_trainer
+from elastic_runner.train.loop import lr_factor
+from elastic_runner.train.stop import StopReason
 
 from .procs import CONFIGS
 
@@ -88,7 +88,7 @@ def test_wall_clock_checkpoint_cadence(tmp_path):
 
 
 def test_hang_watchdog_closes_its_thread():
-    from elastic_runner.watchdog import HangWatchdog
+    from elastic_runner.observe.watchdog import HangWatchdog
 
     w = HangWatchdog(rank=0)
     w.arm(60, "a step")
@@ -97,7 +97,7 @@ def test_hang_watchdog_closes_its_thread():
 
 
 def test_seed_step_gives_the_same_stream_as_manual_seed():
-    from elastic_runner.state import seed_step
+    from elastic_runner.train.state import seed_step
 
     torch.manual_seed(123)
     want = torch.rand(5)
@@ -108,7 +108,7 @@ def test_seed_step_gives_the_same_stream_as_manual_seed():
 def test_checkpoint_of_the_previous_layout_resumes(tmp_path):
     """A checkpoint written before the stop policy had its own state (stop reason as text in
     train_state) still resumes, stopped for the same reason."""
-    from elastic_runner import checkpoint as ckpt
+    from elastic_runner.checkpoint.storage import storage as ckpt
 
     t = trainer(tmp_path, "training.max_steps=3", "checkpoint.every_steps=0")
     t.fit()

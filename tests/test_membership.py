@@ -10,7 +10,7 @@ import pytest
 import torch.distributed as dist
 
 from elastic_runner.config import BatchConfig, ConfigError, load_config
-from elastic_runner.membership import (
+from elastic_runner.recovery.membership import (
     NodeBeat,
     NodeWatch,
     Policy,
@@ -24,12 +24,7 @@ from elastic_runner.membership import (
     register,
     request_join,
 )
-from elastic_runner.recovery_store import (
-    StoreLocation,
-    claim_successor,
-    tell_workers,
-    told,
-)
+from elastic_runner.recovery.store import StoreLocation, claim_successor, tell_workers, told
 
 
 @pytest.fixture
@@ -173,7 +168,7 @@ def test_policy_refuses_below_min_nodes_the_store_host_and_an_indivisible_batch(
 def test_node_watch_counts_silence_on_its_own_clock(store: dist.TCPStore,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     now = [100.0]
-    monkeypatch.setattr("elastic_runner.membership.time.monotonic", lambda: now[0])
+    monkeypatch.setattr("elastic_runner.recovery.membership.time.monotonic", lambda: now[0])
     me = NodeWatch(store, key, 0, timeout_s=5)
     other = NodeBeat(store, key, 1)
     other.beat()
@@ -196,7 +191,7 @@ def test_a_watch_that_did_not_look_counts_every_silence_afresh(
     """The watching agent's own loop blocked (torch's rendezvous call waiting for a stopped
     etcd): it cannot tell a silent node from its own absence."""
     now = [100.0]
-    monkeypatch.setattr("elastic_runner.membership.time.monotonic", lambda: now[0])
+    monkeypatch.setattr("elastic_runner.recovery.membership.time.monotonic", lambda: now[0])
     me = NodeWatch(store, key, 0, timeout_s=5)
     NodeBeat(store, key, 1).beat()
     assert me.lost([1]) == {}

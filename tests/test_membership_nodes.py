@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from elastic_runner import audit
+from elastic_runner.data.loader import audit
 
 from .etcd import EtcdServer, etcd_on
 from .netns import Nodes
@@ -234,7 +234,7 @@ def test_etcd_2_3_2_1_2_the_store_host_leaves_then_its_successor_dies_in_place(
         assert again.wait(timeout=120) == 0, again.output[-4000:]
 
     # the joined node's worker, rank 2 when it joined, became rank 0 and logs as rank 0 does
-    assert "[rank0] INFO elastic_runner.checkpointing: committed checkpoint" in last.output
+    assert "[rank0] INFO elastic_runner.checkpoint.manager: committed checkpoint" in last.output
     assert sizes_in_order(tmp_path / "trace") == [2, 3, 2, 1, 2]
     assert [c[1] for c in changes(last)][-3:] == ["preempted", "lost", "join"]
     assert "resumed from" not in last.output + again.output  # no checkpoint read

@@ -18,8 +18,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from elastic_runner.config import ConfigError, MetricsConfig, load_config
-from elastic_runner.health import node_health, rank_health
-from elastic_runner.metrics import RankMetrics, finish_category
+from elastic_runner.observe.health import node_health, rank_health
+from elastic_runner.observe.metrics import RankMetrics, finish_category
 
 from .procs import CONFIGS, cli, free_port, wait_until
 from .prom import prometheus_server  # noqa: F401  (fixture)
@@ -286,7 +286,7 @@ def test_plain_torchrun_workers_serve_their_own_endpoints(launch, tmp_path):
 
 
 def test_a_taken_port_is_a_clear_error_naming_address_and_port():
-    from elastic_runner.health import MetricsServer
+    from elastic_runner.observe.health import MetricsServer
 
     first = MetricsServer(CollectorRegistry(), "127.0.0.1", free_port())
     try:
@@ -303,7 +303,7 @@ def test_a_worker_file_not_yet_sized_does_not_break_a_scrape(tmp_path):
     the empty file, which made a probe during a restart answer HTTP 500."""
     from prometheus_client.multiprocess import MultiProcessCollector
 
-    from elastic_runner.agent_metrics import LiveWorkersCollector
+    from elastic_runner.observe.node_metrics import LiveWorkersCollector
 
     (tmp_path / "counter_999999.db").touch()
     with pytest.raises(Exception):  # noqa: B017 - struct.error from the library's reader

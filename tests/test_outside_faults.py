@@ -22,9 +22,9 @@ import pytest
 import torch
 from torch import nn
 
-from elastic_runner import audit
-from elastic_runner import checkpoint as ckpt
+from elastic_runner.checkpoint.storage import storage as ckpt
 from elastic_runner.config import Config
+from elastic_runner.data.loader import audit
 from elastic_runner.tasks import digits
 from elastic_runner.tasks.base import TaskBundle
 
@@ -152,7 +152,7 @@ def gone(proc: psutil.Process) -> bool:
         return True
 
 
-_RESUMED = re.compile(r"\[rank0\] INFO elastic_runner\.session: resumed from (\S+): step (\d+), "
+_RESUMED = re.compile(r"\[rank0\] INFO elastic_runner\.train\.session: resumed from (\S+): step (\d+), "
                       r"epoch (\d+), (\d+) samples into the epoch")
 _COMMITTED = re.compile(r"committed checkpoint (\S+)/step-(\d{8})[ ,]")
 
@@ -314,7 +314,7 @@ def test_a_stopped_rank_is_noticed_by_its_peer_and_the_group_restarts(launch, tm
     victim = trainers(job)[1]
     victim.suspend()
     try:
-        hung = re.compile(rf"\[rank0\] ERROR elastic_runner\.watchdog: rank 0: step (\d+) "
+        hung = re.compile(rf"\[rank0\] ERROR elastic_runner\.observe\.watchdog: rank 0: step (\d+) "
                           rf"exceeded its {hang} s budget \(hang\)")
         wait_until(lambda: hung.search(job.output), 3 * hang + 60, "rank 0's watchdog")
         step = int(hung.search(job.output).group(1))
@@ -442,9 +442,9 @@ def test_an_inf_gradient_with_a_finite_loss_skips_the_step_on_all_ranks(launch, 
     assert job.wait(timeout=240) == 0, job.output[-3000:]
     out = job.output
     for rank in (0, 1):
-        assert (f"[rank{rank}] WARNING elastic_runner.session: step 6: non-finite loss or "
+        assert (f"[rank{rank}] WARNING elastic_runner.train.session: step 6: non-finite loss or "
                 "gradient on at least one rank: update skipped on all ranks (1 in a row") in out
-    (loss,) = re.findall(r"\[rank0\] INFO elastic_runner\.loop: epoch 0 step 6/12 loss (\S+) ",
+    (loss,) = re.findall(r"\[rank0\] INFO elastic_runner\.train\.loop: epoch 0 step 6/12 loss (\S+) ",
                          out)
     assert math.isfinite(float(loss))
     entries = [e for e in audit.read_entries(trace) if "indices" in e]

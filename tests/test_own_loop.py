@@ -13,8 +13,8 @@ import urllib.request
 import pytest
 import torch
 
-from elastic_runner import audit
-from elastic_runner import checkpoint as ckpt
+from elastic_runner.checkpoint.storage import storage as ckpt
+from elastic_runner.data.loader import audit
 
 from .procs import REPO, cli, free_port, run_cli, wait_until
 

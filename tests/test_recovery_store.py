@@ -20,22 +20,22 @@ from types import SimpleNamespace
 import pytest
 import torch.distributed as dist
 
-from elastic_runner.agent_store import AgentStore
+from elastic_runner.agent.inplace_agent import InPlaceAgent
+from elastic_runner.agent.store import AgentStore
+from elastic_runner.checkpoint.fencing import FencedOut
 from elastic_runner.config import RecoveryConfig
-from elastic_runner.fencing import FencedOut
-from elastic_runner.group_sockets import GroupSockets, NoSockets
-from elastic_runner.heartbeat import HEARTBEAT_ENV, Heartbeat, NoHeartbeat
-from elastic_runner.inplace import ENV, SPARE_ENV, GenerationWatch, InPlaceRecovery
-from elastic_runner.inplace_agent import InPlaceAgent
-from elastic_runner.membership import (
+from elastic_runner.preempt import Preempted
+from elastic_runner.recovery.group_sockets import GroupSockets, NoSockets
+from elastic_runner.recovery.heartbeat import HEARTBEAT_ENV, Heartbeat, NoHeartbeat
+from elastic_runner.recovery.inplace import ENV, SPARE_ENV, GenerationWatch, InPlaceRecovery
+from elastic_runner.recovery.membership import (
     MIN_NODES_ENV,
     Policy,
     announce_departure,
     read_view,
     register,
 )
-from elastic_runner.preempt import Preempted
-from elastic_runner.recovery_store import Attempt, StoreLocation, agree_attempt, connect
+from elastic_runner.recovery.store import Attempt, StoreLocation, agree_attempt, connect
 
 from .procs import wait_until
 
@@ -201,7 +201,7 @@ def test_heartbeat_touches_its_file_and_removes_it_when_closed(tmp_path, monkeyp
 def test_the_agent_kills_a_worker_whose_heartbeat_stopped(tmp_path):
     """A real worker-like process beating through :class:`Heartbeat`, then SIGSTOPped."""
     code = ("import os, sys, threading; from pathlib import Path; "
-            "from elastic_runner.heartbeat import Heartbeat; "
+            "from elastic_runner.recovery.heartbeat import Heartbeat; "
             "Heartbeat(Path(sys.argv[1]), 0.05); threading.Event().wait()")
     proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "0")])
     try:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from elastic_runner import audit
-from elastic_runner import checkpoint as ckpt
+from elastic_runner.checkpoint.storage import storage as ckpt
+from elastic_runner.data.loader import audit
 
 from .procs import CONFIGS, cli, run_cli
 from .test_train_torchrun import assert_same_tensors, final_state

@@ -18,10 +18,10 @@ import sys
 
 import pytest
 import torch
+from elastic_runner.checkpoint.storage.manager import CheckpointManager
 
-from elastic_runner import audit
-from elastic_runner import checkpoint as ckpt
-from elastic_runner.checkpointing import CheckpointManager
+from elastic_runner.checkpoint.storage import storage as ckpt
+from elastic_runner.data.loader import audit
 
 from .procs import CONFIGS, cli, run_cli, wait_until
 from .s3 import S3Bucket, clear_s3fs_instances
@@ -100,7 +100,7 @@ def test_truncated_bit_flipped_and_manifestless_objects_are_skipped(s3_bucket: S
     empty = ckpt.inspect(f"{url}/{name(9)}")  # a prefix with no objects at all
     assert (empty.valid, empty.reason) == (False, "no manifest (incomplete write)")
 
-    with caplog.at_level("WARNING", logger="elastic_runner.checkpoint"):
+    with caplog.at_level("WARNING", logger="elastic_runner.checkpoint.storage"):
         chosen = ckpt.latest_valid(url)
     assert chosen.path == f"{url}/{name(2)}"
     assert torch.equal(ckpt.load_state(chosen.path)["model"]["w"], torch.full((4,), 2.0))
@@ -114,11 +114,11 @@ def test_truncated_bit_flipped_and_manifestless_objects_are_skipped(s3_bucket: S
 
 # The child commits step 1, then step 2 with its manifest's PUT held forever: the SIGKILL lands
 # after state.pt is on the server and before the manifest. The hold is in the S3 client call
-# (every request passes s3fs's _call_s3), so it does not depend on how checkpoint.py is written.
+# (every request passes s3fs's _call_s3), so it does not depend on how checkpoint/storage.py is written.
 KILLED_WRITER = """
 import asyncio, sys
 import s3fs.core, torch
-from elastic_runner.checkpointing import CheckpointManager
+from elastic_runner.checkpoint.manager import CheckpointManager
 
 url = sys.argv[1]
 call_s3 = s3fs.core.S3FileSystem._call_s3

@@ -12,17 +12,18 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from elastic_runner.data.loader.loader import elastic_dataloader
 from torch import nn
 
-from elastic_runner import checkpoint as ckpt
-from elastic_runner.consensus import LocalConsensus
-from elastic_runner.data import elastic_dataloader
+from elastic_runner.checkpoint.storage import storage as ckpt
+from elastic_runner.exit_codes import EXIT_PREEMPTED
+from elastic_runner.observe.reporting import WatchdogHeartbeat
 from elastic_runner.own_loop import fault_tolerant
-from elastic_runner.preempt import EXIT_PREEMPTED, Preempted
-from elastic_runner.reporting import WatchdogHeartbeat
-from elastic_runner.session import RollbackRequested, TrainingFailed
-from elastic_runner.state import RNGState, step_seed
-from elastic_runner.stop import StopReason
+from elastic_runner.preempt import Preempted
+from elastic_runner.train.consensus import LocalConsensus
+from elastic_runner.train.session import RollbackRequested, TrainingFailed
+from elastic_runner.train.state import RNGState, step_seed
+from elastic_runner.train.stop import StopReason
 
 from .ft_helpers import (
     StepRecorder,

@@ -11,7 +11,7 @@ import pytest
 
 from bench import soak
 from elastic_runner.config import FaultConfig, FaultSpec, load_config
-from elastic_runner.faults import FaultInjector, NoTrigger, TriggerFile
+from elastic_runner.train.faults import FaultInjector, NoTrigger, TriggerFile
 
 from .needs import debian, require_command
 from .procs import CONFIGS
@@ -54,7 +54,7 @@ def test_trigger_file_poisons_the_named_rank_once(tmp_path, caplog):
 
     assert not step(rank1, 3)  # no file yet
     path.write_text("nan rank=1\nbogus line\nnan rank=1\n")
-    with caplog.at_level(logging.WARNING, logger="elastic_runner.faults"):
+    with caplog.at_level(logging.WARNING, logger="elastic_runner.train.faults"):
         assert not step(rank0, 4)  # not its line; the bad one goes
         assert path.read_text() == "nan rank=1\nnan rank=1\n"
         assert step(rank1, 5)
@@ -72,9 +72,9 @@ def test_trigger_file_slows_the_named_rank_while_the_line_stands(tmp_path, caplo
         FaultSpec(kind="slow", rank=1, step=2, count=1, seconds=0.5)])
     rank0, rank1 = FaultInjector(cfg, 0, 0), FaultInjector(cfg, 1, 0)
     slept: list[float] = []
-    monkeypatch.setattr("elastic_runner.faults.time.sleep", slept.append)
+    monkeypatch.setattr("elastic_runner.train.faults.time.sleep", slept.append)
     path.write_text("slow rank=1 seconds=0.25\nnan rank=1\n")
-    with caplog.at_level(logging.WARNING, logger="elastic_runner.faults"):
+    with caplog.at_level(logging.WARNING, logger="elastic_runner.train.faults"):
         rank0.begin_step(1, 1)
         rank1.begin_step(1, 1)
         assert slept == [0.25] and rank1.poison_loss(1, 1)  # both requests at one read

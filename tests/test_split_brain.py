@@ -12,9 +12,9 @@ import signal
 
 import pytest
 
-from elastic_runner import audit
-from elastic_runner import checkpoint as ckpt
-from elastic_runner.fencing import EXIT_FENCED
+from elastic_runner.checkpoint.storage import storage as ckpt
+from elastic_runner.data.loader import audit
+from elastic_runner.exit_codes import EXIT_FENCED
 
 from .procs import CONFIGS, cli, wait_until
 from .test_train_torchrun import assert_same_tensors, final_state

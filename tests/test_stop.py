@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from elastic_runner.config import EarlyStoppingConfig
-from elastic_runner.early_stop import EarlyStopping
-from elastic_runner.stop import StopPolicy, StopReason
+from elastic_runner.train.early_stop import EarlyStopping
+from elastic_runner.train.stop import StopPolicy, StopReason
 
 
 def policy(max_steps: int | None = 10, max_epochs: int = 3, **early) -> StopPolicy:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from elastic_runner import checkpoint as ckpt
+from elastic_runner.checkpoint.storage import storage as ckpt
 
 from .procs import CONFIGS, cli, free_port, run_cli, wait_until
 
@@ -173,7 +173,7 @@ def test_char_lm_learns_exports_and_generates(launch, tmp_path):
 
     exported = run_cli("export", str(ck), str(out))
     assert exported.returncode == 0, exported.stderr
-    from elastic_runner.export import load_exported, model_from_checkpoint
+    from elastic_runner.tasks.export import load_exported, model_from_checkpoint
 
     model, prep = load_exported(out)
     baseline = prep["unigram_entropy_nats"]

@@ -27,10 +27,11 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from elastic_runner.batches import forward, loss_metrics, targets, to_device
-from elastic_runner.checkpoint import CheckpointError
-from elastic_runner.config import Config, ConfigError, build_key
-from elastic_runner.dist import broadcast_object, current_rank
+from ..checkpoint.storage import CheckpointError
+from ..config import Config, build_key
+from ..config_base import ConfigError
+from ..data.batches import forward, loss_metrics, targets, to_device
+from ..dist import broadcast_object, current_rank
 
 # (sum, count): metric value = sum / count after summing both over ranks, so a sharded
 # evaluation equals the single-process one exactly.
@@ -45,7 +46,7 @@ class TaskBundle:
         model: the module to train (unwrapped; the runner wraps it in DDP). A
             ``transformers.PreTrainedModel`` is exported in its ``save_pretrained`` layout.
         train, val, test: map-style datasets. ``ds[i]`` is a tensor, a tuple/list or a mapping
-            of tensors (nested); see :mod:`elastic_runner.batches` for how each is passed to
+            of tensors (nested); see :mod:`elastic_runner.data.batches` for how each is passed to
             the model: an ``(inputs, targets)`` pair as ``model(inputs)``, a mapping as
             ``model(**batch)``.
         loss_fn: ``loss_fn(outputs, targets) -> scalar tensor``, the mean loss of a micro-batch;
@@ -251,7 +252,7 @@ def metric_sums(model: nn.Module, loader: Any, metrics_fn: Callable[..., MetricS
                 max_batches: int | None = None,
                 loss_fn: Callable[..., torch.Tensor] | None = None) -> MetricSums:
     """``{name: (sum, count)}`` of ``metrics_fn`` (default: the sample-weighted loss, see
-    :func:`elastic_runner.batches.loss_metrics`) over ``loader``'s batches (at most
+    :func:`elastic_runner.data.batches.loss_metrics`) over ``loader``'s batches (at most
     ``max_batches``), with the model in eval mode and autocast to ``dtype`` when given; the
     model's train/eval mode is restored afterwards. Tensor outputs reach ``metrics_fn`` as
     float32."""

@@ -35,18 +35,11 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from torch.utils.data import Dataset
 from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
 
-from elastic_runner.config import Config, ConfigError
-from elastic_runner.tasks import char_lm
-from elastic_runner.tasks.base import (
-    MetricSums,
-    TaskBundle,
-    check_split_fractions,
-    weight_decay_groups,
-)
-from elastic_runner.tasks.char_lm import (
-    check_gpt_config,
-    configured_corpus,
-)
+from ..config import Config
+from ..config_base import ConfigError
+from . import char_lm
+from .base import MetricSums, TaskBundle, check_split_fractions, weight_decay_groups
+from .char_lm import check_gpt_config, configured_corpus
 
 EOT = "<|endoftext|>"  # GPT-2's only special token: BOS, EOS, UNK and PAD at once
 N_BYTE_TOKENS = 256  # the byte-level base alphabet

@@ -30,10 +30,11 @@ from pydantic import Field
 from torch import nn
 from torch.utils.data import Dataset
 
-from elastic_runner.config import Config, ConfigError
-from elastic_runner.config import DataConfig as BaseDataConfig
-from elastic_runner.config import ModelConfig as BaseModelConfig
-from elastic_runner.tasks.base import MetricSums, TaskBundle, check_split_fractions
+from ..config import Config
+from ..config_base import ConfigError
+from ..data.config import DataConfig as BaseDataConfig
+from ..train.config import ModelConfig as BaseModelConfig
+from .base import MetricSums, TaskBundle, check_split_fractions
 
 DEFAULT_CORPUS_MODULES: tuple[str, ...] = (
     "argparse",

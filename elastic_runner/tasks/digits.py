@@ -14,10 +14,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from elastic_runner.config import Config, ConfigError
-from elastic_runner.config import DataConfig as BaseDataConfig
-from elastic_runner.config import ModelConfig as BaseModelConfig
-from elastic_runner.tasks.base import MetricSums, TaskBundle, check_split_fractions
+from ..config import Config
+from ..config_base import ConfigError
+from ..data.config import DataConfig as BaseDataConfig
+from ..train.config import ModelConfig as BaseModelConfig
+from .base import MetricSums, TaskBundle, check_split_fractions
 
 NUM_CLASSES = 10
 IMAGE_SHAPE = (1, 8, 8)  # (channels, height, width)

@@ -71,15 +71,11 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from elastic_runner.config import Config, ConfigError
-from elastic_runner.config import DataConfig as BaseDataConfig
-from elastic_runner.config import ModelConfig as BaseModelConfig
-from elastic_runner.tasks.base import (
-    MetricSums,
-    TaskBundle,
-    check_split_fractions,
-    weight_decay_groups,
-)
+from ..config import Config
+from ..config_base import ConfigError
+from ..data.config import DataConfig as BaseDataConfig
+from ..train.config import ModelConfig as BaseModelConfig
+from .base import MetricSums, TaskBundle, check_split_fractions, weight_decay_groups
 
 log = logging.getLogger(__name__)
 
@@ -517,7 +513,7 @@ def build(cfg: Config) -> TaskBundle:
 def main(argv: list[str]) -> int:
     """``python -m elastic_runner.tasks.text_classification CONFIG [key=value ...]``: print
     :func:`baselines` as JSON."""
-    from elastic_runner.config import load_config
+    from ..config import load_config
 
     if not argv:
         print(main.__doc__, file=sys.stderr)

@@ -1,0 +1,162 @@
+"""Fencing tokens for checkpoint writers: no split-brain commit into one ``checkpoint.dir``.
+
+A group that was declared dead (a starved heartbeat, a partitioned node) may go on training and
+writing checkpoints beside the group that replaced it. Each writer therefore claims a *fencing
+token* when its group starts (Kleppmann, "How to do distributed locking", 2016: a number that
+grows with every grant of the lease; Burrows, "The Chubby lock service", 2006: sequencers): the
+token is one more than any token claimed in that directory before, and it is stored as
+``<checkpoint.dir>/fence/<token:012d>`` (JSON: host, pid, run id, restart count, unix time).
+Claiming happens before the group chooses the checkpoint it resumes from, so every commit of an
+older group that the new group did not see is refused:
+
+* before each atomic publish (the rename on a filesystem, the manifest on an object store) the
+  writer checks that no newer token exists, and raises :class:`FencedOut` otherwise;
+* on a local or network filesystem the claim and the check-and-rename hold an exclusive
+  ``flock`` on ``fence/.lock``, so no claim can fall between the check and the rename;
+* on an object store a claim is a conditional create (``If-None-Match: *``, fsspec
+  ``mode="create"``) and the check is a fresh listing just before the manifest is written; a
+  claim that lands between that listing and the manifest's PUT is not seen (the store offers no
+  compare-and-swap across keys), which is why resume orders checkpoints by (token, step): the
+  newest group's checkpoints win over a stale group's, whatever their step.
+
+Every manifest records its writer's token (``fence``); checkpoints written before fencing count
+as token 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import socket
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+log = logging.getLogger(__name__)
+
+FENCE_DIR = "fence"
+_LOCK = ".lock"
+
+
+class FencedOut(RuntimeError):
+    """A newer group claimed the checkpoint directory: this writer's group is stale and must
+    stop without committing."""
+
+
+class Fence:
+    """This group's fencing token in one checkpoint directory (see the module docstring).
+
+    Use :meth:`claim` to get one; :meth:`guard` wraps the atomic publish of a commit.
+    """
+
+    def __init__(self, directory: str, token: int) -> None:
+        self.directory, self.token = directory, token
+        self._fs, root = fsspec.core.url_to_fs(str(directory))
+        self._root = f"{root.rstrip('/')}/{FENCE_DIR}"
+        self._local = isinstance(self._fs, LocalFileSystem)
+
+    @classmethod
+    def claim(cls, directory: str) -> Fence:
+        """Claim the next token in ``directory`` (created if missing).
+
+        Raises:
+            OSError: the directory cannot be written.
+        """
+        fence = cls(directory, 0)
+        fence._fs.makedirs(fence._root, exist_ok=True)
+        owner = {"host": socket.gethostname(), "pid": os.getpid(),
+                 "run_id": os.environ.get("TORCHELASTIC_RUN_ID"),
+                 "restart": os.environ.get("TORCHELASTIC_RESTART_COUNT"), "time": time.time()}
+        with fence._lock():
+            while True:
+                token = fence.newest() + 1
+                owner["token"] = token
+                try:
+                    fence._fs.pipe_file(fence._path(token), json.dumps(owner).encode(),
+                                        mode="create")
+                    break
+                except FileExistsError:  # another writer took it first: take the next one
+                    continue
+        fence.token = token
+        log.info("checkpoint fencing token %d claimed in %s", token, directory)
+        return fence
+
+    def _path(self, token: int) -> str:
+        return f"{self._root}/{token:012d}"
+
+    def newest(self) -> int:
+        """The largest token claimed in the directory (0: none)."""
+        self._fs.invalidate_cache(self._root)  # object-store listings are cached
+        try:
+            names = [p.rstrip("/").rsplit("/", 1)[-1] for p in self._fs.ls(self._root,
+                                                                         detail=False)]
+        except FileNotFoundError:
+            return 0
+        return max((int(n) for n in names if n.isdigit()), default=0)
+
+    def owner(self, token: int) -> dict[str, Any]:
+        """What the claim of ``token`` recorded (empty if unreadable)."""
+        try:
+            return json.loads(self._fs.cat_file(self._path(token)))
+        except (OSError, ValueError):
+            return {}
+
+    @contextlib.contextmanager
+    def guard(self, what: str) -> Iterator[None]:
+        """Hold off claims (filesystems) and check that this token is still the newest; the
+        block publishes the commit ``what``.
+
+        Raises:
+            FencedOut: a newer token was claimed; nothing of ``what`` is published."""
+        with self._lock():
+            newest = self.newest()
+            if newest > self.token:
+                o = self.owner(newest)
+                raise FencedOut(
+                    f"not committing {what}: {self.directory} was claimed by a newer group "
+                    f"(fencing token {newest}, host {o.get('host')} pid {o.get('pid')}, "
+                    f"restart {o.get('restart')}) while this group holds token {self.token}: "
+                    "this group is stale (was its node declared dead, e.g. a missed rendezvous "
+                    "keep-alive?) and stops; the newer group goes on")
+            yield
+
+    def check(self, what: str) -> None:
+        """Fail early, before writing anything of ``what``: :meth:`guard` around nothing.
+
+        Raises:
+            FencedOut: a newer token was claimed."""
+        with self.guard(what):
+            pass
+
+    @contextlib.contextmanager
+    def _lock(self) -> Iterator[None]:
+        if not self._local:
+            yield
+            return
+        fd = os.open(os.path.join(self._root, _LOCK), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # closing releases the lock
+
+
+class NoFence:
+    """The null object: commits are not fenced (a single writer by construction: tests,
+    ``export``); token 0."""
+
+    token = 0
+
+    @contextlib.contextmanager
+    def guard(self, what: str) -> Iterator[None]:
+        yield
+
+    def check(self, what: str) -> None:
+        pass
+

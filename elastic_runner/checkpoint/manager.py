@@ -1,0 +1,276 @@
+"""The checkpoint manager: cadence, atomic commit, async save, best, retention, resume, rollback.
+
+It holds a ``dict[str, Stateful]`` (torch's ``torch.distributed.checkpoint.stateful.Stateful``
+protocol: ``state_dict()`` / ``load_state_dict()``) and never reaches inside; it knows nothing of
+the training loop. The storage format and commit protocol are ``checkpoint/storage.py``'s (one
+``state.pt`` per checkpoint plus a manifest written last; atomic rename on filesystems, manifest
+last on object stores). Rank 0 writes; every rank loads the checkpoint rank 0 chose.
+
+Usage from any loop (see ``examples/own_loop.py``)::
+
+    ckpt = CheckpointManager("runs/ckpt", {"model": model, "optimizer": opt, "sampler": s},
+                             every_steps=100)
+    ckpt.load_latest()                      # newest valid checkpoint, or nothing
+    for step in ...:
+        ...
+        ckpt.maybe_save(step)               # every 100 steps (and/or every_seconds)
+    ckpt.save(step); ckpt.close()           # final one, committed before close returns
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch.distributed.checkpoint.stateful import Stateful
+
+from ..dist import assert_same_across_ranks, broadcast_object, current_rank
+from . import storage as ckpt
+from .async_save import AsyncCheckpointer
+from .fencing import Fence, NoFence
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CheckpointEvent:
+    """A committed checkpoint: its paths (a step and/or a best one), the step, the seconds the
+    write took (in the background when async) and its size in bytes."""
+
+    paths: list[str]
+    step: int
+    seconds: float
+    size_bytes: int
+
+
+class CheckpointListener(Protocol):
+    """What the manager reports (the runner's metrics and logs implement it)."""
+
+    def checkpoint_stall(self, seconds: float) -> None: ...
+    def checkpoint_committed(self, event: CheckpointEvent) -> None: ...
+    def checkpoint_loaded(self, info: ckpt.CheckpointInfo) -> None: ...
+
+
+class _Quiet:
+    def checkpoint_stall(self, seconds: float) -> None:
+        pass
+
+    def checkpoint_committed(self, event: CheckpointEvent) -> None:
+        pass
+
+    def checkpoint_loaded(self, info: ckpt.CheckpointInfo) -> None:
+        pass
+
+
+class _SyncWriter:
+    """The synchronous twin of :class:`AsyncCheckpointer` (null object for ``async_save``)."""
+
+    def save(self, state: Any, write: Callable[[Any], Any]) -> float:
+        t0 = time.perf_counter()
+        write(state)
+        return time.perf_counter() - t0
+
+    def wait(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class CheckpointManager:
+    """Saves and restores ``state`` (``{name: Stateful}``) in ``directory``.
+
+    Args:
+        directory: local path or fsspec URL (``s3://bucket/run``); shared by all nodes.
+        state: what a checkpoint holds; every value must implement ``Stateful``.
+        every_steps: save when the step is a multiple of it (0: never by steps).
+        every_seconds: save when this much wall-clock time passed since the last save (rank 0
+            decides; the decision is taken by all ranks through :meth:`due`'s ``agree``).
+        async_save: snapshot into reused host buffers and write in a background thread.
+        keep_last: valid step checkpoints kept (older ones are deleted after each commit; the
+            checkpoint resumed from is never deleted).
+        keep_best: also commit ``best-step-N`` when :meth:`save` is called with ``best=True``.
+        extra: plain values saved beside the state (e.g. the resolved config); not loaded.
+        meta: called at each save; its dict goes into the manifest (epoch, world size, ...).
+        listener: receives stall / commit / load events (metrics).
+        after_load: called with the loaded raw state after loading, before the replicas are
+            compared.
+        migrate: rewrites a loaded raw state before it is applied (checkpoints of older
+            releases); identity by default.
+        rank: this process's rank (default: the process group's, 0 without one).
+        fencing: rank 0 claims a fencing token in ``directory`` (``checkpoint/fencing.py``) before it
+            chooses the checkpoint to resume from (or before its first save), and every commit
+            is refused with :class:`~elastic_runner.checkpoint.fencing.FencedOut` once a newer group has
+            claimed the directory. False: commits are not fenced (one writer by construction).
+
+    Raises:
+        TypeError: a value of ``state`` does not implement ``Stateful``.
+    """
+
+    def __init__(self, directory: str, state: Mapping[str, Stateful], *, every_steps: int = 0,
+                 every_seconds: float | None = None, async_save: bool = True,
+                 keep_last: int = 3, keep_best: bool = True,
+                 extra: Mapping[str, Any] | None = None,
+                 meta: Callable[[], dict[str, Any]] = dict,
+                 listener: CheckpointListener | None = None,
+                 after_load: Callable[[dict[str, Any]], None] = lambda raw: None,
+                 migrate: Callable[[dict[str, Any]], dict[str, Any]] = lambda raw: raw,
+                 rank: int | None = None, fencing: bool = True) -> None:
+        for key, value in state.items():
+            if not isinstance(value, Stateful):
+                raise TypeError(f"checkpoint state {key!r}: {type(value).__name__} does not "
+                                "implement torch's Stateful protocol (state_dict and "
+                                "load_state_dict)")
+        self.directory, self.state = directory, dict(state)
+        self.every_steps, self.every_seconds = every_steps, every_seconds
+        self.keep_last, self.keep_best = keep_last, keep_best
+        self.extra, self.meta = dict(extra or {}), meta
+        self.listener: CheckpointListener = listener or _Quiet()
+        self.after_load, self.migrate = after_load, migrate
+        self.rank = current_rank() if rank is None else rank
+        self.resumed_from: str | None = None
+        self._writer = AsyncCheckpointer() if async_save and self.rank == 0 else _SyncWriter()
+        self._async = async_save
+        self._last_save = time.monotonic()
+        self._fencing = fencing and self.rank == 0
+        self.fence: Fence | NoFence = ckpt.UNFENCED
+
+    def claim(self) -> None:
+        """Rank 0: claim a fencing token for this group (once; :meth:`load_latest` and the
+        first :meth:`save` call it). Other ranks and ``fencing=False``: nothing."""
+        if self._fencing and isinstance(self.fence, NoFence):
+            self.fence = Fence.claim(self.directory)
+
+    # ------------------------------------------------------------ saving
+
+    def due_by_steps(self, step: int) -> bool:
+        """Whether ``every_steps`` asks for a checkpoint after ``step`` (the same answer on
+        every rank)."""
+        return bool(self.every_steps) and step % self.every_steps == 0
+
+    def due(self, step: int) -> bool:
+        """Whether the cadence asks for a checkpoint after ``step``. The time rule is rank 0's
+        clock; only rank 0 writes, so the other ranks' answer does not matter for it."""
+        by_time = (self.every_seconds is not None and self.rank == 0
+                   and time.monotonic() - self._last_save >= self.every_seconds)
+        return self.due_by_steps(step) or by_time
+
+    def maybe_save(self, step: int) -> bool:
+        """:meth:`save` if :meth:`due`; True if it saved."""
+        if self.due(step):
+            self.save(step)
+            return True
+        return False
+
+    def save(self, step: int, *, best: bool = False, step_checkpoint: bool = True) -> None:
+        """Commit ``step-N`` (and ``best-step-N`` when ``best`` and ``keep_best``); all ranks
+        call it, rank 0 writes. Asynchronous saves return after the snapshot; the next save,
+        :meth:`wait` and :meth:`close` re-raise a failed background write.
+
+        Raises:
+            OSError / CheckpointError: a synchronous write failed (or the previous async one).
+            FencedOut: a newer group claimed the directory (this save or the previous one).
+        """
+        names = [f"step-{step:08d}"] if step_checkpoint else []
+        if best and self.keep_best:
+            names.append(f"best-step-{step:08d}")
+        if not names or self.rank != 0:
+            return
+        self._last_save = time.monotonic()
+        self.claim()
+        meta = {"step": step, **self.meta()}
+        stall = self._writer.save(self.state_dict(), lambda s: self._write(names, s, meta))
+        self.listener.checkpoint_stall(stall)
+        log.info("checkpoint of step %d: training stalled %.3f s (%s)", step, stall,
+                 "async" if self._async else "sync")
+
+    def _write(self, names: list[str], state: dict[str, Any], meta: dict[str, Any]) -> None:
+        t0 = time.perf_counter()
+        paths = ckpt.write_checkpoint(self.directory, names, state, meta, self.fence)
+        seconds = time.perf_counter() - t0
+        size = ckpt.inspect(paths[0]).size_bytes
+        ckpt.prune(self.directory, self.keep_last, protect=self.resumed_from)
+        log.info("committed checkpoint %s (written in %.2f s)", ", ".join(paths), seconds)
+        self.listener.checkpoint_committed(CheckpointEvent(paths, meta["step"], seconds, size))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**{k: v.state_dict() for k, v in self.state.items()}, **self.extra}
+
+    def wait(self) -> None:
+        """Block until the in-flight save is committed (re-raises its error)."""
+        self._writer.wait()
+
+    def close(self) -> None:
+        """Commit the in-flight save and stop the writer thread."""
+        self._writer.close()
+
+    # ------------------------------------------------------------ loading
+
+    def load_latest(self, map_location: str | torch.device = "cpu") -> dict[str, Any] | None:
+        """Load the newest valid checkpoint into ``state`` on every rank (collective).
+
+        Rank 0 picks it (a truncated, bit-flipped or partial newer one is skipped with a
+        warning) and broadcasts its path; every rank loads it with ``weights_only=True``. A
+        ``torch.nn.Module`` under the key ``model`` is checked tensor by tensor first, and after
+        loading the replicas' parameters are compared across ranks.
+
+        Returns:
+            The loaded raw state (with ``extra``'s keys), or None when there is no checkpoint.
+
+        Raises:
+            CheckpointError: unreadable file, tensors that do not fit the model (named), a
+                missing state key; RuntimeError: the replicas differ after loading.
+        """
+        choice = None
+        if self.rank == 0:
+            self.claim()  # before choosing: no older group's later commit can go unseen
+            found = ckpt.latest_valid(self.directory)
+            if found is not None:
+                choice = found.path
+                self.listener.checkpoint_loaded(found)
+        choice = broadcast_object(choice)
+        if choice is None:
+            log.info("no checkpoint in %s: starting from scratch", self.directory)
+            return None
+        raw = self.migrate(ckpt.load_state(choice, map_location=map_location))
+        self.resumed_from = choice
+        self._load(raw, choice)
+        return raw
+
+    def _load(self, raw: dict[str, Any], source: str) -> None:
+        self._apply(raw, source)
+        self.after_load(raw)
+        model = self.state.get("model")
+        if isinstance(model, torch.nn.Module):
+            # replicas must be identical after loading, or DDP would average diverged models
+            assert_same_across_ranks(ckpt.tensors_digest(model.state_dict()),
+                                     f"model parameters loaded from {source}")
+
+    def _apply(self, raw: dict[str, Any], source: str) -> None:
+        missing = sorted(set(self.state) - set(raw))
+        if missing:
+            raise ckpt.CheckpointError(f"checkpoint {source} has no state for "
+                                       f"{', '.join(missing)} (written by another program?)")
+        model = self.state.get("model")
+        if isinstance(model, torch.nn.Module):
+            ckpt.check_compatible(model.state_dict(), raw["model"], source)
+        for key, obj in self.state.items():
+            obj.load_state_dict(raw[key])
+
+    def load_from_peer(self, raw: dict[str, Any], peer: int) -> None:
+        """Load ``raw`` (a live peer's :meth:`state_dict`, received during an in-place
+        recovery) into ``state``; the model's tensors are checked first (not collective).
+
+        Raises:
+            CheckpointError: a missing state key or tensors that do not fit the model."""
+        self._apply(raw, f"rank {peer}'s state")
+
+    def rollback(self, map_location: str | torch.device = "cpu") -> bool:
+        """Wait for the in-flight save, then reload the newest valid checkpoint on all ranks;
+        False if there is none."""
+        self.wait()
+        return self.load_latest(map_location) is not None

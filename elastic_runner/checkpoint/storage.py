@@ -1,0 +1,452 @@
+"""Atomic, verified checkpoints on a local/shared filesystem or an object store (fsspec).
+Knows nothing about training.
+
+Layout: one directory (prefix) per checkpoint inside ``checkpoint.dir``::
+
+    step-00000120/         state.pt (torch.save of a dict of tensors and plain values)
+                           manifest.json (written last: format, step, epoch, world_size, time,
+                                          config hash, and bytes + sha256 of every file)
+    best-step-00000100/    the same, for the best evaluation so far
+
+Commit protocol, local paths: everything is written under ``.tmp-<name>-<pid>/`` in the same
+directory, each file is flushed and fsynced, the manifest is written last and fsynced, the
+temporary directory is fsynced, then ``os.replace``-d to its final name and the parent directory
+is fsynced. A crash at any instant leaves either no directory of that name or a complete one;
+stray ``.tmp-*`` entries are ignored and removed by the next prune.
+
+Commit protocol, URLs (``s3://``, ``gs://``, ... through fsspec): object stores have no atomic
+rename, so files are written in place and the manifest is written last; a checkpoint without a
+manifest, or whose files do not match it, is invalid. Rewriting a name deletes its manifest first.
+
+Either way readers trust only checkpoints whose manifest verifies (sizes always, sha256 before
+loading). Loading uses ``torch.load(..., weights_only=True)``: no arbitrary unpickling.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import fsspec
+import torch
+from fsspec.implementations.local import LocalFileSystem
+
+from .fencing import Fence, FencedOut, NoFence
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+STATE_FILE = "state.pt"
+MANIFEST = "manifest.json"
+UNFENCED = NoFence()
+_NAME = re.compile(r"^(?P<kind>step|best-step)-(?P<step>\d{8})$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be used (corrupt, incomplete, or from another model)."""
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """One checkpoint as found in storage.
+
+    ``path`` is a local path or a URL; ``size_bytes`` is the total of its files; ``valid`` is
+    False with ``reason`` when the manifest is missing or unreadable or a file's size differs
+    (``inspect(..., verify=True)`` also checks sha256).
+    """
+
+    path: str
+    kind: str  # "step" or "best"
+    step: int
+    epoch: int | None
+    world_size: int | None
+    time: float | None  # unix seconds of the commit
+    size_bytes: int
+    valid: bool
+    reason: str = ""
+    config_hash: str | None = None
+    fence: int = 0  # the writer's fencing token (checkpoint/fencing.py); 0 before fencing existed
+
+    @property
+    def order(self) -> tuple[int, int]:
+        """Newest first by this key, descending: a newer group's checkpoints win over a stale
+        group's whatever their step (checkpoint/fencing.py)."""
+        return (self.fence, self.step)
+
+    @property
+    def name(self) -> str:
+        return self.path.rstrip("/").rsplit("/", 1)[-1]
+
+
+def _resolve(location: str | Path) -> tuple[fsspec.AbstractFileSystem, str]:
+    fs, root = fsspec.core.url_to_fs(str(location))
+    return fs, root.rstrip("/")
+
+
+def _is_local(fs: fsspec.AbstractFileSystem) -> bool:
+    return isinstance(fs, LocalFileSystem)
+
+
+def _display(fs: fsspec.AbstractFileSystem, path: str) -> str:
+    return path if _is_local(fs) else fs.unstrip_protocol(path)
+
+
+def _ls(fs: fsspec.AbstractFileSystem, path: str) -> list[dict[str, Any]]:
+    """``fs.ls(path, detail=True)`` past the listing cache: object-store clients (s3fs, gcsfs)
+    cache listings per process and never expire them, so other processes' commits and deletions
+    would stay invisible to a reader that listed before (a no-op on local filesystems)."""
+    fs.invalidate_cache(path)
+    return fs.ls(path, detail=True)
+
+
+class _HashingWriter:
+    """File wrapper that counts and hashes what ``torch.save`` writes (no second read)."""
+
+    def __init__(self, f: BinaryIO) -> None:
+        self.f, self.sha, self.size = f, hashlib.sha256(), 0
+
+    def write(self, data: bytes) -> int:
+        self.sha.update(data)
+        self.size += len(data)
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def _save_hashed(f: BinaryIO, state: dict[str, Any]) -> dict[str, Any]:
+    w = _HashingWriter(f)
+    torch.save(state, w)
+    w.flush()
+    return {"bytes": w.size, "sha256": w.sha.hexdigest()}
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sha256(fs: fsspec.AbstractFileSystem, path: str) -> str:
+    h = hashlib.sha256()
+    with fs.open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _manifest(meta: dict[str, Any], files: dict[str, Any]) -> bytes:
+    return json.dumps({"format_version": FORMAT_VERSION, "time": time.time(), **meta,
+                       "files": files}, indent=1).encode()
+
+
+def write_checkpoint(directory: str | Path, names: str | list[str], state: dict[str, Any],
+                     meta: dict[str, Any], fence: Fence | NoFence = UNFENCED) -> list[str]:
+    """Write ``state`` once and commit it under each of ``names`` (e.g. a step and a best
+    checkpoint of the same step; later names hard-link, or copy, the first one's file).
+
+    ``meta`` (step, epoch, world_size, config_hash, ...) goes into the manifest, with
+    ``fence``'s token. An existing checkpoint of the same name is replaced (its step was redone
+    after a restart).
+
+    Returns:
+        The committed checkpoints' paths (local) or URLs.
+
+    Raises:
+        FencedOut: a newer group claimed ``directory`` (``fence``); nothing was published.
+    """
+    names = [names] if isinstance(names, str) else names
+    meta = {**meta, "fence": fence.token}
+    fs, root = _resolve(directory)
+    if _is_local(fs):
+        return [str(p) for p in _write_local(Path(root), names, state, meta, fence)]
+    return [_display(fs, p) for p in _write_object_store(fs, root, names, state, meta, fence)]
+
+
+def _write_local(directory: Path, names: list[str], state: dict[str, Any],
+                 meta: dict[str, Any], fence: Fence | NoFence) -> list[Path]:
+    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        staged = _stage_local(directory, names, state, meta)
+    except OSError:
+        # a stale writer's staging directory is fair game for the newer group's prune: when it
+        # vanished under us, say that we are fenced out rather than a bare FileNotFoundError
+        fence.check(", ".join(names))
+        raise
+    finals = []
+    try:
+        with fence.guard(", ".join(names)):
+            for tmp, name in zip(staged, names, strict=True):
+                final = directory / name
+                if final.exists():  # same step written again after a restart: retire the old
+                    old = directory / f".tmp-old-{name}-{os.getpid()}"
+                    os.replace(final, old)
+                    shutil.rmtree(old)
+                os.replace(tmp, final)
+                finals.append(final)
+            _fsync_dir(directory)
+    except FencedOut:
+        for tmp in staged:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return finals
+
+
+def _stage_local(directory: Path, names: list[str], state: dict[str, Any],
+                 meta: dict[str, Any]) -> list[Path]:
+    """Write each of ``names`` complete (state, manifest, fsync) under ``.tmp-<name>-<pid>``."""
+    staged: list[Path] = []
+    files: dict[str, Any] = {}
+    for name in names:
+        tmp = directory / f".tmp-{name}-{os.getpid()}"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+        if not staged:
+            with open(tmp / STATE_FILE, "wb") as f:
+                files[STATE_FILE] = _save_hashed(f, state)
+                os.fsync(f.fileno())
+        else:
+            _link_or_copy(staged[0] / STATE_FILE, tmp / STATE_FILE)
+        with open(tmp / MANIFEST, "wb") as f:
+            f.write(_manifest(meta, files))
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(tmp)
+        staged.append(tmp)
+    return staged
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copyfile(src, dst)
+        with open(dst, "rb+") as f:
+            os.fsync(f.fileno())
+
+
+def _write_object_store(fs: fsspec.AbstractFileSystem, root: str, names: list[str],
+                        state: dict[str, Any], meta: dict[str, Any],
+                        fence: Fence | NoFence) -> list[str]:
+    finals = [f"{root}/{name}" for name in names]
+    fence.check(", ".join(names))  # fail early: a stale writer overwrites nothing
+    for final in finals:  # invalidate before overwriting: no manifest, no trust
+        fs.invalidate_cache(final)  # another process may have written it since we listed
+        if fs.exists(final):
+            fs.rm(final, recursive=True)
+        fs.makedirs(final, exist_ok=True)
+    with fs.open(f"{finals[0]}/{STATE_FILE}", "wb") as f:
+        files = {STATE_FILE: _save_hashed(f, state)}
+    for final in finals[1:]:
+        fs.copy(f"{finals[0]}/{STATE_FILE}", f"{final}/{STATE_FILE}")
+    with fence.guard(", ".join(names)):
+        for final in finals:
+            fs.pipe_file(f"{final}/{MANIFEST}", _manifest(meta, files))
+    return finals
+
+
+def _manifest_problem(manifest: Any) -> str:
+    """Why a parsed manifest cannot be trusted ('' when it can): it names only this format's
+    files, by plain name (a hostile one could point outside the directory, or leave
+    state.pt unverified), each with an int size and a sha256, and its fields are typed."""
+    if not isinstance(manifest, dict):
+        return f"manifest is a JSON {type(manifest).__name__}, not an object"
+    if manifest.get("format_version") != FORMAT_VERSION:
+        return f"format version {str(manifest.get('format_version'))[:40]} != {FORMAT_VERSION}"
+    files = manifest.get("files")
+    if not isinstance(files, dict):
+        return "manifest has no 'files' object"
+    for fname in files:
+        shown = repr(fname[:200]) + ("..." if len(fname) > 200 else "")
+        if "/" in fname or "\\" in fname or fname in ("", ".", ".."):
+            return (f"manifest names file {shown}: a path outside the checkpoint directory "
+                    f"(only plain names: {STATE_FILE})")
+        if fname != STATE_FILE:
+            return f"manifest names file {shown}, not one of this format ({STATE_FILE})"
+    desc = files.get(STATE_FILE)
+    if not isinstance(desc, dict):
+        return f"manifest does not list {STATE_FILE} (its size and sha256 are unknown)"
+    if type(desc.get("bytes")) is not int or not isinstance(desc.get("sha256"), str):
+        return f"manifest entry of {STATE_FILE} lacks an int 'bytes' or a 'sha256'"
+    typed = {"step": (int,), "epoch": (int, type(None)), "world_size": (int, type(None)),
+             "time": (int, float, type(None))}
+    wrong = [k for k, ok in typed.items() if type(manifest.get(k)) not in ok]
+    if type(manifest.get("fence", 0)) is not int:
+        wrong.append("fence")
+    return f"manifest field {wrong[0]!r} has the wrong type" if wrong else ""
+
+
+def inspect(path: str | Path, verify: bool = False) -> CheckpointInfo:
+    """Describe the checkpoint at ``path`` (directory or URL); ``verify`` also checks every
+    file's sha256."""
+    fs, p = _resolve(path)
+    display = _display(fs, p)
+    m = _NAME.match(p.rsplit("/", 1)[-1])
+    kind = "best" if m and m["kind"] == "best-step" else "step"
+    step = int(m["step"]) if m else -1
+    try:
+        entries = _ls(fs, p)
+    except FileNotFoundError:
+        entries = []
+    sizes = {e["name"].rstrip("/").rsplit("/", 1)[-1]: e["size"] for e in entries
+             if e["type"] == "file"}
+    # a link is refused, never followed: nothing outside the checkpoint directory is read
+    links = sorted(e["name"].rstrip("/").rsplit("/", 1)[-1] for e in entries if e.get("islink"))
+    size = sum(sizes.values())
+
+    def bad(reason: str) -> CheckpointInfo:
+        return CheckpointInfo(display, kind, step, None, None, None, size, False, reason)
+
+    if links:
+        return bad(f"{links[0][:80]!r} is a symbolic link (refused: a checkpoint's files must "
+                   "lie in its directory)")
+    if MANIFEST not in sizes:
+        return bad("no manifest (incomplete write)")
+    if sizes[MANIFEST] > 1 << 20:  # a few hundred bytes when written here: never read a huge one
+        return bad(f"{MANIFEST} has {sizes[MANIFEST]} bytes, more than a manifest's 1 MiB")
+    try:
+        manifest = json.loads(fs.cat_file(f"{p}/{MANIFEST}"))
+    except (OSError, ValueError) as e:
+        return bad(f"unreadable manifest: {e}")
+    problem = _manifest_problem(manifest)
+    if problem:
+        return bad(problem)
+    for fname, desc in manifest["files"].items():
+        if fname not in sizes:
+            return bad(f"{fname} missing")
+        if sizes[fname] != desc["bytes"]:
+            return bad(f"{fname} has {sizes[fname]} bytes, manifest says {desc['bytes']}")
+        if verify and _sha256(fs, f"{p}/{fname}") != desc["sha256"]:
+            return bad(f"{fname} sha256 mismatch (corrupt)")
+    return CheckpointInfo(display, kind, manifest["step"], manifest.get("epoch"),
+                          manifest.get("world_size"), manifest.get("time"), size, True, "",
+                          manifest.get("config_hash"), int(manifest.get("fence", 0)))
+
+
+def list_checkpoints(directory: str | Path) -> list[CheckpointInfo]:
+    """All checkpoints in ``directory`` (valid or not), oldest step first."""
+    fs, root = _resolve(directory)
+    try:
+        entries = _ls(fs, root)
+    except FileNotFoundError:
+        return []
+    found = [inspect(_display(fs, e["name"].rstrip("/"))) for e in entries
+             if e["type"] == "directory" and _NAME.match(e["name"].rstrip("/").rsplit("/", 1)[-1])]
+    return sorted(found, key=lambda c: (c.step, c.kind))
+
+
+def latest_valid(directory: str | Path, kind: str = "step") -> CheckpointInfo | None:
+    """The newest checkpoint of ``kind`` whose files verify (sha256): the highest step of the
+    highest fencing token (a stale group's checkpoints lose to a newer group's whatever their
+    step); invalid newer ones are skipped with a warning naming the reason."""
+    found = [c for c in list_checkpoints(directory) if c.kind == kind]
+    # an invalid one's token is unknown (its manifest may be what is broken): rank it as the
+    # newest group's, so a damaged newer checkpoint is still named when it is skipped
+    newest = max((c.fence for c in found if c.valid), default=0)
+    for info in sorted(found, key=lambda c: c.order if c.valid else (newest, c.step),
+                       reverse=True):
+        checked = inspect(info.path, verify=True) if info.valid else info
+        if checked.valid:
+            return checked
+        log.warning("skipping checkpoint %s: %s", info.path, checked.reason)
+    return None
+
+
+def load_state(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    """Load a checkpoint's state (``weights_only=True``).
+
+    ``path`` is a checkpoint directory/URL or its ``state.pt``.
+
+    Raises:
+        CheckpointError: the file is missing or cannot be unpickled safely.
+    """
+    fs, p = _resolve(path)
+    f = p if p.endswith(".pt") else f"{p}/{STATE_FILE}"
+    try:
+        with fs.open(f, "rb") as fh:
+            return torch.load(fh, map_location=map_location, weights_only=True)
+    except FileNotFoundError as e:
+        raise CheckpointError(f"checkpoint {path}: {STATE_FILE} not found") from e
+    except Exception as e:  # torch raises UnpicklingError/RuntimeError for damaged files
+        raise CheckpointError(f"checkpoint {path}: cannot load {STATE_FILE}: {_load_problem(e)}"
+                              ) from e
+
+
+def _load_problem(e: Exception) -> str:
+    """torch.load's error on one line. A weights_only refusal spans many lines and advises
+    ``weights_only=False``: keep only what was refused (never advise running the file's code)."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(e))  # torch's message carries terminal bold
+    refused = re.search(r"WeightsUnpickler error:\s*([^\n]*)", text)
+    if refused:
+        what = refused.group(1).split(". ")[0].rstrip(".")
+        return f"Weights only load failed (torch.load(weights_only=True) refused it): {what}"
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return (lines[0] if lines else type(e).__name__)[:300]
+
+
+def prune(directory: str | Path, keep_last: int, protect: str | Path | None = None) -> list[str]:
+    """Delete all but the newest ``keep_last`` valid step checkpoints and all but the newest
+    valid best one, never ``protect`` (the checkpoint this run resumed from), plus stray local
+    temporary directories of dead writers. Invalid checkpoints are left for inspection.
+    Returns the removed paths."""
+    fs, root = _resolve(directory)
+    keep = str(protect) if protect is not None else None
+    infos = [c for c in list_checkpoints(directory) if c.valid and c.path != keep]
+    steps = sorted((c for c in infos if c.kind == "step"), key=lambda c: c.order)
+    bests = sorted((c for c in infos if c.kind == "best"), key=lambda c: c.order)
+    doomed = [c.path for c in steps[:-keep_last]] + [c.path for c in bests[:-1]]
+    for path in doomed:
+        fs.rm(_resolve(path)[1], recursive=True)
+    if _is_local(fs):
+        for p in Path(root).glob(".tmp-*"):
+            if not p.name.endswith(f"-{os.getpid()}"):
+                shutil.rmtree(p, ignore_errors=True)
+                doomed.append(str(p))
+    return doomed
+
+
+def tensors_digest(tensors: dict[str, torch.Tensor]) -> str:
+    """sha256 (hex, 16 chars) over names, dtypes, shapes and raw bytes of ``tensors``."""
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().cpu().contiguous()
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()[:16]
+
+
+def check_compatible(model_state: dict[str, torch.Tensor], ckpt_state: dict[str, torch.Tensor],
+                     source: str) -> None:
+    """Raise :class:`CheckpointError` naming every mismatched tensor if ``ckpt_state`` cannot be
+    loaded strictly into a model whose state_dict is ``model_state``."""
+    missing = sorted(set(model_state) - set(ckpt_state))
+    unexpected = sorted(set(ckpt_state) - set(model_state))
+    shapes = [
+        f"{k}: checkpoint {tuple(ckpt_state[k].shape)} vs model {tuple(model_state[k].shape)}"
+        for k in sorted(set(model_state) & set(ckpt_state))
+        if tuple(model_state[k].shape) != tuple(ckpt_state[k].shape)
+    ]
+    if not (missing or unexpected or shapes):
+        return
+
+    def fmt(label: str, items: list[str]) -> str:
+        more = f" (+{len(items) - 8} more)" if len(items) > 8 else ""
+        return f"\n  {label} ({len(items)}): " + ", ".join(items[:8]) + more if items else ""
+
+    raise CheckpointError(
+        f"checkpoint {source} does not match this model (another task or model config?)"
+        + fmt("missing in checkpoint", missing)
+        + fmt("unexpected in checkpoint", unexpected)
+        + fmt("shape mismatch", shapes)
+    )

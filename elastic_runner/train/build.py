@@ -1,0 +1,306 @@
+"""Assemble the built-in trainer from a config: task, model, DDP, optimizer, schedule, data,
+checkpoints, step consensus, stop policy and reporting callbacks, for one rank."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ..checkpoint.manager import CheckpointManager
+from ..config import Config, fingerprint, task_builder
+from ..config_base import ConfigError
+from ..data.batches import check_samples
+from ..data.loader import ElasticDataLoader
+from ..data.sampler import ElasticSampler
+from ..dist import DistInfo, assert_same_across_ranks
+from ..observe.goodput import Goodput, process_start_time
+from ..observe.metrics import RankMetrics
+from ..observe.reporting import (
+    Budgets,
+    FaultInjection,
+    ProgressBar,
+    TensorBoardScalars,
+    runner_callbacks,
+)
+from ..observe.straggler import StragglerMonitor
+from ..preempt import PreemptionFlag
+from ..tasks.base import TaskBundle, check_same_build, task_fingerprint
+from . import faults as fault_injection
+from .callbacks import Callback, Callbacks
+from .consensus import StepConsensus, make_consensus, skips_on_device
+from .early_stop import EarlyStopping
+from .engine import StepEngine, precision_dtype
+from .loop import Trainer, lr_factor
+from .session import SessionOptions, TrainingSession
+from .state import RNGState, TrainState, seed_everything, use_deterministic_algorithms
+from .stop import StopPolicy, StopReason
+
+log = logging.getLogger("elastic_runner.train.loop")
+
+
+def build_optimizer(cfg: Config, model: nn.Module, bundle: TaskBundle | None = None
+                    ) -> torch.optim.Optimizer:
+    """The task's ``optimizer_fn(model)``, else the ``optimizer`` section's over the task's
+    ``param_groups(model)`` (default: all parameters in one group), fused where
+    ``optimizer.fused`` says (auto: when the model is on CUDA)."""
+    if bundle is not None and bundle.optimizer_fn is not None:
+        return bundle.optimizer_fn(model)
+    params: Any = model.parameters()
+    if bundle is not None and bundle.param_groups is not None:
+        params = bundle.param_groups(model)
+    o = cfg.optimizer
+    fused = o.fused_on(_device_of(model))
+    if o.name == "sgd":
+        return torch.optim.SGD(params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay,
+                               fused=fused)
+    return torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay,
+                             fused=fused)
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    return next(model.parameters(), torch.empty(0)).device
+
+
+def build_scheduler(cfg: Config, optimizer: torch.optim.Optimizer, total_steps: int,
+                    bundle: TaskBundle | None = None) -> torch.optim.lr_scheduler.LRScheduler:
+    """The task's ``scheduler_fn(optimizer, total_steps)``, else the ``schedule`` section's
+    warm-up and cosine (or constant) schedule, stepped once per optimizer step."""
+    if bundle is not None and bundle.scheduler_fn is not None:
+        return bundle.scheduler_fn(optimizer, total_steps)
+    s = cfg.schedule
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_factor(step, s.warmup_steps, total_steps, s.min_lr_ratio,
+                                          cosine=s.name == "cosine"))
+
+
+def build_task(cfg: Config) -> tuple[TaskBundle, str]:
+    """The task's data and model (seeded), its samples checked; and its fingerprint.
+
+    Raises:
+        ConfigError: fp16 without CUDA; a wrong sample type; errors of the task's build.
+    """
+    if cfg.training.precision == "fp16" and not torch.cuda.is_available():
+        raise ConfigError("training.precision: 'fp16' needs CUDA (GradScaler); use 'bf16' on CPU")
+    use_deterministic_algorithms(cfg.training.deterministic)
+    seed_everything(cfg.seed)
+    bundle: TaskBundle = task_builder(cfg.task)(cfg)
+    for split in ("train", "val"):  # a wrong sample type fails here, once, with exit code 2
+        check_samples(getattr(bundle, split), split, bundle.collate_fn, cfg.task)
+    return bundle, task_fingerprint(bundle)
+
+
+def build_trainer(cfg: Config, info: DistInfo, metrics: RankMetrics | None = None,
+                  task: tuple[TaskBundle, str] | None = None, joining: bool = False
+                  ) -> Trainer:
+    """Build everything one rank trains with; ``metrics`` (default: recording only) receives
+    the rank's series. ``task``: :func:`build_task`'s result when already built (a warm
+    spare); ``joining``: this process replaces a failed worker in a running group, whose
+    members check the build and wrap the model together (``inplace.rejoin``).
+
+    Raises:
+        ConfigError: fp16 without CUDA; errors of the task's build.
+    """
+    if cfg.training.precision == "fp16" and info.device.type != "cuda":
+        raise ConfigError("training.precision: 'fp16' needs CUDA (GradScaler); use 'bf16' on CPU")
+    bundle, built = task or build_task(cfg)
+    if not joining:
+        _check_same_task(cfg, built)
+    model = bundle.model.to(info.device)
+    net = model if joining else _wrap(cfg, info, model)
+    loader = _loader(cfg, info, bundle)
+    sampler = loader.elastic_sampler
+    total = sampler.steps_per_epoch() * cfg.training.max_epochs
+    if cfg.training.max_steps:
+        total = min(total, cfg.training.max_steps)
+    optimizer = build_optimizer(cfg, model, bundle)
+    scheduler = build_scheduler(cfg, optimizer, total, bundle)
+    scaler = torch.amp.GradScaler(info.device.type, enabled=cfg.training.precision == "fp16")
+    log.info("task %s: %d train / %d val / %d test samples; world size %d; global batch %d "
+             "(%d x micro-batch %d x accumulation %d); %d steps per epoch; %d steps in total",
+             cfg.task, len(bundle.train), len(bundle.val), len(bundle.test), info.world_size,
+             sampler.global_batch_size, info.world_size, cfg.batch.micro_batch_size,
+             sampler.grad_accum_steps, sampler.steps_per_epoch(), total)
+    engine = StepEngine(net, model, optimizer, scheduler, bundle.loss_fn, info.device,
+                        precision_dtype(cfg.training.precision), cfg.training.grad_clip_norm,
+                        scaler)
+    metrics = metrics or RankMetrics(cfg.metrics, info.rank, info.local_rank,
+                                     cuda=info.device.type == "cuda")
+    metrics.count_tokens(bundle.tokens_per_sample)
+    metrics.world(info.world_size)
+    preempt = PreemptionFlag()
+    stateful = {"model": model, "optimizer": optimizer, "scheduler": scheduler,
+                "scaler": scaler, "sampler": sampler}
+    session = _session(cfg, info, net, stateful, total, metrics, preempt, built, joining)
+    session.fetched = loader.take_fetched  # the trace records what the loader fetched
+    trainer = Trainer(cfg=cfg, info=info, bundle=bundle, model=model, optimizer=optimizer,
+                      scheduler=scheduler, loader=loader, engine=engine, session=session,
+                      total_steps=total, preempt=preempt, fingerprint=built)
+    session.save = trainer.save
+    trainer.rewrap = lambda: _rewrap(cfg, info, trainer)
+    return trainer
+
+
+def _rewrap(cfg: Config, info: DistInfo, trainer: Trainer) -> None:
+    """After the process group was re-formed (in-place recovery): a new DDP over the same
+    module on the new group, and the step vote and straggler exchange that go with it."""
+    net = _wrap(cfg, info, trainer.model)
+    session = trainer.session
+    trainer.engine.rebind(net)
+    session.consensus = _consensus(cfg, info, net, trainer.optimizer, trainer.preempt)
+    session.straggler = StragglerMonitor(cfg.metrics.straggler_threshold, info.rank,
+                                         info.world_size, info.device)
+
+
+def lagged_vote(cfg: Config, info: DistInfo, optimizer: torch.optim.Optimizer) -> bool:
+    """Whether this rank takes the step vote on the device and reads it a step later
+    (``training.lagged_vote``; auto: on CUDA with NCCL or at world size 1, a fused optimizer,
+    and no sample trace, which reads every step's loss).
+
+    Raises:
+        ConfigError: ``training.lagged_vote: true`` with an optimizer that cannot skip an
+            update on the device.
+    """
+    want = cfg.training.lagged_vote
+    capable = skips_on_device(optimizer)
+    if want is True and not capable:
+        raise ConfigError("training.lagged_vote: true needs an optimizer that skips an update "
+                          "on the device (torch's fused Adam, AdamW or SGD: optimizer.fused: "
+                          f"true), got {type(optimizer).__name__} without fused=True")
+    if want != "auto":
+        return bool(want)
+    return (capable and info.device.type == "cuda" and cfg.audit.trace_dir is None
+            and (info.backend == "nccl" or info.world_size == 1))
+
+
+def _consensus(cfg: Config, info: DistInfo, net: nn.Module, optimizer: torch.optim.Optimizer,
+               preempt: PreemptionFlag) -> StepConsensus:
+    lagged = lagged_vote(cfg, info, optimizer)
+    return make_consensus(net, lambda: preempt.stop_asked,
+                          lagged_on=info.device if lagged else None)
+
+
+def _check_same_task(cfg: Config, built: str) -> None:
+    """Every rank must have built the same data and tokenizer (``built``: this rank's
+    :func:`task_fingerprint`); a tokenizer trained or a split drawn without a fixed seed would
+    silently give ranks different token ids or samples.
+
+    Raises:
+        ConfigError: naming the ranks and what each built.
+    """
+    try:
+        assert_same_across_ranks(built, f"task {cfg.task}'s build")
+    except RuntimeError as e:
+        raise ConfigError(f"{e}: build(cfg) must give the same splits, samples and tokenizer "
+                          "on every rank and every restart: seed what it draws at random, and "
+                          "make what it trains (a tokenizer) once per job with "
+                          "elastic_runner.tasks.base.job_artifact") from e
+
+
+def _wrap(cfg: Config, info: DistInfo, model: nn.Module) -> nn.Module:
+    """DDP(model) in a process group, else the model itself."""
+    if not info.distributed:
+        return model
+    d = cfg.distributed.ddp
+    return DDP(model, device_ids=[info.device] if info.device.type == "cuda" else None,
+               bucket_cap_mb=d.bucket_cap_mb, static_graph=d.static_graph,
+               find_unused_parameters=d.find_unused_parameters)
+
+
+def _loader(cfg: Config, info: DistInfo, bundle: TaskBundle) -> ElasticDataLoader:
+    sampler = ElasticSampler(len(bundle.train), cfg.seed, cfg.batch.micro_batch_size,
+                             cfg.batch.accumulation_for(info.world_size), info.rank,
+                             info.world_size)
+    return ElasticDataLoader(bundle.train, sampler, collate_fn=bundle.collate_fn,
+                             num_workers=cfg.data.num_workers, pin_memory=cfg.data.pin_memory)
+
+
+def _session(cfg: Config, info: DistInfo, net: nn.Module, stateful: dict[str, Any],
+             total: int, metrics: RankMetrics, preempt: PreemptionFlag, task: str,
+             joining: bool = False) -> TrainingSession:
+    """The session; a joining replacement gets its vote and straggler exchange (collectives)
+    from ``_rewrap``, together with the group it joins."""
+    state, sampler = TrainState(), stateful["sampler"]
+    stop = StopPolicy(cfg.training.max_steps, cfg.training.max_epochs,
+                      EarlyStopping(cfg.early_stopping))
+    faults = fault_injection.FaultInjector(cfg.faults, info.rank, info.restart_count)
+    goodput = Goodput(process_start_time(), metrics.goodput)
+    callbacks = Callbacks(_callbacks(cfg, info, total, metrics, sampler, faults, goodput))
+    injection = next((c for c in callbacks.items if isinstance(c, FaultInjection)), None)
+    model = stateful["model"]
+
+    def after_load(raw: dict[str, Any]) -> None:
+        fault_injection.perturb_replica(cfg.faults, info.rank, model)
+        check_same_build(raw, cfg.to_dict(), task,
+                         checkpoints.resumed_from or c.dir)
+        if fingerprint(raw["config"]) != cfg.fingerprint():
+            log.warning("checkpoint %s was written with a different config; resuming anyway",
+                        checkpoints.resumed_from or "")
+
+    c = cfg.checkpoint
+    checkpoints = CheckpointManager(
+        c.dir, {**stateful, "train_state": state, "stop": stop, "rng": RNGState(),
+                "goodput": goodput},
+        every_steps=c.every_steps, every_seconds=c.every_seconds, async_save=c.async_save,
+        keep_last=c.keep_last, keep_best=c.keep_best,
+        extra={"config": cfg.to_dict(), "task_fingerprint": task},
+        meta=lambda: {"epoch": sampler.epoch, "cursor": sampler.cursor,
+                      "world_size": info.world_size, "config_hash": cfg.fingerprint(),
+                      "finished": stop.stopped},
+        listener=callbacks, after_load=after_load, migrate=migrate_checkpoint, rank=info.rank)
+    return TrainingSession(
+        state=state, sampler=sampler, checkpoints=checkpoints,
+        consensus=_consensus(cfg, info, net, stateful["optimizer"], preempt), stop=stop,
+        callbacks=callbacks, device=info.device, rank=info.rank, world_size=info.world_size,
+        straggler=StragglerMonitor(0.0 if joining else cfg.metrics.straggler_threshold,
+                                   info.rank, info.world_size, info.device),
+        options=SessionOptions(cfg.seed, cfg.training.log_every_steps,
+                               cfg.training.max_bad_steps),
+        lr=lambda: stateful["scheduler"].get_last_lr()[0],
+        poisoned=injection.poisoned if injection else (lambda step: False))
+
+
+def migrate_checkpoint(raw: dict[str, Any]) -> dict[str, Any]:
+    """Checkpoints of earlier releases, in today's layout: :func:`legacy_stop_state`, and no
+    goodput figures (the job's goodput then counts from the resume)."""
+    raw = legacy_stop_state(raw)
+    if "goodput" not in raw:
+        now = time.time()
+        raw = {**raw, "goodput": {"job_start": now, "seconds": {}, "saved_at": now}}
+    return raw
+
+
+def legacy_stop_state(raw: dict[str, Any]) -> dict[str, Any]:
+    """Checkpoints written before the stop policy was its own state kept the stop reason as
+    text in ``train_state`` and the early-stopping state beside it: rebuild ``stop`` from
+    them."""
+    if "stop" in raw or "early_stopping" not in raw:
+        return raw
+    message = raw.get("train_state", {}).get("stop_reason", "")
+    finished = raw.get("train_state", {}).get("finished", False)
+    reason = StopReason.from_message(message) if finished else None
+    return {**raw, "stop": {"reason": reason.value if reason else None, "message": message,
+                            "early_stopping": raw["early_stopping"]}}
+
+
+def _callbacks(cfg: Config, info: DistInfo, total: int, metrics: RankMetrics,
+               sampler: ElasticSampler, faults: fault_injection.FaultInjector, goodput: Goodput
+               ) -> list[Callback]:
+    """The reporting features that are on, in the order they see each event."""
+    w = cfg.watchdog
+    budgets = Budgets(w.hang_timeout_seconds, w.long_op_timeout_seconds,
+                      cfg.metrics.heartbeat_timeout_seconds)
+    out = runner_callbacks(metrics, budgets, info.rank, info.world_size, sampler.num_samples,
+                           total, cfg.audit.trace_dir, w.dump_grace_seconds, sampler.last_step)
+    out.append(goodput)
+    if info.is_main and cfg.logging.tensorboard_dir:
+        out.append(TensorBoardScalars(cfg.logging.tensorboard_dir))
+    if ProgressBar.wanted(info.is_main, cfg.logging.progress_bar):
+        out.append(ProgressBar(total))
+    if faults.active:
+        out.append(FaultInjection(faults))  # last: a kill after the step is reported
+    return out

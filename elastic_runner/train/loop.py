@@ -1,0 +1,319 @@
+"""The built-in trainer: the loop, evaluation and its policy, on the runner's components.
+
+One optimizer step consumes one global batch (world_size x micro_batch_size x grad_accum_steps
+samples) from the :class:`~elastic_runner.data.sampler.ElasticSampler`; the
+:class:`~elastic_runner.train.engine.StepEngine` runs it, the
+:class:`~elastic_runner.train.session.TrainingSession` keeps the cursor, the vote, the guards and the
+reporting, the :class:`~elastic_runner.checkpoint.manager.CheckpointManager` the checkpoints. Every
+cross-rank decision is taken at a step boundary by all ranks together, so all ranks leave the
+loop after the same step. ``train/build.py`` assembles a trainer from a config.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import fsspec
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Subset
+
+from ..checkpoint.manager import CheckpointManager
+from ..config import Config
+from ..config_base import ConfigError
+from ..data.loader import ElasticDataLoader
+from ..data.sampler import ElasticSampler, shard_indices
+from ..dist import DistInfo, all_reduce_sums
+from ..preempt import PreemptionFlag
+from ..recovery.inplace import InPlaceRecovery, NoRecovery, RecoveryReport, StepRedo
+from ..tasks.base import TaskBundle, metric_sums
+from .engine import StepEngine, precision_dtype
+from .faults import planted_metric
+from .session import RollbackRequested, TrainingFailed, TrainingSession
+from .state import TrainState
+from .stop import StopPolicy, StopReason
+
+__all__ = ["Trainer", "TrainingFailed", "lr_factor", "precision_dtype"]
+
+log = logging.getLogger(__name__)
+
+
+def lr_factor(step: int, warmup_steps: int, total_steps: int, min_ratio: float,
+              cosine: bool = True) -> float:
+    """Multiplier of the peak LR before optimizer step ``step`` (0-based): linear warm-up over
+    ``warmup_steps``, then cosine decay to ``min_ratio`` at ``total_steps`` (SGDR without
+    restarts, Loshchilov & Hutter 2017)."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if not cosine:
+        return 1.0
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+@dataclass
+class Trainer:
+    """Everything one rank needs to train; built by :func:`elastic_runner.train.build.build_trainer`."""
+
+    cfg: Config
+    info: DistInfo
+    bundle: TaskBundle
+    model: nn.Module  # unwrapped module (what checkpoints hold)
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    loader: ElasticDataLoader
+    engine: StepEngine
+    session: TrainingSession
+    total_steps: int
+    preempt: PreemptionFlag
+    results: dict[str, Any] = field(default_factory=dict)
+    fingerprint: str = ""  # the task's build (tasks.base.task_fingerprint)
+    recovery: InPlaceRecovery | NoRecovery = field(default_factory=NoRecovery)
+    rewrap: Callable[[], None] = lambda: None  # a new DDP (and vote) on the current group
+    after_done: int = 0  # the last step whose evaluation / checkpoint work is done
+    _best_pending: bool = False
+    _recovering: RecoveryReport | None = None
+    _t_recovered: float = 0.0
+
+    @property
+    def state(self) -> TrainState:
+        return self.session.state
+
+    @property
+    def stop(self) -> StopPolicy:
+        return self.session.stop
+
+    @property
+    def sampler(self) -> ElasticSampler:
+        return self.loader.elastic_sampler
+
+    @property
+    def checkpoints(self) -> CheckpointManager:
+        return self.session.checkpoints
+
+    def attach(self, recovery: InPlaceRecovery | NoRecovery) -> None:
+        """Recover through ``recovery`` (in place, or not at all); a preemption of some nodes
+        then lets them leave while the others go on."""
+        self.recovery = recovery
+        self.session.leave = lambda: recovery.leave(self)
+        recovery.bind(self)
+
+    def close(self) -> None:
+        """Commit the in-flight checkpoint and stop the reporting threads (idempotent)."""
+        self.session.close()
+
+    def resume(self) -> bool:
+        """Load the newest valid checkpoint (chosen by rank 0, loaded by every rank)."""
+        return self.session.resume()
+
+    # ------------------------------------------------------------ the loop
+
+    def fit(self, joined: bool = False) -> dict[str, Any]:
+        """Train until a stop; ``joined``: this process replaced a failed worker
+        (``inplace.rejoin`` has opened the reporting at the group's step)."""
+        if self.stop.reason is StopReason.FAILED:
+            raise TrainingFailed(self.stop.message)
+        if self.stop.stopped:
+            log.info("training already finished at step %d (%s); nothing to do",
+                     self.state.step, self.stop.message)
+            return self.results
+        if not joined:
+            self.session.start()
+            self.after_done = self.state.step
+        try:
+            while not self.stop.stopped:
+                try:
+                    self._run_epoch()
+                except RollbackRequested:
+                    self.session.rollback()
+                except StepRedo:  # a membership boundary that changed nothing
+                    self.session.abandon_step()
+                except RuntimeError as e:  # a collective failed: did a peer die?
+                    if isinstance(e, TrainingFailed):
+                        raise
+                    self._recover(e)
+        finally:
+            self.session.close()  # the last checkpoint is committed before we go on
+        self._report()
+        return self.results
+
+    def _recover(self, error: RuntimeError) -> None:
+        """In-place recovery (``recovery/inplace.py``), or re-raise ``error`` when no peer died or
+        recovery is off (torchrun then restarts every worker)."""
+        self.session.abandon_step()
+        self.optimizer.zero_grad(set_to_none=True)  # the failed step's partial gradients
+        report = self.recovery.recover(error, self)
+        if report is None:
+            raise error
+        self.recovered_at(report)
+
+    def recovered_at(self, report: RecoveryReport) -> None:
+        """The group is re-formed: the first committed step completes ``report``."""
+        self._recovering, self._t_recovered = report, time.perf_counter()
+
+    def _run_epoch(self) -> None:
+        session = self.session
+        # a recovery interrupted the last step's evaluation or checkpoint: redo it
+        if self.after_done < self.state.step and self._after_step(
+                end_of_epoch=self.sampler.steps_left_in_epoch() == 0):
+            return
+        for micro_batches in self._steps():  # the cursor moves only on finished steps
+            loss = self.engine.step(micro_batches, session)  # no host sync but the vote
+            session.end_step(loss)  # counters, reporting, guards, preemption
+            if self._recovering is not None:
+                self._recovered()
+            if self._after_step(end_of_epoch=self.sampler.steps_left_in_epoch() == 0):
+                return
+            self.recovery.regroup_due(self)  # shrunk: back to full size once it can
+        self._end_epoch()
+
+    def _recovered(self) -> None:
+        """The first step after an in-place recovery is committed: report the recovery."""
+        report, self._recovering = self._recovering, None
+        report.phases["first step"] = time.perf_counter() - self._t_recovered
+        log.warning("in-place recovery %d done: step %d committed %.3f s after %s (%s)",
+                    report.generation, self.state.step, report.seconds, report.cause,
+                    ", ".join(f"{k} {v:.3f} s" for k, v in report.phases.items()))
+        self.session.callbacks.on_recovery_report(report)
+
+    def _steps(self) -> Any:
+        """The epoch's remaining steps, each a list of micro-batches, fetched after
+        ``begin_step`` so the data time is part of the step."""
+        batches = iter(self.loader)
+        while self.sampler.steps_left_in_epoch() > 0:
+            self.session.begin_step()
+            micro_batches = [next(batches) for _ in range(self.sampler.grad_accum_steps)]
+            self.session.data_ready()
+            yield micro_batches
+
+    def _after_step(self, end_of_epoch: bool) -> bool:
+        """Evaluation, early stopping, max_steps and checkpoint cadence after one step; returns
+        True when training is over (its final checkpoint is then written)."""
+        every_eval = self.cfg.eval.every_steps
+        eval_due = bool(every_eval and self.state.step % every_eval == 0) or (not every_eval
+                                                                              and end_of_epoch)
+        if eval_due or end_of_epoch or self._boundary():
+            self.session.settle()  # the lagged vote's pending verdict, on every rank alike
+        if eval_due:
+            self._evaluate_and_decide()
+        if self.session.check_limits():
+            self.save()
+            self.after_done = self.state.step
+            return True
+        epoch_save = end_of_epoch and self.cfg.checkpoint.at_epoch_end  # _end_epoch saves
+        due = (not epoch_save and not self.state.bad_in_row
+               and self.checkpoints.due(self.state.step)
+               and not self.session.consensus.vetoed_pending())  # rank 0's clock: look only
+        if due or (self._best_pending and not epoch_save):
+            self.save(step_checkpoint=due)
+        self.after_done = self.state.step
+        return False
+
+    def _boundary(self) -> bool:
+        """Whether every rank has after-step work at this step (besides evaluation and the
+        epoch's end): a pending best checkpoint, a checkpoint by steps, a step or epoch limit."""
+        step = self.state.step
+        return (self._best_pending or self.checkpoints.due_by_steps(step)
+                or self.stop.limit_reached(step, self.sampler.epoch) is not None)
+
+    def _end_epoch(self) -> None:
+        epoch, cursor, sampler = self.sampler.epoch, self.sampler.cursor, self.sampler
+        self.session.callbacks.on_epoch_end(
+            epoch, self.state.step, lambda: sampler.permutation(epoch)[cursor:].tolist())
+        self.sampler.set_epoch(epoch + 1)
+        if self.session.check_limits() or (self.cfg.checkpoint.at_epoch_end
+                                           and not self.state.bad_in_row):
+            self.save()
+
+    def save(self, step_checkpoint: bool = True) -> None:
+        """Checkpoint the current step (all ranks; rank 0 writes): ``step-N`` when
+        ``step_checkpoint``, ``best-step-N`` when the last evaluation improved."""
+        best, self._best_pending = self._best_pending, False
+        self.session.callbacks.on_phase("checkpointing", "checkpoint", True)
+        self.checkpoints.save(self.state.step, best=best, step_checkpoint=step_checkpoint)
+
+    # ------------------------------------------------------------ evaluation
+
+    def evaluate(self, split: str, max_batches: int | None = None) -> dict[str, float]:
+        """Sharded evaluation; sums and counts are all-reduced, so the result equals a
+        single-process evaluation of the whole split (up to float64 summation order)."""
+        dataset = getattr(self.bundle, split)
+        shard = Subset(dataset, shard_indices(len(dataset), self.info.rank, self.info.world_size))
+        loader = DataLoader(shard, batch_size=self.cfg.batch.micro_batch_size,
+                            collate_fn=self.bundle.collate_fn)
+        sums = metric_sums(self.model, loader, self.bundle.metrics_fn, self.info.device,
+                           precision_dtype(self.cfg.training.precision), max_batches,
+                           self.bundle.loss_fn)
+        total = all_reduce_sums(sums, self.info.device)
+        prefix = "val" if split == "val" else split
+        return {f"{prefix}_{k}": s / c if c else float("nan") for k, (s, c) in total.items()}
+
+    def _evaluate_and_decide(self) -> None:
+        """Validate, let rank 0 decide early stopping; marks a pending best checkpoint."""
+        self.session.callbacks.on_phase("evaluating", "evaluation", True)
+        metrics = self.evaluate("val", self.cfg.eval.max_batches)
+        self.results.update(metrics, eval_step=self.state.step)
+        es, early = self.cfg.early_stopping, self.stop.early_stopping
+        planted = planted_metric(self.cfg.faults, self.state.evals)
+        self.state.evals += 1
+        value = planted if planted is not None else metrics.get(es.metric)
+        if value is None:
+            raise ConfigError(f"early_stopping.metric: {es.metric!r} is not reported by the "
+                              f"task; available: {', '.join(sorted(metrics))}")
+        decision, message = self.stop.after_eval(value, self.state.step, self.info.rank)
+        log.info("eval at step %d: %s | %s %s%s: best %.6g at step %s%s", self.state.step,
+                 _fmt(metrics), "early stopping on" if es.enabled else "tracking", es.metric,
+                 f" (planted {value:.6g})" if planted is not None else "", early.best,
+                 early.best_step, f", patience left {early.patience_left}" if es.enabled else "")
+        self.session.callbacks.on_eval(self.state.step, metrics)
+        self.session.callbacks.on_early_stopping(es.metric, early.best, early.patience_left)
+        self._best_pending = decision.improved
+        if decision.stop:
+            self.session.finish(StopReason.EARLY_STOPPING, message)
+
+    def _report(self) -> None:
+        """Final validation (unless the last step was evaluated) and test metrics, then
+        ``results.json`` (rank 0; with ``goodput``: the job's ``wall_seconds``, ``ettr`` and
+        ``seconds`` by cause, as in the ``goodput:`` line) and each rank's summary next to
+        the checkpoints."""
+        if self.results.get("eval_step") != self.state.step:
+            self.results.update(self.evaluate("val", self.cfg.eval.max_batches),
+                                eval_step=self.state.step)
+        self.results.update(self.evaluate("test"))
+        self.results.update(step=self.state.step, epoch=self.sampler.epoch,
+                            stop_reason=self.stop.message)
+        goodput = self.checkpoints.state.get("goodput")
+        extra: dict[str, Any] = {}
+        if goodput is not None:  # one instant for the line and the file: they agree
+            now = goodput.clock()
+            extra["goodput"] = goodput.figures(now)
+            self.results.update(ettr=extra["goodput"]["ettr"])
+            line = goodput.summary(now)
+        log.info("finished: %s", _fmt(self.results))
+        if goodput is not None:
+            log.info("%s", line)
+        if self.info.is_main:
+            self._write_json("results.json", {**self.results, **extra})
+        # each rank records where it left the loop, so operators and tests can check that all
+        # ranks stopped after the same step
+        self._write_json(f"ranks/rank-{self.info.rank}.json", {
+            "rank": self.info.rank, "world_size": self.info.world_size, "step": self.state.step,
+            "epoch": self.sampler.epoch, "stop_reason": self.stop.message,
+            "restart_count": self.info.restart_count})
+
+    def _write_json(self, relative: str, value: dict[str, Any]) -> None:
+        """Write a small JSON report next to the checkpoints (local path or fsspec URL)."""
+        with fsspec.open(f"{self.cfg.checkpoint.dir.rstrip('/')}/{relative}", "w",
+                         auto_mkdir=True) as f:
+            f.write(json.dumps(value, indent=1))
+
+
+def _fmt(d: dict[str, Any]) -> str:
+    return " ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in d.items())
+

@@ -1,0 +1,437 @@
+"""One rank's fault-tolerant training session: the per-step protocol any loop can follow.
+
+Per optimizer step (the built-in trainer and ``examples/own_loop.py`` alike)::
+
+    session.begin_step()                 # heartbeat, per-step RNG seed, injected hangs
+    ...forward, and backward of all but the last micro-batch...
+    session.backward(loss)               # the last backward carries the step's vote
+    if session.optimizer_step(optimizer, grad_norm):  # the update where the vote allows it
+        scheduler.step()                 # (or: if session.should_commit(grad_norm): ...)
+    session.end_step()                   # cursor and counters, reporting, non-finite guard,
+                                         # preemption: checkpoint the last step, exit 143
+
+What it composes (each usable alone): the :class:`~elastic_runner.checkpoint.manager.CheckpointManager`,
+the sampler's global cursor, the :class:`~elastic_runner.train.consensus.StepConsensus`, the
+:class:`~elastic_runner.train.stop.StopPolicy` and the reporting :class:`~elastic_runner.train.callbacks.Callbacks`.
+No host synchronisation in the step except the decision's one read in :meth:`should_commit`,
+and the loss's at logging steps; with a :class:`~elastic_runner.train.consensus.LaggedConsensus` and a
+fused optimizer, :meth:`optimizer_step` has none: the decision is applied on the device and read
+one step later, and :meth:`settle` reads it where every rank must know it (evaluation, a
+checkpoint by steps, the limits, an epoch's end).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..checkpoint.manager import CheckpointManager
+from ..data.sampler import ElasticSampler
+from ..dist import all_reduce_sums, barrier
+from ..observe.straggler import StragglerMonitor
+from ..preempt import Preempted
+from .callbacks import Callbacks, LogEvent, StepEnd
+from .consensus import StepConsensus, StepDecision, Verdict, skips_on_device
+from .state import TrainState, seed_step, step_seed
+from .stop import StopPolicy, StopReason
+
+log = logging.getLogger(__name__)
+
+
+class TrainingFailed(RuntimeError):
+    """Training cannot continue (e.g. non-finite steps recurred after a rollback)."""
+
+
+class RollbackRequested(Exception):  # noqa: N818 - control flow: the loop reloads and goes on
+    """``max_bad_steps`` non-finite steps in a row: roll back to the last checkpoint."""
+
+
+@dataclass
+class SessionOptions:
+    """Per-step policy. ``seed``: base of the per-step RNG streams (dropout), reseeded from
+    ``(seed, epoch, step, rank)`` before every step when ``reseed``; ``log_every_steps``:
+    logging cadence (the loss is read from the device only then); ``max_bad_steps``:
+    non-finite steps in a row before a rollback."""
+
+    seed: int = 0
+    log_every_steps: int = 10
+    max_bad_steps: int = 3
+    reseed: bool = True
+
+
+@dataclass
+class TrainingSession:
+    """See the module docstring. Built by the trainer (``train/loop.py``) or by
+    :func:`elastic_runner.fault_tolerant` for a user's own loop."""
+
+    state: TrainState
+    sampler: ElasticSampler
+    checkpoints: CheckpointManager
+    consensus: StepConsensus
+    stop: StopPolicy
+    callbacks: Callbacks
+    straggler: StragglerMonitor
+    device: torch.device
+    rank: int = 0
+    world_size: int = 1
+    options: SessionOptions = field(default_factory=SessionOptions)
+    lr: Callable[[], float] = lambda: 0.0
+    poisoned: Callable[[int], bool] = lambda step: False
+    save: Callable[[], None] | None = None  # the checkpoint of this step (default: step-N)
+    # the loader's record of what it handed out (ElasticDataLoader.take_fetched): the dataset
+    # indices of each micro-batch since the last call; None: steps report the sampler's plan
+    fetched: Callable[[], list[list[int]]] | None = None
+    # at a preemption stop, before the checkpoint: whole nodes may leave in place, or nodes
+    # that asked to join are taken in (inplace.InPlaceRecovery.leave raises for every rank
+    # then); returns when all stop
+    leave: Callable[[], None] = lambda: None
+    steps_this_attempt: int = 0
+    _t0: float = 0.0
+    _t_data: float = 0.0
+    _t_sync: float = 0.0
+    _cursor: int = 0
+    _epoch: int = 0
+    _decision: StepDecision | None = None
+    _verdicts: list[Verdict] = field(default_factory=list)  # lagged: collected, not yet acted on
+    _log: tuple[int, int, float, float] | None = None  # a logging step awaiting its collective
+    _poison: bool = False
+
+    # ------------------------------------------------------------ start
+
+    def resume(self) -> bool:
+        """Load the newest valid checkpoint on all ranks (collective); True if one was found."""
+        self.callbacks.on_phase("loading", "checkpoint load", True)
+        raw = self.checkpoints.load_latest(self.device)
+        if raw is None:
+            return False
+        old_batch = raw.get("sampler", {}).get("global_batch_size",
+                                               self.sampler.global_batch_size)
+        if old_batch != self.sampler.global_batch_size:
+            log.warning("global batch changed from %d to %d samples (world size now %d); the "
+                        "learning rate is not rescaled. Set batch.global_batch_size to keep "
+                        "the global batch constant.", old_batch,
+                        self.sampler.global_batch_size, self.world_size)
+        log.info("resumed from %s: step %d, epoch %d, %d samples into the epoch",
+                 self.checkpoints.resumed_from, self.state.step, self.sampler.epoch,
+                 self.sampler.cursor)
+        self.stop.reopen(self.state.step, self.sampler.epoch)
+        return True
+
+    def start(self) -> None:
+        """Training (re)starts at the current step: reporting opens (trace rewound)."""
+        self.callbacks.on_resumed(self.state.step)
+
+    # ------------------------------------------------------------ one step
+
+    def begin_step(self) -> None:
+        """Before the step's data: heartbeat, injected faults, the step's RNG streams."""
+        self._t0 = self._t_data = time.perf_counter()
+        step = self.state.step + 1
+        self.callbacks.on_step_begin(step, self.steps_this_attempt + 1)
+        self._poison = self.poisoned(step)
+        if self.options.reseed:
+            seed_step(step_seed(self.options.seed, self.sampler.epoch, self.state.step,
+                                self.rank), self.device)
+
+    def data_ready(self) -> None:
+        """The step's micro-batches are fetched (splits data time from compute time)."""
+        self._t_data = time.perf_counter()
+
+    def backward(self, loss: torch.Tensor, step_loss: torch.Tensor | None = None,
+                 scaler: torch.amp.GradScaler | None = None) -> None:
+        """The step's synchronising backward (its last micro-batch's), carrying the vote.
+
+        Args:
+            loss: the micro-batch loss to differentiate (scalar tensor).
+            step_loss: the step's loss over all its micro-batches, for the non-finite check
+                (default: ``loss``).
+            scaler: a GradScaler (fp16) that scales ``loss``.
+        """
+        if self._poison:  # fault injection: a NaN loss (and so NaN gradients)
+            loss = loss * float("nan")
+            step_loss = None if step_loss is None else step_loss * float("nan")
+        # the step's place in the data, taken here: an own loop may call set_epoch() after
+        # begin_step()
+        self._cursor, self._epoch = self.sampler.cursor, self.sampler.epoch
+        loss = self.consensus.propose(loss, step_loss)  # may carry the step's signal
+        self._t_sync = time.perf_counter()
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+
+    def should_commit(self, grad_norm: torch.Tensor | None = None,
+                      overflow_ok: bool = False) -> bool:
+        """Whether to apply this step's update: the same answer on every rank. ``grad_norm``:
+        the reduced gradients' total norm (required on DDP, see ``train/consensus.py``);
+        ``overflow_ok``: fp16 with a GradScaler, which skips overflowing steps itself."""
+        self._decision = self.consensus.decide(grad_norm, overflow_ok)
+        return self._decision.commit
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor,
+                       scaler: torch.amp.GradScaler | None = None) -> bool:
+        """Apply this step's update where the vote allows it, on every rank alike: the
+        :meth:`should_commit` decision, then ``optimizer.step()`` (``scaler.step`` and
+        ``scaler.update`` with a GradScaler); or, with a lagged consensus and a fused optimizer
+        (:func:`~elastic_runner.train.consensus.skips_on_device`), the update queued on the device
+        behind its own verdict, with no host synchronisation (the verdict is acted on a step
+        later, see :class:`~elastic_runner.train.consensus.LaggedConsensus`).
+
+        Args:
+            grad_norm: the reduced gradients' total norm (``clip_grad_norm_``'s result).
+            scaler: an enabled GradScaler (fp16) whose ``unscale_`` already ran; it skips an
+                overflowing step itself, which the vote then does not count as bad.
+
+        Returns:
+            False when the step is discarded (a stop): step no LR scheduler then.
+        """
+        overflow_ok = scaler is not None
+        if not (self.consensus.lagged and skips_on_device(optimizer)):
+            if self.should_commit(grad_norm, overflow_ok):
+                _apply(optimizer, scaler)
+            elif scaler is not None:
+                scaler.update()
+            return not self.discarding
+        self._verdicts += self.consensus.collect()
+        if any(v.stop for v in self._verdicts):  # the previous step carried a stop
+            self.consensus.reset()
+            if scaler is not None:  # unscale_ ran: end the scaler's step, its scale unchanged
+                scaler.update(scaler.get_scale())
+            self._decision = StepDecision(commit=False, stop=True)
+            return False
+        found_inf = self.consensus.launch(self.state.step + 1, grad_norm, overflow_ok)
+        _apply(optimizer, scaler, found_inf)
+        self._decision = StepDecision(commit=True, stop=False, final=False)
+        return True
+
+    def settle(self) -> None:
+        """Act now on a vote the lagged consensus has not read yet; called at boundaries every
+        rank reaches at the same step (evaluation, a checkpoint by steps, the limits, an
+        epoch's end; a rollback drops the pending verdict instead, its step is undone). Nothing
+        to do for the other consensus kinds.
+
+        Raises:
+            Preempted, RollbackRequested, TrainingFailed: as :meth:`end_step`.
+        """
+        verdicts, self._verdicts = [*self._verdicts, *self.consensus.collect()], []
+        stop = any(v.stop for v in verdicts)
+        for v in verdicts:
+            self._count_bad(v.commit, v.step, may_raise=not stop)
+        if stop:  # the last step carried it and applied: nothing is in flight to discard
+            self._stop_for_preemption(discarded=False)
+
+    def abandon_step(self) -> None:
+        """A collective of the step in flight failed (a peer died): forget the step's vote and
+        the pending logging collective; the step is redone after the group is re-formed, with
+        the first step's watchdog budget."""
+        self._decision, self._log, self._verdicts = None, None, []
+        if self.fetched is not None:
+            self.fetched()  # its micro-batches were not trained on: forget them
+        self.consensus.reset()
+        self.straggler.reset()
+        self.steps_this_attempt = 0
+
+    @property
+    def discarding(self) -> bool:
+        """The step in flight is discarded (a stop): nothing of it may be applied, not even an
+        LR scheduler step, so the checkpoint that follows is that of the last applied step."""
+        return self._decision is not None and self._decision.stop
+
+    def end_step(self, loss: torch.Tensor) -> int:
+        """The step is over: move the cursor, count, report; returns the new global step.
+
+        Raises:
+            RollbackRequested: the non-finite streak reached ``max_bad_steps``.
+            TrainingFailed: it did again after a rollback.
+            Preempted: some rank was asked to stop; this step was discarded and the checkpoint
+                of the last applied one is committed.
+        """
+        decision, self._decision = self._decision, None
+        if decision is None:
+            raise RuntimeError("end_step() without should_commit() for this step")
+        fetched = self.fetched() if self.fetched is not None else None  # this step's batches
+        self.flush_log()
+        verdicts, self._verdicts = self._verdicts, []  # earlier steps' (lagged consensus)
+        for v in verdicts:
+            self._count_bad(v.commit, v.step, may_raise=not decision.stop)
+        if decision.stop:
+            self._stop_for_preemption()
+        self.straggler.add(self._t_sync - self._t0)
+        cursor, epoch = self._cursor, self._epoch
+        self.sampler.advance()
+        step = self.state.step = self.state.step + 1
+        self.state.samples += self.sampler.global_batch_size
+        self.steps_this_attempt += 1
+        self.callbacks.on_step_end(self._step_event(loss, step, epoch, cursor, decision.commit,
+                                                    fetched))
+        if decision.final:  # a provisional one is counted when its verdict is read
+            self._count_bad(decision.commit, step)
+        return step
+
+    def _step_event(self, loss: torch.Tensor, step: int, epoch: int, cursor: int,
+                    committed: bool, fetched: list[list[int]] | None) -> StepEnd:
+        """The step's event; its indices are ``fetched`` (the loader's record of the step's
+        micro-batches) or, without one, the sampler's plan of the step at ``cursor``."""
+        log_due = step % self.options.log_every_steps == 0
+        mean_loss = self.global_mean(loss) if self.callbacks.needs_mean_loss else None
+        seconds = time.perf_counter() - self._t0
+        gbs, lr = self.sampler.global_batch_size, self.lr()
+        if log_due:  # one asynchronous collective carries the loss and the straggler times
+            self.straggler.start(loss)
+            self._log = (step, epoch, lr, gbs / max(seconds, 1e-9))
+        return StepEnd(
+            step=step, epoch=epoch, seconds=seconds, data_seconds=self._t_data - self._t0,
+            samples=gbs // self.world_size, global_samples=gbs, loss=loss, mean_loss=mean_loss,
+            lr=lr, committed=committed, log_due=log_due,
+            indices=lambda: [i for mb in (self.sampler.step_indices(cursor, epoch)
+                                          if fetched is None else fetched) for i in mb],
+            indices_fetched=fetched is not None)
+
+    def flush_log(self) -> None:
+        """Report the pending logging step (all ranks, at the same point: it completes a
+        collective). Called at the next step's end, before checkpoints and at the end."""
+        if self._log is None:
+            return
+        (step, epoch, lr, rate), self._log = self._log, None
+        mean_loss, ratio = self.straggler.result()
+        self.callbacks.on_log(LogEvent(step, epoch, mean_loss, ratio, lr, rate))
+
+    def global_mean(self, loss: torch.Tensor) -> float:
+        """``loss`` averaged over ranks (a collective; reads the device)."""
+        total, count = all_reduce_sums({"loss": (loss.item(), 1.0)}, self.device)["loss"]
+        return total / count
+
+    # ------------------------------------------------------------ guards
+
+    def _count_bad(self, committed: bool, step: int, may_raise: bool = True) -> None:
+        """NaN/Inf guard: skipped updates in a row trigger one rollback, then a failure
+        (``may_raise`` False: count only, a stop is being handled)."""
+        s = self.state
+        if committed:
+            s.bad_in_row = 0
+            return
+        s.bad_in_row += 1
+        s.bad_steps += 1
+        limit = self.options.max_bad_steps
+        self.callbacks.on_skipped_step(step, s.bad_in_row, limit)
+        log.warning("step %d: non-finite loss or gradient on at least one rank: update skipped "
+                    "on all ranks (%d in a row, limit %d)", step, s.bad_in_row, limit)
+        if s.bad_in_row < limit or not may_raise:
+            return
+        if s.rollbacks >= 1:
+            self.finish(StopReason.FAILED, f"failed: {limit} non-finite steps in a row at step "
+                        f"{s.step}, again after rolling back to the last checkpoint")
+            self.checkpoint()
+            self.checkpoints.wait()
+            raise TrainingFailed(self.stop.message)
+        raise RollbackRequested
+
+    def rollback(self) -> None:
+        """Reload the newest valid checkpoint on all ranks (once per run).
+
+        Raises:
+            TrainingFailed: there is no checkpoint to roll back to.
+        """
+        self.checkpoints.wait()  # the newest checkpoint may still be in flight
+        self.flush_log()
+        self.consensus.reset()  # a verdict still pending is of a step the reload undoes
+        self._verdicts = []
+        rollbacks = self.state.rollbacks + 1
+        log.warning("rolling back to the last valid checkpoint after %d non-finite steps",
+                    self.options.max_bad_steps)
+        if not self.resume():
+            raise TrainingFailed("non-finite steps and no checkpoint to roll back to")
+        self.state.rollbacks, self.state.bad_in_row = rollbacks, 0
+        self.callbacks.on_rollback(self.state.step)
+
+    def _stop_for_preemption(self, discarded: bool = True) -> None:
+        """All ranks: discard the step in flight (``discarded``), commit a checkpoint of the
+        last applied step, then leave with 143. Across nodes, when only some nodes were asked
+        to stop, those leave and the others go on without them (:attr:`leave`).
+
+        Raises:
+            Preempted: this rank stops (or leaves; the others go on).
+            inplace.Regroup: this rank goes on in a smaller group.
+        """
+        self.leave()
+        step = self.state.step
+        log.warning("preemption: checkpointing step %d, then stopping (SIGTERM or SIGINT on at "
+                    "least one rank; %s)", step, f"step {step + 1} discarded, redone after the "
+                    "restart" if discarded else "no step in flight")
+        self.callbacks.on_phase("checkpointing", "preemption checkpoint", True)
+        self.callbacks.on_finish(StopReason.PREEMPTED, "preempted")
+        self.checkpoint()
+        self.checkpoints.wait()
+        barrier()  # rank 0 has committed before any rank exits
+        raise Preempted(f"preempted by signal after step {step}; checkpoint "
+                        f"step-{step:08d} committed")
+
+    # ------------------------------------------------------------ checkpoints and the end
+
+    def checkpoint(self) -> None:
+        """Checkpoint the current step (all ranks call it; rank 0 writes)."""
+        self.flush_log()
+        self.callbacks.on_phase("checkpointing", "checkpointing", True)
+        if self.save is not None:
+            self.save()
+        else:
+            self.checkpoints.save(self.state.step)
+
+    def maybe_checkpoint(self) -> bool:
+        """Checkpoint if the cadence asks for one; never during a non-finite streak (a rollback
+        must return to a state without skipped updates)."""
+        step = self.state.step
+        if not self.checkpoints.due(step):
+            return False
+        if self.checkpoints.due_by_steps(step):
+            self.settle()  # every rank is here at this step
+        elif self.consensus.vetoed_pending():  # rank 0's clock: no rank-wide action here
+            return False
+        if self.state.bad_in_row:
+            return False
+        self.checkpoint()
+        return True
+
+    def finish(self, reason: StopReason, message: str) -> None:
+        """Stop after the current step (every rank calls it at the same step)."""
+        self.stop.stop(reason, message, self.state.step)
+        self.callbacks.on_finish(reason, message)
+
+    def check_limits(self) -> bool:
+        """Finish if max_steps / max_epochs is reached; True once the run is stopped."""
+        reached = None if self.stop.stopped else self.stop.limit_reached(self.state.step,
+                                                                          self.sampler.epoch)
+        if reached is not None:
+            self.finish(*reached)
+        return self.stop.stopped
+
+    def close(self, extra: Iterable[Any] = ()) -> None:
+        """Commit the in-flight checkpoint, then close the reporting (trace, bar, watchdog)."""
+        try:
+            self.flush_log()
+            self.checkpoints.close()
+        finally:
+            self.callbacks.on_phase("finished", "", False)
+            self.callbacks.close()
+            for obj in extra:
+                obj.close()
+
+
+def _apply(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None,
+           found_inf: torch.Tensor | None = None) -> None:
+    """``optimizer.step()`` (through ``scaler`` when given, which then owns the overflow
+    check); ``found_inf`` (a fused optimizer without a scaler): skip the update on the device
+    where it is 1, as GradScaler has a fused optimizer do."""
+    if scaler is not None:
+        scaler.step(optimizer)
+        scaler.update()
+    elif found_inf is None:
+        optimizer.step()
+    else:
+        optimizer.grad_scale, optimizer.found_inf = None, found_inf  # type: ignore[attr-defined]
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.grad_scale, optimizer.found_inf  # type: ignore[attr-defined]
