@@ -11,6 +11,7 @@
             if ft.should_commit():              # same answer on every rank
                 optimizer.step()
             step = ft.step_done()               # cursor, metrics, checkpoint cadence, SIGTERM
+            ...                                 # your work after the step (evaluate, log)
         epoch += 1
     ft.close()                                  # final checkpoint, committed
 
@@ -21,6 +22,13 @@ step and exits 143 (put an LR scheduler's ``step()`` inside ``if ft.should_commi
 metrics are recorded (served by ``elastic-runner run``'s agent, or on ``metrics.port +
 local_rank`` under plain torchrun); a hang past the watchdog budget dumps stacks and exits. A
 streak of non-finite steps fails the process, and the restart resumes from the last checkpoint.
+
+The checkpoint of step N holds all of step N, the loop's own work after ``step_done()`` too (an
+evaluation, early-stopping bookkeeping kept in ``state=``): ``step_done()`` decides whether step
+N is checkpointed, and the snapshot is taken at the next boundary the loop reaches, the loader's
+next batch, the next :meth:`FaultTolerantLoop.backward` or :meth:`FaultTolerantLoop.close`,
+where the next step begins (its RNG streams reseeded, its watchdog budget armed). Between
+``step_done()`` and that boundary the watchdog allows ``long_op_timeout_seconds``.
 """
 
 from __future__ import annotations
@@ -56,6 +64,10 @@ from .train.session import RollbackRequested, SessionOptions, TrainingFailed, Tr
 from .train.state import RNGState, TrainState
 from .train.stop import StopPolicy
 
+log = logging.getLogger(__name__)
+
+DEFAULT_EVERY_SECONDS = 300.0  # fault_tolerant's checkpoint cadence when none is given
+
 
 class FaultTolerantLoop:
     """What :func:`fault_tolerant` returns: the session's step protocol in loop-sized calls.
@@ -69,6 +81,8 @@ class FaultTolerantLoop:
         self.session, self._params, self._closing = session, params, closing
         self._loss: torch.Tensor | None = None
         self._saved_step = -1
+        self._due = False  # step_done() asked for a checkpoint, taken at the next boundary
+        self._begun = False  # the next step has begun (begin_step at the boundary)
         self._epoch: int | None = None  # of the last step, and where its cursor ended
         self._end_cursor = 0
         self._closed = False
@@ -88,30 +102,45 @@ class FaultTolerantLoop:
         if self.session.resume():
             self._saved_step = self.step
         self.session.start()
-        self.session.begin_step()
+        self._begin_step()
         return self.step, self.epoch
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """``loss.backward()`` for the step's last (or only) micro-batch, carrying the vote."""
+    def backward(self, loss: torch.Tensor, *, step_loss: torch.Tensor | None = None,
+                 scaler: torch.amp.GradScaler | None = None) -> None:
+        """``loss.backward()`` for the step's last (or only) micro-batch, carrying the vote.
+
+        Args:
+            loss: that micro-batch's loss (a scalar tensor, unscaled).
+            step_loss: the step's loss over all its micro-batches (gradient accumulation), for
+                the non-finite check and the reported loss; default: ``loss``.
+            scaler: a GradScaler (fp16): ``loss`` is scaled by it here; then
+                ``scaler.unscale_``, the norm, ``should_commit(norm, overflow_ok=True)``,
+                ``scaler.step`` and ``scaler.update`` are yours.
+        """
+        self._begin_step()
         if self._epoch is not None and self.epoch != self._epoch:
             self._epoch_ended()
         self._epoch = self.epoch
-        self._loss = loss.detach()
-        self.session.backward(loss)
+        self._loss = (loss if step_loss is None else step_loss).detach()
+        self.session.backward(loss, step_loss, scaler)
 
-    def should_commit(self, grad_norm: torch.Tensor | None = None) -> bool:
+    def should_commit(self, grad_norm: torch.Tensor | None = None,
+                      overflow_ok: bool = False) -> bool:
         """True when every rank may apply this step's update (no non-finite loss anywhere,
         finite gradients, no stop requested); the same answer on all ranks. ``grad_norm``: the
         total gradient norm if you have it (``clip_grad_norm_``'s result); otherwise it is
-        computed (on DDP the step's vote travels in it, see ``train/consensus.py``)."""
+        computed (on DDP the step's vote travels in it, see ``train/consensus.py``).
+        ``overflow_ok``: fp16 with a GradScaler, whose ``step`` skips an overflowing update
+        itself; such a step is then not counted as non-finite."""
         if grad_norm is None:
             grad_norm = nn.utils.get_total_norm(
                 [p.grad for p in self._params if p.grad is not None])
-        return self.session.should_commit(grad_norm)
+        return self.session.should_commit(grad_norm, overflow_ok)
 
     def step_done(self) -> int:
-        """The step is over (after ``optimizer.step()``): move the cursor, report, checkpoint
-        on cadence, arm the next step. Returns the new global step.
+        """The step is over (after ``optimizer.step()``): move the cursor, report, and decide
+        whether this step is checkpointed; the snapshot is taken at the next boundary, after
+        the loop's own work on this step (module docstring). Returns the new global step.
 
         Raises:
             SystemExit(143): preemption: every rank discarded this step, and the checkpoint of
@@ -131,17 +160,29 @@ class FaultTolerantLoop:
             raise TrainingFailed(f"{self.session.options.max_bad_steps} non-finite steps in a "
                                  f"row at step {self.step}; a restart resumes from the last "
                                  "checkpoint") from None
-        if self.session.maybe_checkpoint():
-            self._saved_step = step
-        self.session.begin_step()
+        self._due, self._begun = self.session.checkpoint_due(), False
+        # the loop's own work on this step (an evaluation) gets the long budget
+        self.session.callbacks.on_phase("training", f"the loop's work after step {step}", True)
         return step
+
+    def _begin_step(self) -> None:
+        """The loop reached the next step (its first batch, or its backward): commit the
+        checkpoint ``step_done()`` asked for, then begin the step."""
+        if self._begun:
+            return
+        self._begun = True
+        if self._due:
+            self._due = False
+            self.session.checkpoint()
+            self._saved_step = self.step
+        self.session.begin_step()
 
     def close(self) -> None:
         """Checkpoint the last step (unless just saved), wait for the commit, stop reporting;
         a second call does nothing."""
         if self._closed:
             return
-        if self._saved_step != self.step:
+        if self._saved_step != self.step:  # also what step_done() left pending
             self.session.checkpoint()
         if self._epoch is not None and self.session.sampler.steps_left_in_epoch() == 0:
             self._epoch_ended()
@@ -182,7 +223,10 @@ def fault_tolerant(model: nn.Module, optimizer: torch.optim.Optimizer,
         loader: an :class:`~elastic_runner.data.loader.ElasticDataLoader` (its cursor is
             checkpointed and only finished steps move it).
         checkpoint_dir: local path or fsspec URL shared by all nodes.
-        every_steps, every_seconds, async_save, keep_last: checkpoint cadence and retention.
+        every_steps, every_seconds, async_save, keep_last: checkpoint cadence and retention;
+            with neither ``every_steps`` nor ``every_seconds`` given, a checkpoint every
+            :data:`DEFAULT_EVERY_SECONDS` seconds (logged once), so a crash never resumes
+            from step 0 after a long run.
         state: more ``Stateful`` objects to checkpoint (an LR scheduler, a GradScaler, ...).
         log_every_steps: the loss is read from the device, averaged and logged this often.
         max_bad_steps: non-finite steps in a row before the process fails (and resumes).
@@ -214,6 +258,11 @@ def fault_tolerant(model: nn.Module, optimizer: torch.optim.Optimizer,
                           rank, sampler.world_size, sampler.num_samples, 0, trace_dir,
                           last_step=sampler.last_step),
         *(callbacks or []), *([injection] if injection else [])])
+    if not every_steps and every_seconds is None:
+        every_seconds = DEFAULT_EVERY_SECONDS
+        if rank == 0:
+            log.info("fault_tolerant: no checkpoint cadence given (every_steps, "
+                     "every_seconds): a checkpoint every %g s", every_seconds)
     train_state = TrainState()
     checkpoints = CheckpointManager(
         checkpoint_dir, {"model": inner, "optimizer": optimizer, "sampler": sampler,
@@ -234,7 +283,9 @@ def fault_tolerant(model: nn.Module, optimizer: torch.optim.Optimizer,
         poisoned=injection.poisoned if injection else (lambda step: False),
         fetched=loader.take_fetched)
     params = [p for p in inner.parameters() if p.requires_grad]
-    return FaultTolerantLoop(session, params, closing)
+    loop = FaultTolerantLoop(session, params, closing)
+    loader.before_hand_out = loop._begin_step  # the next step's first batch: its boundary
+    return loop
 
 
 def _metrics(cfg: MetricsConfig) -> tuple[RankMetrics, list[Any]]:

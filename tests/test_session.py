@@ -12,10 +12,10 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from elastic_runner.data.loader.loader import elastic_dataloader
 from torch import nn
 
-from elastic_runner.checkpoint.storage import storage as ckpt
+from elastic_runner.checkpoint import storage as ckpt
+from elastic_runner.data.loader import elastic_dataloader
 from elastic_runner.exit_codes import EXIT_PREEMPTED
 from elastic_runner.observe.reporting import WatchdogHeartbeat
 from elastic_runner.own_loop import fault_tolerant
@@ -142,12 +142,13 @@ def test_non_finite_loss_skips_the_update(tmp_path, parts):
     assert (session.state.bad_steps, session.state.bad_in_row) == (1, 1)
     assert session.sampler.cursor == 2 * MB  # the step is done, its samples are not retried
     assert rec.skipped == [(2, 1, 3)] and [e.committed for e in rec.steps] == [True, False]
-    assert not session.maybe_checkpoint()  # never during a streak, even when due
+    assert not session.checkpoint_due()  # never during a streak, even when due
     assert not any(os.scandir(tmp_path))
     run_step(session, model, opt, loader)
     assert not torch.equal(weights(model)["weight"], before["weight"])
     assert (session.state.bad_steps, session.state.bad_in_row) == (1, 0)
-    assert session.maybe_checkpoint()
+    assert session.checkpoint_due()
+    session.checkpoint()
     assert ckpt.latest_valid(tmp_path).step == 3
 
 
@@ -359,3 +360,98 @@ def test_resumed_session_continues_bitwise_like_an_uninterrupted_run(tmp_path, m
     assert (first, last) == (6, 8)
     assert res_loader == ref_loader and (res_loader["epoch"], res_loader["cursor"]) == (1, 12)
     assert_bitwise(resumed, reference)
+
+
+class Evaluations:
+    """A loop's own state after the step (``state=``): how many evaluations it ran."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"count": self.count}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.count = state["count"]
+
+
+def train_evaluating(directory, until: int, crash_at: int | None = None) -> tuple[int, int]:
+    """The own-loop pattern with an evaluation after every 5th ``step_done()`` kept in
+    ``state=``; ``crash_at``: stop right after that step's evaluation without ``close()`` (as a
+    SIGKILL would, reporting closed so no thread outlives the test). Returns (the step it
+    resumed at, the evaluations counted)."""
+    torch.manual_seed(0)
+    model = DropoutNet()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    loader = elastic_dataloader(regression_data(20), MB, seed=5)  # 5 steps per epoch
+    evaluations = Evaluations()
+    ft = fault_tolerant(model, opt, loader, checkpoint_dir=str(directory), every_steps=5,
+                        async_save=False, state={"evaluations": evaluations})
+    step, epoch = ft.resume()
+    first = step
+    while step < until:
+        loader.elastic_sampler.set_epoch(epoch)
+        for x, y in loader:
+            opt.zero_grad()
+            ft.backward(nn.functional.mse_loss(model(x), y))
+            if ft.should_commit():
+                opt.step()
+            step = ft.step_done()
+            if step % 5 == 0:
+                evaluations.count += 1  # the loop's own work after the step
+            if step == crash_at:
+                ft.session.close()
+                return first, evaluations.count
+            if step >= until:
+                break
+        epoch += 1
+    ft.close()
+    return first, evaluations.count
+
+
+@pytest.mark.usefixtures("restore_signals")
+def test_the_checkpoint_of_a_step_holds_the_loops_work_after_step_done(tmp_path):
+    """Issue 25 item 6: a loop that evaluates right after ``step_done()`` and counts it in
+    ``state=``, stopped at step 12 and resumed from the checkpoint of step 10, counts the
+    evaluations an uninterrupted run counts (the snapshot was taken inside ``step_done()``
+    before, so the resumed run counted one evaluation fewer)."""
+    assert train_evaluating(tmp_path / "a", until=20) == (0, 4)
+    assert train_evaluating(tmp_path / "b", until=20, crash_at=12) == (0, 2)
+    assert ckpt.latest_valid(tmp_path / "b").step == 10
+    assert train_evaluating(tmp_path / "b", until=20) == (10, 4)
+
+
+@pytest.mark.usefixtures("restore_signals")
+def test_own_loop_with_a_grad_scaler_skips_an_overflow_without_counting_it(tmp_path):
+    """fp16's pattern in your own loop: ``ft.backward(loss, scaler=...)``, unscale, the norm,
+    ``should_commit(norm, overflow_ok=True)``, ``scaler.step``, ``scaler.update``. A scale so
+    large that the gradients overflow: the scaler skips the update, the vote does not count a
+    non-finite step, and the scale comes down until updates apply."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = elastic_dataloader(regression_data(20), MB, seed=5)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 120, growth_interval=1000)
+    ft = fault_tolerant(model, opt, loader, checkpoint_dir=str(tmp_path), every_steps=100,
+                        state={"scaler": scaler})
+    step, epoch = ft.resume()
+    before = weights(model)
+    updated = []
+    while step < 30 and not any(updated):
+        loader.elastic_sampler.set_epoch(epoch)
+        for x, y in loader:
+            opt.zero_grad()
+            # x 1e4: the scaled gradients overflow float32 until the scale came down
+            ft.backward(1e4 * nn.functional.mse_loss(model(x), y), scaler=scaler)
+            scaler.unscale_(opt)
+            norm = nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            if ft.should_commit(norm, overflow_ok=True):
+                scaler.step(opt)
+            scaler.update()
+            step = ft.step_done()
+            updated.append(not torch.equal(weights(model)["weight"], before["weight"]))
+            before = weights(model)
+        epoch += 1
+    ft.close()
+    assert updated[0] is False and updated[-1] is True  # the overflow skipped, later steps apply
+    assert ft.session.state.bad_steps == 0 and scaler.get_scale() < 2.0 ** 200

@@ -88,23 +88,29 @@ class CollateWithIndices:
 
 
 class _HandOut:
-    """Iterates the DataLoader's ``(batch, indices)`` pairs: yields the batch and appends its
-    indices to ``handed_out`` (in this process, when the loop takes the batch)."""
+    """Iterates the DataLoader's ``(batch, indices)`` pairs: calls ``before`` (the loader's
+    :attr:`ElasticDataLoader.before_hand_out`), then yields the batch and appends its indices to
+    ``handed_out`` (in this process, when the loop takes the batch)."""
 
     def __init__(self, pairs: Iterator[tuple[Any, list[int]]],
-                 handed_out: deque[list[int]]) -> None:
-        self.pairs, self.handed_out = pairs, handed_out
+                 handed_out: deque[list[int]], before: Callable[[], None]) -> None:
+        self.pairs, self.handed_out, self.before = pairs, handed_out, before
 
     def __iter__(self) -> _HandOut:
         return self
 
     def __next__(self) -> Any:
+        self.before()
         batch, indices = next(self.pairs)
         self.handed_out.append(indices)
         return batch
 
     def __len__(self) -> int:
         return len(self.pairs)  # type: ignore[arg-type]
+
+
+def _nothing() -> None:
+    pass
 
 
 class ElasticDataLoader(DataLoader):
@@ -115,7 +121,7 @@ class ElasticDataLoader(DataLoader):
         dataset: map-style dataset (``__getitem__`` and ``__len__``); the loader's ``dataset``
             attribute is its :class:`IndexedDataset` (``loader.dataset.dataset`` is it).
         sampler: the global-cursor batch sampler over ``len(dataset)`` samples.
-        collate_fn, num_workers, pin_memory, **kwargs: as for ``DataLoader``. Loader worker
+        collate_fn, num_workers, pin_memory, ``**kwargs``: as for ``DataLoader``. Loader worker
             processes ignore SIGTERM/SIGINT (the trainer's preemption handler takes them).
     """
 
@@ -131,6 +137,9 @@ class ElasticDataLoader(DataLoader):
                          collate_fn=CollateWithIndices(collate_fn), num_workers=num_workers,
                          pin_memory=pin_memory, generator=torch.Generator(), **kwargs)
         self._handed_out: deque[list[int]] = deque(maxlen=HANDED_OUT_LIMIT)
+        # called before each batch is handed to the loop: a session's step boundary
+        # (own_loop.FaultTolerantLoop checkpoints there what step_done() left pending)
+        self.before_hand_out: Callable[[], None] = _nothing
 
     @property
     def elastic_sampler(self) -> ElasticSampler:
@@ -142,7 +151,7 @@ class ElasticDataLoader(DataLoader):
         s = self.elastic_sampler
         self.generator.manual_seed(step_seed(s.seed, s.epoch, s.cursor, s.rank))
         self._handed_out.clear()
-        return _HandOut(super().__iter__(), self._handed_out)
+        return _HandOut(super().__iter__(), self._handed_out, lambda: self.before_hand_out())
 
     def take_fetched(self) -> list[list[int]]:
         """The dataset indices of the micro-batches handed out since the last call (or since

@@ -379,9 +379,11 @@ class TrainingSession:
         else:
             self.checkpoints.save(self.state.step)
 
-    def maybe_checkpoint(self) -> bool:
-        """Checkpoint if the cadence asks for one; never during a non-finite streak (a rollback
-        must return to a state without skipped updates)."""
+    def checkpoint_due(self) -> bool:
+        """Whether the cadence asks for a checkpoint of the current step; never during a
+        non-finite streak (a rollback must return to a state without skipped updates). Every
+        rank calls it at the same step (the decision of ``every_seconds`` is rank 0's, agreed
+        by all)."""
         step = self.state.step
         if not self.checkpoints.due(step):
             return False
@@ -389,10 +391,7 @@ class TrainingSession:
             self.settle()  # every rank is here at this step
         elif self.consensus.vetoed_pending():  # rank 0's clock: no rank-wide action here
             return False
-        if self.state.bad_in_row:
-            return False
-        self.checkpoint()
-        return True
+        return not self.state.bad_in_row
 
     def finish(self, reason: StopReason, message: str) -> None:
         """Stop after the current step (every rank calls it at the same step)."""
