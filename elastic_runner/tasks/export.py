@@ -13,6 +13,7 @@ model from the directory alone.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -26,10 +27,13 @@ from ..config import Config, from_dict, task_builder
 from . import hf
 from .base import TaskBundle, check_same_build, metric_sums, task_fingerprint
 
+log = logging.getLogger(__name__)
+
 
 def resolve_checkpoint(path: str | Path) -> str:
-    """A checkpoint (directory or URL), or the newest valid one when ``path`` is a
-    ``checkpoint.dir``.
+    """A checkpoint (directory or URL), or, when ``path`` is a ``checkpoint.dir``, its newest
+    valid best checkpoint (the weights a run's test figures are from), else its newest valid
+    one; which one is logged.
 
     Raises:
         CheckpointError: nothing valid at ``path``.
@@ -39,9 +43,12 @@ def resolve_checkpoint(path: str | Path) -> str:
         return info.path
     if info.step >= 0:  # named like a checkpoint, but broken
         raise ckpt.CheckpointError(f"checkpoint {path} is not valid: {info.reason}")
-    found = ckpt.latest_valid(path)
+    found = ckpt.latest_valid(path, kind="best") or ckpt.latest_valid(path)
     if found is None:
         raise ckpt.CheckpointError(f"no valid checkpoint at {path}")
+    log.info("using %s (the %s checkpoint of %s; name a checkpoint directory to use another)",
+             found.path.rstrip("/").rsplit("/", 1)[-1], "best" if found.kind == "best" else
+             "newest", path)
     return found.path
 
 

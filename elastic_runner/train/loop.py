@@ -24,12 +24,13 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Subset
 
+from ..checkpoint import storage
 from ..checkpoint.manager import CheckpointManager
 from ..config import Config
 from ..config_base import ConfigError
 from ..data.loader import ElasticDataLoader
 from ..data.sampler import ElasticSampler, shard_indices
-from ..dist import DistInfo, all_reduce_sums
+from ..dist import DistInfo, all_reduce_sums, broadcast_object
 from ..preempt import PreemptionFlag
 from ..recovery.inplace import InPlaceRecovery, NoRecovery, RecoveryReport, StepRedo
 from ..tasks.base import TaskBundle, metric_sums
@@ -267,10 +268,11 @@ class Trainer:
             raise ConfigError(f"early_stopping.metric: {es.metric!r} is not reported by the "
                               f"task; available: {', '.join(sorted(metrics))}")
         decision, message = self.stop.after_eval(value, self.state.step, self.info.rank)
-        log.info("eval at step %d: %s | %s %s%s: best %.6g at step %s%s", self.state.step,
+        best = "none yet" if early.best is None else f"{early.best:.6g} at step {early.best_step}"
+        log.info("eval at step %d: %s | %s %s%s: best %s%s", self.state.step,
                  _fmt(metrics), "early stopping on" if es.enabled else "tracking", es.metric,
-                 f" (planted {value:.6g})" if planted is not None else "", early.best,
-                 early.best_step, f", patience left {early.patience_left}" if es.enabled else "")
+                 f" (planted {value:.6g})" if planted is not None else "", best,
+                 f", patience left {early.patience_left}" if es.enabled else "")
         self.session.callbacks.on_eval(self.state.step, metrics)
         self.session.callbacks.on_early_stopping(es.metric, early.best, early.patience_left)
         self._best_pending = decision.improved
@@ -278,14 +280,17 @@ class Trainer:
             self.session.finish(StopReason.EARLY_STOPPING, message)
 
     def _report(self) -> None:
-        """Final validation (unless the last step was evaluated) and test metrics, then
-        ``results.json`` (rank 0; with ``goodput``: the job's ``wall_seconds``, ``ettr`` and
-        ``seconds`` by cause, as in the ``goodput:`` line) and each rank's summary next to
-        the checkpoints."""
+        """Final validation of the last weights (unless the last step was evaluated), test
+        metrics of the best checkpoint's weights when there is one (``load_best_model_at_end``,
+        ``restore_best_weights``; else of the last weights), then ``results.json`` (rank 0;
+        ``eval_step`` and ``test_step`` say whose weights each split's figures are from; with
+        ``goodput``: the job's ``wall_seconds``, ``ettr`` and ``seconds`` by cause, as in the
+        ``goodput:`` line) and each rank's summary next to the checkpoints."""
         if self.results.get("eval_step") != self.state.step:
             self.results.update(self.evaluate("val", self.cfg.eval.max_batches),
                                 eval_step=self.state.step)
-        self.results.update(self.evaluate("test"))
+        test_step = self._load_best_weights()
+        self.results.update(self.evaluate("test"), test_step=test_step)
         self.results.update(step=self.state.step, epoch=self.sampler.epoch,
                             stop_reason=self.stop.message)
         goodput = self.checkpoints.state.get("goodput")
@@ -306,6 +311,22 @@ class Trainer:
             "rank": self.info.rank, "world_size": self.info.world_size, "step": self.state.step,
             "epoch": self.sampler.epoch, "stop_reason": self.stop.message,
             "restart_count": self.info.restart_count})
+
+    def _load_best_weights(self) -> int:
+        """Load the weights of the newest valid best checkpoint into the model, on every rank
+        (rank 0 names it: it committed the last one), when it is of another step than the
+        last; returns the step whose weights the model now has."""
+        best = None
+        if self.info.is_main and self.cfg.checkpoint.keep_best:
+            found = storage.latest_valid(self.cfg.checkpoint.dir, kind="best")
+            best = (found.step, found.path) if found is not None else None
+        best = broadcast_object(best)
+        if best is None or best[0] == self.state.step:
+            return self.state.step
+        self.model.load_state_dict(storage.load_state(best[1])["model"])
+        log.info("test split on the best checkpoint's weights (%s: step %d, best %s)", best[1],
+                 best[0], self.cfg.early_stopping.metric)
+        return best[0]
 
     def _write_json(self, relative: str, value: dict[str, Any]) -> None:
         """Write a small JSON report next to the checkpoints (local path or fsspec URL)."""
