@@ -28,6 +28,7 @@ import functools
 import logging
 import os
 import sys
+import tempfile
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -162,6 +163,10 @@ def torchrun_argv(args: argparse.Namespace) -> list[str]:
     # SIGTERM -> SIGKILL gap when the agent stops its workers (eviction): preemption.grace_seconds
     if compat.shutdown_timeout_supported():
         opt("--shutdown-timeout", getattr(args, "shutdown_timeout", None))
+    # torch's error files of the workers (what the root-cause line reads): in a directory
+    # this run removes when it ends (torch's default, a fresh torchelastic_* directory in the
+    # temp directory per run, was never removed); PET_LOG_DIR, if set, is kept
+    opt("--log-dir", None if "PET_LOG_DIR" in os.environ else getattr(args, "log_dir", None))
     if getattr(args, "script", None):  # a user's own training script and its arguments
         return [*argv, str(args.script), *args.script_args]
     argv += ["--module", "elastic_runner", "train", str(args.config), *args.overrides]
@@ -233,6 +238,12 @@ def launch(args: argparse.Namespace) -> int:
     restarted); 3 fenced out (``EXIT_FENCED``); 5 a crash loop stopped the job
     (``EXIT_CRASH_LOOP``); 143 preempted; 1 any other failed rendezvous or
     worker (e.g. ``--max-restarts`` spent)."""
+    with tempfile.TemporaryDirectory(prefix="elastic-runner-") as log_dir:
+        args.log_dir = log_dir
+        return _launch(args)
+
+
+def _launch(args: argparse.Namespace) -> int:
     targs = get_args_parser().parse_args(torchrun_argv(args))
     try:
         compat.check_torch("agent")
