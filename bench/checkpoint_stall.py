@@ -32,8 +32,9 @@ import warnings
 from pathlib import Path
 
 import torch
-from elastic_runner.checkpoint.storage.async_save import AsyncCheckpointer
-from elastic_runner.checkpoint.storage.storage import write_checkpoint
+
+from elastic_runner.checkpoint.async_save import AsyncCheckpointer
+from elastic_runner.checkpoint.storage import write_checkpoint
 
 
 def make_state(size_mb: int) -> dict[str, torch.Tensor]:

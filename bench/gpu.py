@@ -152,7 +152,8 @@ def _state_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
 def stall(repeats: int, workdir: Path) -> dict[str, Any]:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    from elastic_runner.checkpoint.storage.manager import CheckpointManager
+
+    from elastic_runner.checkpoint.manager import CheckpointManager
 
     device = torch.device("cuda", 0)
     model, opt = _gpt2_small(device)
@@ -223,7 +224,7 @@ def stall(repeats: int, workdir: Path) -> dict[str, Any]:
 
 
 def recovery(workdir: Path) -> dict[str, Any]:
-    from elastic_runner.checkpoint.storage import storage as ckpt
+    from elastic_runner.checkpoint import storage as ckpt
 
     from .recovery import kill_one
 

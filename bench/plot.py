@@ -1,4 +1,4 @@
-"""Plots of the benchmarks' JSON results (matplotlib, PNG) for the README.
+"""Plots of the benchmarks' JSON results (matplotlib, PNG) for docs/benchmarks.md.
 
 Reads ``overhead.json``, ``checkpoint_stall.json``, ``recovery.json`` and ``rendezvous.json``
 from ``--results`` (each written by its benchmark's ``--json``; missing ones are skipped) and

@@ -80,8 +80,8 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-from elastic_runner.data.loader.audit import read_entries
 
+from elastic_runner.data.audit import read_entries
 from elastic_runner.observe.metrics import GOODPUT_CAUSES
 from tests.procs import CONFIGS, Job, cli, wait_until
 

@@ -30,7 +30,8 @@ victims and the variants come from ``random.Random(seed)``):
 
 * ``worker-sigkill`` / ``worker-sigterm``: the signal to one worker (by rank, by pid; a
   replaced rank's replacement, by the pid in its trace entries): a SIGKILL is recovered in place
-  (the agents' recovery store is etcd), a SIGTERM is a preemption (the restart path);
+  (the agents' recovery store is a TCPStore in an agent; with etcd no node is special), a
+  SIGTERM is a preemption (the restart path);
 * ``worker-hang``: SIGSTOP of one worker; its agent finds its heartbeat stale
   (``recovery.heartbeat_timeout_seconds``, :attr:`Settings.heartbeat_timeout_s`, below the step
   watchdog's ``hang_timeout_s``), kills it and replaces it in place; were the watchdog first,
@@ -92,8 +93,8 @@ from typing import Any
 import psutil
 import torch
 
-from elastic_runner.checkpoint.storage import storage as ckpt
-from elastic_runner.data.loader import audit
+from elastic_runner.checkpoint import storage as ckpt
+from elastic_runner.data import audit
 from tests.etcd import EtcdServer
 from tests.procs import CONFIGS, Job, cli
 

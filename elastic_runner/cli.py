@@ -123,7 +123,8 @@ def _add_run(sub: Any) -> None:
     p.add_argument("--max-restarts", type=int, default=None,
                    help="worker-group restarts before the job fails (default 3)")
     p.add_argument("--monitor-interval", type=float, default=None, metavar="S",
-                   help="seconds between the agent's worker health checks (default 1.0)")
+                   help="seconds between the agent's worker health checks (default 0.1 with "
+                        "in-place recovery, else 1.0)")
     p.add_argument("--no-resume", action="store_true", help="ignore existing checkpoints")
     p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
                    help="serve the node's metrics and health endpoints on PORT (same as "

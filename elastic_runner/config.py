@@ -80,24 +80,16 @@ BUILTIN_TASKS = {
 TASK_ENTRY_POINTS = "elastic_runner.tasks"  # importlib.metadata group: name = "pkg.module:build"
 
 
-    #   raise: after the step (default), while the step's checkpoint is written (after the
-    #   snapshot), as the evaluation after the step begins, or as a replacement joins a running
-    #   group (its process group formed, the state not yet agreed; its own steps: after_steps 0)
-
-
-    #   from outside makes rank R's next loss NaN once, then is removed; "slow rank=R
-    #   seconds=S" slows rank R by S seconds a step while it stands (see train/faults.py)
-
-
-    #   newer checkpoint stop the job at once (0: off)
-
-
 class Config(Section):
     """A whole config file. Build it with :func:`load_config` or :func:`from_dict`, which type
     ``data`` and ``model`` with the task's classes."""
 
-    task: str  # built-in name, installed entry point, or import path 'package.module:build'
+    task: str
+    """The task: a built-in name (`digits`, `char_lm`, `text_classification`, `causal_lm`), the name
+    of an installed `elastic_runner.tasks` entry point, or an import path `package.module:build`."""
     seed: StrictInt = 1234
+    """Seeds Python's, NumPy's and torch's generators before the task is built, and the sampler's
+    permutation of each epoch."""
     data: SerializeAsAny[DataConfig] = Field(default_factory=DataConfig)
     model: dict[str, Any] | SerializeAsAny[ModelConfig] = Field(
         default_factory=dict, union_mode="left_to_right")

@@ -1,8 +1,8 @@
 """Preemption: turn SIGTERM into a checkpoint at the next step boundary.
 
 Kubernetes evicts a pod by sending SIGTERM to its main process (torchrun's agent), which forwards
-SIGTERM to its workers and SIGKILLs them 30 s later (a fixed gap in torchrun, pytorch issue
-119856). Each worker only records the signal here; the training loop reduces the flag across
+SIGTERM to its workers and SIGKILLs them ``--shutdown-timeout`` seconds later (torch 2.13; a
+fixed 30 s before, pytorch issue 119856; ``run`` passes ``preemption.grace_seconds``). Each worker only records the signal here; the training loop reduces the flag across
 ranks through the step consensus (so one rank's signal stops all: every rank discards the step in
 flight), writes a checkpoint of the last applied step,
 and exits with :data:`EXIT_PREEMPTED` (128 + SIGTERM), which a PyTorchJob with

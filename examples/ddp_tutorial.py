@@ -1,7 +1,7 @@
 """A training loop as the PyTorch DDP tutorial writes one (``init_process_group``,
 ``DistributedSampler``, ``DataLoader``, ``DDP``, a plain loop), on scikit-learn's digits.
 No checkpoints, no resume: a killed worker loses the run. ``own_loop.py`` is this file made
-fault-tolerant (the README shows the diff).
+fault-tolerant (docs/guides/own-loop.md shows the diff).
 
     torchrun --standalone --nproc-per-node 2 examples/ddp_tutorial.py --steps 200
 """

@@ -1,4 +1,5 @@
-"""``ddp_tutorial.py`` made fault-tolerant with elastic-runner (the README shows the diff):
+"""``ddp_tutorial.py`` made fault-tolerant with elastic-runner (docs/guides/own-loop.md shows
+the diff):
 every (re)start resumes from the newest valid checkpoint at the exact next step, at any world
 size; SIGTERM checkpoints the current step and exits 143; per-rank metrics; a hang watchdog.
 

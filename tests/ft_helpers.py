@@ -7,12 +7,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
-from elastic_runner.checkpoint.storage.manager import CheckpointManager
-from elastic_runner.data.loader.loader import ElasticDataLoader
 from torch import nn
 from torch.utils.data import TensorDataset
 
+from elastic_runner.checkpoint.manager import CheckpointManager
 from elastic_runner.config import EarlyStoppingConfig
+from elastic_runner.data.loader import ElasticDataLoader
 from elastic_runner.observe.straggler import StragglerMonitor
 from elastic_runner.train.callbacks import Callback, Callbacks, LogEvent, StepEnd
 from elastic_runner.train.consensus import LocalConsensus

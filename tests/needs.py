@@ -9,7 +9,7 @@ stopped running. Every dependency-based skip in tests/ goes through :func:`requi
 the ``require_*`` helpers built on it), so the rule holds in one place.
 
 The one exception is the ``gpu`` marker (``tests/test_gpu.py``): CI has no GPU, so those tests
-skip without CUDA everywhere, CI included (README, docs/gpu.md).
+skip without CUDA everywhere, CI included (docs/gpu.md).
 """
 
 from __future__ import annotations

@@ -9,7 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from elastic_runner.data.loader.audit import (
+from torch import nn
+
+from elastic_runner.cli import main as cli_main
+from elastic_runner.data.audit import (
     EpochReport,
     SampleTrace,
     audit,
@@ -17,11 +20,8 @@ from elastic_runner.data.loader.audit import (
     read_entries,
     rewind,
 )
-from elastic_runner.data.loader.loader import ElasticDataLoader
-from elastic_runner.data.loader.sampler import ElasticSampler
-from torch import nn
-
-from elastic_runner.cli import main as cli_main
+from elastic_runner.data.loader import ElasticDataLoader
+from elastic_runner.data.sampler import ElasticSampler
 from elastic_runner.observe.reporting import SampleTraceRecorder
 
 from .ft_helpers import build_session, regression_data, run_step
@@ -73,8 +73,7 @@ def test_recovery_writes_the_entries_of_ranks_that_died_after_committing(tmp_pat
     alone, twice the accumulation) or a restart that resumes from step 3's checkpoint: rank 0
     writes rank 1's entry of step 3 as the 2-rank group trained it, so the audit covers every
     sample of that step once."""
-    from elastic_runner.data.loader.sampler import ElasticSampler
-
+    from elastic_runner.data.sampler import ElasticSampler
     from elastic_runner.observe.reporting import SampleTraceRecorder
 
     n = 64

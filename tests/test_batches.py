@@ -9,7 +9,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
-from elastic_runner.data.loader.batches import (
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from elastic_runner.config import ConfigError, from_dict
+from elastic_runner.data.batches import (
     batch_loss,
     batch_size,
     check_samples,
@@ -18,10 +22,6 @@ from elastic_runner.data.loader.batches import (
     targets,
     to_device,
 )
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
-
-from elastic_runner.config import ConfigError, from_dict
 from elastic_runner.tasks.base import TaskBundle, metric_sums, weight_decay_groups
 from elastic_runner.train.build import build_optimizer, build_scheduler
 

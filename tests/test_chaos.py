@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic_runner.data.loader import audit
+from elastic_runner.data import audit
 
 from .procs import CONFIGS, Job, cli, wait_until
 from .test_outside_faults import trainers

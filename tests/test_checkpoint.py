@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from elastic_runner.checkpoint.storage import storage as ckpt
+from elastic_runner.checkpoint import storage as ckpt
 
 
 def state(v: float) -> dict:

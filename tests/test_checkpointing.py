@@ -9,11 +9,11 @@ import time
 
 import pytest
 import torch
-from elastic_runner.checkpoint.storage.manager import CheckpointEvent, CheckpointManager
-from elastic_runner.data.loader.sampler import ElasticSampler
 from torch import nn
 
-from elastic_runner.checkpoint.storage import storage as ckpt
+from elastic_runner.checkpoint import storage as ckpt
+from elastic_runner.checkpoint.manager import CheckpointEvent, CheckpointManager
+from elastic_runner.data.sampler import ElasticSampler
 from elastic_runner.train.state import TrainState
 
 from .ft_helpers import assert_bitwise

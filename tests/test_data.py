@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from elastic_runner.data.loader.loader import ElasticDataLoader, elastic_dataloader
-from elastic_runner.data.loader.sampler import ElasticSampler
 from torch.utils.data import Dataset
+
+from elastic_runner.data.loader import ElasticDataLoader, elastic_dataloader
+from elastic_runner.data.sampler import ElasticSampler
 
 N, B, SEED = 50, 3, 4
 

@@ -20,10 +20,10 @@ from typing import Any
 import pytest
 import yaml
 
-from elastic_runner.checkpoint.storage import storage as ckpt
+from elastic_runner.checkpoint import storage as ckpt
 from elastic_runner.cli import build_parser
 from elastic_runner.config import load_config
-from elastic_runner.data.loader import audit
+from elastic_runner.data import audit
 from elastic_runner.observe import health
 
 from .etcd import EtcdServer
@@ -337,7 +337,7 @@ def test_operator_rehearsal_two_pods_one_lost_the_other_goes_on_in_place_and_fin
         assert get(ports[name], probe)[0] == 200
     # the pod of node rank 0 is lost, whose agent hosts the recovery store: SIGKILL of its
     # agent and workers (a pod's warm spare has no rank yet: RANK -1); the other pod's agent
-    # moves the store to itself and goes on without it, as deploy/README.md says
+    # moves the store to itself and goes on without it, as docs/deployment/pytorchjob.md says
     lost = next(name for name, pod in pods.items() if {0, 1} <= set(pod.workers()))
     survivor = pods[next(name for name in pods if name != lost)]
     before = len(survivor.output)

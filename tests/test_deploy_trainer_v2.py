@@ -26,10 +26,10 @@ from unittest import mock
 import pytest
 
 from elastic_runner.agent.launch import TRAINER_PORT, torchrun_argv
-from elastic_runner.checkpoint.storage import storage as ckpt
+from elastic_runner.checkpoint import storage as ckpt
 from elastic_runner.cli import build_parser
 from elastic_runner.config import load_config
-from elastic_runner.data.loader import audit
+from elastic_runner.data import audit
 from elastic_runner.exit_codes import EXIT_BAD_INPUT, EXIT_CRASH_LOOP, EXIT_FENCED, EXIT_PREEMPTED
 from elastic_runner.observe import health
 

@@ -9,9 +9,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from elastic_runner.data.loader.loader import elastic_dataloader
 from torch import nn
 
+from elastic_runner.data.loader import elastic_dataloader
 from elastic_runner.train.engine import StepEngine, batch_loss, precision_dtype, to_device
 
 from .ft_helpers import CPU, assert_bitwise, build_session, regression_data, weights

@@ -10,8 +10,8 @@ import signal
 
 import pytest
 
-from elastic_runner.checkpoint.storage import storage as ckpt
-from elastic_runner.data.loader import audit
+from elastic_runner.checkpoint import storage as ckpt
+from elastic_runner.data import audit
 
 from .procs import CONFIGS, cli, wait_until
 from .test_outside_faults import trainers

@@ -7,10 +7,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from elastic_runner.checkpoint.storage.fencing import Fence, FencedOut
-from elastic_runner.checkpoint.storage.manager import CheckpointManager
 
-from elastic_runner.checkpoint.storage import storage as ckpt
+from elastic_runner.checkpoint import storage as ckpt
+from elastic_runner.checkpoint.fencing import Fence, FencedOut
+from elastic_runner.checkpoint.manager import CheckpointManager
 
 
 class Box:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic_runner.data.loader import audit
+from elastic_runner.data import audit
 from elastic_runner.observe.goodput import CAUSES, Goodput, process_start_time
 from elastic_runner.train.callbacks import StepEnd
 

@@ -1,5 +1,5 @@
-"""Hugging Face models end to end, with real torchrun process groups (gloo on CPU): the README's
-transformers task (kill -9 mid-epoch, resume at the same step, exact sample audit, export loaded
+"""Hugging Face models end to end, with real torchrun process groups (gloo on CPU): the
+transformers task of the docs (``examples/glosses``) (kill -9 mid-epoch, resume at the same step, exact sample audit, export loaded
 by ``from_pretrained`` in a process that cannot import elastic_runner)."""
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ from .needs import HF_EXTRA, require_modules
 
 require_modules("transformers", "tokenizers", install_hint=HF_EXTRA)
 
-from elastic_runner.data.loader import audit  # noqa: E402
+from elastic_runner.data import audit  # noqa: E402
 from elastic_runner.tasks.export import model_from_checkpoint  # noqa: E402
 
 from .hf_helpers import fresh_load, runner_logits  # noqa: E402
 from .procs import cli  # noqa: E402
-from .test_docs import examples  # noqa: E402
+from .test_docs import copy_example  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -36,9 +36,7 @@ def in_dir(tmp_path, *args, timeout=180):
 
 def test_readme_transformers_task_resumes_exports_and_loads_without_the_runner(launch,
                                                                                tmp_path):
-    for rel, text in examples().items():
-        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / rel).write_text(text)
+    copy_example("glosses", tmp_path)
     ck, trace = tmp_path / "runs/glosses/checkpoints", tmp_path / "trace"
     # 156 steps per epoch at world size 2; rank 1 crashes right after step 100 is checkpointed
     job = launch(cli("run", "glosses.yaml", "logging.tensorboard_dir=null",

@@ -18,7 +18,7 @@ from .needs import HF_EXTRA, require_modules
 require_modules("transformers", "tokenizers", install_hint=HF_EXTRA)
 
 from elastic_runner.config import load_config  # noqa: E402
-from elastic_runner.data.loader import audit  # noqa: E402
+from elastic_runner.data import audit  # noqa: E402
 from elastic_runner.tasks import char_lm, text_classification  # noqa: E402
 from elastic_runner.tasks.export import model_from_checkpoint  # noqa: E402
 

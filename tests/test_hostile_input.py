@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import torch
 
-from elastic_runner.checkpoint.storage import storage as ckpt
+from elastic_runner.checkpoint import storage as ckpt
 from elastic_runner.config import (
     MAX_ALIAS_NODES,
     MAX_FILE_BYTES,

@@ -12,7 +12,7 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from elastic_runner.data.loader import audit
+from elastic_runner.data import audit
 
 from .procs import CONFIGS, Pace, cli, free_port, wait_until
 from .test_metrics import get, samples

@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from bench.soak import EXACT_DDP
-from elastic_runner.data.loader import audit
+from elastic_runner.data import audit
 
 from .etcd import etcd_on
 from .netns import Nodes

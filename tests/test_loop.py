@@ -108,7 +108,7 @@ def test_seed_step_gives_the_same_stream_as_manual_seed():
 def test_checkpoint_of_the_previous_layout_resumes(tmp_path):
     """A checkpoint written before the stop policy had its own state (stop reason as text in
     train_state) still resumes, stopped for the same reason."""
-    from elastic_runner.checkpoint.storage import storage as ckpt
+    from elastic_runner.checkpoint import storage as ckpt
 
     t = trainer(tmp_path, "training.max_steps=3", "checkpoint.every_steps=0")
     t.fit()

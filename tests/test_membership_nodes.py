@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from elastic_runner.data.loader import audit
+from elastic_runner.data import audit
 
 from .etcd import EtcdServer, etcd_on
 from .netns import Nodes

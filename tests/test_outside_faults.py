@@ -22,9 +22,9 @@ import pytest
 import torch
 from torch import nn
 
-from elastic_runner.checkpoint.storage import storage as ckpt
+from elastic_runner.checkpoint import storage as ckpt
 from elastic_runner.config import Config
-from elastic_runner.data.loader import audit
+from elastic_runner.data import audit
 from elastic_runner.tasks import digits
 from elastic_runner.tasks.base import TaskBundle
 

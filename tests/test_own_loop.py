@@ -13,8 +13,8 @@ import urllib.request
 import pytest
 import torch
 
-from elastic_runner.checkpoint.storage import storage as ckpt
-from elastic_runner.data.loader import audit
+from elastic_runner.checkpoint import storage as ckpt
+from elastic_runner.data import audit
 
 from .procs import REPO, cli, free_port, run_cli, wait_until
 
@@ -35,15 +35,26 @@ def code_diff() -> list[str]:
 
 
 @pytest.mark.timeout(30)
-def test_at_most_20_changed_lines_and_the_readme_shows_them():
+def test_at_most_20_changed_lines_and_the_readme_and_guide_show_them():
     diff = code_diff()
     added = [ln for ln in diff if ln.startswith("+")]
     assert 0 < len(added) <= 20, "\n".join(diff)
+    guide = (REPO / "docs" / "guides" / "own-loop.md").read_text()
+    # the guide's diff is made from the two files when the site is built, not pasted
+    assert "{er-diff} ../../examples/ddp_tutorial.py ../../examples/own_loop.py" in guide
     removed = [ln for ln in diff if ln.startswith("-")]
     readme = (REPO / "README.md").read_text()
     assert f"({len(added)} added, {len(removed)}\nremoved" in readme
     missing = [ln for ln in diff if ln.strip("+- ") and ln not in readme]
     assert not missing, missing
+
+
+def test_the_tutorial_loop_runs_under_torchrun(launch):
+    job = launch([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                  "--nproc-per-node", "2", str(EXAMPLES / "ddp_tutorial.py"), "--steps", "20"],
+                 name="tutorial")
+    assert job.wait(timeout=240) == 0, job.output[-3000:]
+    assert re.search(r"step 20 loss \d", job.output), job.output[-3000:]
 
 
 def torchrun(*args: str, nproc: int = 2, restarts: int = 2) -> list[str]:

@@ -10,7 +10,7 @@ import pytest
 
 from elastic_runner import compat
 from elastic_runner.agent.restart_budget import Failure, RestartBudget, newest_checkpoint_step
-from elastic_runner.checkpoint.storage import storage as ckpt
+from elastic_runner.checkpoint import storage as ckpt
 from elastic_runner.exit_codes import (
     EXIT_BAD_INPUT,
     EXIT_CRASH_LOOP,
@@ -141,7 +141,7 @@ def test_the_rest_of_a_failed_group_is_stopped_without_torchs_30_s(monkeypatch, 
 
 
 def test_progress_reads_the_newest_complete_checkpoint(tmp_path):
-    from elastic_runner.checkpoint.storage.storage import write_checkpoint
+    from elastic_runner.checkpoint.storage import write_checkpoint
 
     progress = newest_checkpoint_step(str(tmp_path / "none"))
     assert progress() == -1

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from elastic_runner.checkpoint.storage import storage as ckpt
-from elastic_runner.data.loader import audit
+from elastic_runner.checkpoint import storage as ckpt
+from elastic_runner.data import audit
 
 from .procs import CONFIGS, cli, run_cli
 from .test_train_torchrun import assert_same_tensors, final_state
@@ -61,7 +61,7 @@ def test_world_size_2_1_2_within_an_epoch(launch, tmp_path):
     assert_same_tensors(model_at(ref_ck, 10), model_at(ck, 10))
     # the same samples in the same steps: only the reduction order differs. Measured over 5
     # seeds: the losses right after a change differ by at most 9e-8, the weights 15 steps after
-    # it (handed to the second change) by at most 2.6e-7; the bounds are 10x that (README)
+    # it (handed to the second change) by at most 2.6e-7; the bounds are 10x that (docs/guides/samples.md)
     jumps = [abs(got[s] - ref[s]) for s in (11, 12, 26, 27)]
     assert max(jumps) < 1e-6, jumps
     want, have = model_at(ref_ck, 25), model_at(ck, 25)

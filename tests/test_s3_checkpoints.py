@@ -18,10 +18,10 @@ import sys
 
 import pytest
 import torch
-from elastic_runner.checkpoint.storage.manager import CheckpointManager
 
-from elastic_runner.checkpoint.storage import storage as ckpt
-from elastic_runner.data.loader import audit
+from elastic_runner.checkpoint import storage as ckpt
+from elastic_runner.checkpoint.manager import CheckpointManager
+from elastic_runner.data import audit
 
 from .procs import CONFIGS, cli, run_cli, wait_until
 from .s3 import S3Bucket, clear_s3fs_instances

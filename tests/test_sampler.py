@@ -3,7 +3,8 @@
 import itertools
 
 import pytest
-from elastic_runner.data.loader.sampler import ElasticSampler, shard_indices
+
+from elastic_runner.data.sampler import ElasticSampler, shard_indices
 
 
 def samplers(n, world_size, b=4, a=2, seed=7):

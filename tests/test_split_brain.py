@@ -12,8 +12,8 @@ import signal
 
 import pytest
 
-from elastic_runner.checkpoint.storage import storage as ckpt
-from elastic_runner.data.loader import audit
+from elastic_runner.checkpoint import storage as ckpt
+from elastic_runner.data import audit
 from elastic_runner.exit_codes import EXIT_FENCED
 
 from .procs import CONFIGS, cli, wait_until

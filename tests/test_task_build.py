@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from elastic_runner.checkpoint.storage.storage import CheckpointError
 from torch import nn
 from torch.utils.data import TensorDataset
 
+from elastic_runner.checkpoint.storage import CheckpointError
 from elastic_runner.config import build_key, from_dict
 from elastic_runner.tasks.base import (
     ARTIFACTS_DIR,

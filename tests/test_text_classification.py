@@ -20,10 +20,10 @@ from .needs import HF_EXTRA, debian, require, require_modules
 
 require_modules("transformers", "tokenizers", install_hint=HF_EXTRA)
 
-from elastic_runner.data.loader.batches import check_samples  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from elastic_runner.config import ConfigError, from_dict, load_config, task_target  # noqa: E402
+from elastic_runner.data.batches import check_samples  # noqa: E402
 from elastic_runner.tasks import text_classification as tc  # noqa: E402
 from elastic_runner.tasks.base import TaskBundle, metric_sums  # noqa: E402
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from elastic_runner.checkpoint.storage import storage as ckpt
+from elastic_runner.checkpoint import storage as ckpt
 
 from .procs import CONFIGS, cli, free_port, run_cli, wait_until
 

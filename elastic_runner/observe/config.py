@@ -8,10 +8,12 @@ from ..config_base import Float, Port, Section, invalid
 
 
 class LoggingConfig(Section):
+    """What rank 0 reports besides its log."""
+
     progress_bar: StrictBool = True
-    """Rank 0 only."""
+    """A tqdm progress bar on rank 0's terminal (only when it is one)."""
     tensorboard_dir: str | None = None
-    """Rank 0 writes scalars when set."""
+    """Rank 0 writes TensorBoard scalars (loss, learning rate, evaluation metrics) here; null: off."""
 
 
 class WatchdogConfig(Section):
@@ -19,11 +21,11 @@ class WatchdogConfig(Section):
     traces of all its threads to the log and exits, so torchrun restarts the group."""
 
     hang_timeout_seconds: Float | None = 300.0
-    """One optimizer step; None: off."""
+    """Budget of one optimizer step, in seconds; null: off."""
     long_op_timeout_seconds: Float = 1800.0
-    """First step of an attempt, checkpoint I/O, eval."""
+    """Budget of the first step of an attempt, of checkpoint I/O and of an evaluation, in seconds."""
     dump_grace_seconds: Float = 2.0
-    """Wait before exiting, so stuck peers dump their stacks too."""
+    """Wait this long (seconds) before exiting, so stuck peers dump their stacks too."""
 
 
 class MetricsConfig(Section):
@@ -32,21 +34,23 @@ class MetricsConfig(Section):
     enabled: StrictBool = True
     """Record per-rank series (off: no recording, no endpoint)."""
     port: Port = None
-    """The node's endpoint, served by `run`; plain torchrun workers serve port + local_rank
-    themselves; None: no endpoint."""
+    """The node's HTTP endpoint (`/metrics`, `/healthz`, `/readyz`, `/health`), served by `run`'s
+    agent; plain torchrun workers serve `port + local_rank` themselves; null: no endpoint."""
     address: str = "127.0.0.1"
-    """Bind address; 0.0.0.0 to be scraped from other hosts (pods)."""
+    """The endpoint's bind address; `0.0.0.0` to be scraped from other hosts (pods)."""
     job: str = ""
-    """`job` label; empty: the rendezvous id."""
+    """The `job` label; empty: the rendezvous id."""
     node: str = ""
-    """`node` label; empty: the hostname (the pod name on Kubernetes)."""
+    """The `node` label; empty: the host name (the pod name on Kubernetes)."""
     heartbeat_timeout_seconds: Float | None = Field(None, gt=0)
-    """Silence of a training rank before it is unhealthy; None: watchdog.hang_timeout_seconds, or
-    300 when it is off."""
+    """Silence of a training rank, in seconds, before `/healthz` calls it unhealthy; null:
+    `watchdog.hang_timeout_seconds`, or 300 when that is off."""
     straggler_threshold: Float = 1.5
-    """Log a rank whose step time exceeds this x the median; 0: no exchange of step times."""
+    """Log a rank whose local step time exceeds this multiple of the median over the ranks; 0: no
+    exchange of step times."""
     linger_seconds: Float = Field(0.0, ge=0)
-    """Keep serving after the job ended, for a scrape."""
+    """Keep serving this long (seconds) after the job ended, so a last scrape sees how it ended (not
+    after SIGTERM)."""
 
     @field_validator("straggler_threshold")
     @classmethod

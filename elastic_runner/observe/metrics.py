@@ -50,7 +50,8 @@ _CKPT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 
 
 
 def job_label(cfg: MetricsConfig) -> str:
-    """``metrics.job``, else the rendezvous id torchrun gives the workers, else the hostname."""
+    """``metrics.job``, else the rendezvous id torchrun gives the workers, else
+    ``elastic-runner``."""
     return cfg.job or os.environ.get("TORCHELASTIC_RUN_ID") or "elastic-runner"
 
 

@@ -11,7 +11,8 @@ checkpoint I/O, evaluation) with the longer ``long_op_timeout_seconds``. If a bu
 3. records the error in torch elastic's error file (so the launcher's summary names it),
 4. waits ``dump_grace_seconds`` so the other local ranks, stuck in the same collective with
    budgets armed at the same step, dump their stacks too, and
-5. exits the process with code 1, so torchrun's agent kills and restarts the group.
+5. exits the process with code 124 (``exit_codes.EXIT_HANG``), so torchrun's agent kills and
+   restarts the group.
 
 This is the "equivalent watchdog" alternative to ``torch.distributed.elastic.timer``: it works
 under any launcher (plain torchrun, Kubeflow) without an agent-side timer server.

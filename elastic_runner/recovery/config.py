@@ -10,7 +10,7 @@ from ..config_base import Float, Section, invalid
 
 
 class RecoveryConfig(Section):
-    """What happens when a worker dies (see ``docs/recovery.md``).
+    """What happens when a worker dies (see ``docs/design/recovery.md``).
 
     ``in_place`` (``elastic-runner run``, on one node or several): the surviving workers on
     every node keep their process, leave the step in flight, re-form the process group with a

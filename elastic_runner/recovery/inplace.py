@@ -2,14 +2,14 @@
 
 Under ``elastic-runner run`` (``recovery.mode: in_place``) every agent
 (:mod:`elastic_runner.agent.inplace_agent`) names the job's **recovery store** in :data:`ENV`: a
-TCPStore in the agent on one node, the c10d rendezvous store or etcd across nodes
-(:mod:`elastic_runner.recovery.store`). The process group of *generation* ``g`` lives under
+TCPStore in the agent on one node; across nodes the c10d rendezvous store, or with etcd a
+TCPStore in an agent that moves when its node leaves (:mod:`elastic_runner.recovery.store`). The process group of *generation* ``g`` lives under
 ``<prefix>/pg/<g>/`` of that store (a ``PrefixStore``, as
 :func:`~elastic_runner.dist.attempt_namespace` namespaces restarted groups), so a re-formed group
 never reads a dead member's keys, and the store outlives every worker (the workers' own rank-0
 store would die with rank 0).
 
-Protocol (sequence diagram in ``docs/recovery.md``):
+Protocol (sequence diagram in ``docs/design/recovery.md``):
 
 1. A peer dies; a survivor's next collective fails (gloo: "Connection closed by peer").
    :meth:`InPlaceRecovery.recover` waits up to ``recovery.detect_timeout_seconds`` for an agent

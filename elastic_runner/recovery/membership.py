@@ -37,7 +37,8 @@ Keys, under the attempt's prefix in the recovery store:
 ``node/<n>/leaving``
     set by node ``n``'s agent when it got SIGTERM: the others do not count it lost meanwhile.
 ``view``
-    the current :class:`View` (JSON), replaced by compare-and-set on every change.
+    the current :class:`View` (JSON), written on every change by the process that claimed
+    it (the ``departed/<n>`` claim, or rank 0 for a join).
 ``departed/<n>``
     the claim of whoever announces node ``n``'s departure (so it is announced once).
 ``moved/<n>``

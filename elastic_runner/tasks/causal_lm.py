@@ -50,14 +50,17 @@ class DataConfig(char_lm.DataConfig):
     """``data:`` section: char_lm's (corpus modules, fractions of the corpus length in
     characters), with ``block_size`` in tokens and the BPE vocabulary size."""
 
-    block_size: int = 128  # tokens per training window = model context (n_positions)
-    vocab_size: int = 4096  # BPE vocabulary: 256 byte tokens + <|endoftext|> + merges
+    block_size: int = 128
+    """Tokens per training window, the model's context (GPT-2's `n_positions`)."""
+    vocab_size: int = 4096
+    """BPE vocabulary: 256 byte tokens + <|endoftext|> + merges."""
 
 
 class ModelConfig(char_lm.ModelConfig):
     """``model:`` section: char_lm's GPT sizes, for the ``GPT2Config``."""
 
-    dropout: float = 0.1  # GPT-2's resid_pdrop, embd_pdrop and attn_pdrop
+    dropout: float = 0.1
+    """GPT-2's resid_pdrop, embd_pdrop and attn_pdrop."""
 
 
 # ---------------------------------------------------------------- corpus and split

@@ -61,19 +61,27 @@ SAMPLE_TOP_K = 20
 class DataConfig(BaseDataConfig):
     """``data:`` section. Fractions are of the corpus length in characters."""
 
-    block_size: int = 128  # characters per training window = model context length
+    block_size: int = 128
+    """Characters per training window = model context length."""
     corpus_modules: list[str] = Field(default_factory=lambda: list(DEFAULT_CORPUS_MODULES))
+    """The standard-library modules whose source text is the corpus."""
     val_fraction: float = 0.05
+    """The validation split's share of the corpus (the end of the text before the test split)."""
     test_fraction: float = 0.05
+    """The test split's share of the corpus (the end of the text)."""
 
 
 class ModelConfig(BaseModelConfig):
     """``model:`` section of :class:`CharGPT`."""
 
-    n_layer: int = 2  # transformer blocks
-    n_head: int = 4  # attention heads; must divide n_embd
-    n_embd: int = 128  # residual stream width
-    dropout: float = 0.0  # on embeddings, attention weights and residual branches
+    n_layer: int = 2
+    """Transformer blocks."""
+    n_head: int = 4
+    """Attention heads; must divide n_embd."""
+    n_embd: int = 128
+    """Residual stream width."""
+    dropout: float = 0.0
+    """On embeddings, attention weights and residual branches."""
 
 
 # ---------------------------------------------------------------- corpus

@@ -28,15 +28,20 @@ class DataConfig(BaseDataConfig):
     """``data:`` section. Fractions are of all 1797 samples; train gets the rest."""
 
     val_fraction: float = 0.15
+    """The validation split's share of the 1797 samples (a seeded random split)."""
     test_fraction: float = 0.15
+    """The test split's share of the 1797 samples."""
 
 
 class ModelConfig(BaseModelConfig):
     """``model:`` section of :class:`DigitsCNN`."""
 
-    channels: int = 32  # first conv layer's output channels; the second has 2x
-    hidden: int = 128  # width of the hidden fully connected layer
-    dropout: float = 0.1  # dropout probability before the first linear layer
+    channels: int = 32
+    """First conv layer's output channels; the second has 2x."""
+    hidden: int = 128
+    """Width of the hidden fully connected layer."""
+    dropout: float = 0.1
+    """Dropout probability before the first linear layer."""
 
 
 class DigitsCNN(nn.Module):

@@ -104,28 +104,43 @@ CONTINUATION = "##"  # WordPiece prefix of a token that continues a word
 class DataConfig(BaseDataConfig):
     """``data:`` section. Fractions are of the synsets kept (all, or ``max_samples``)."""
 
-    wordnet_dir: str = "/usr/share/wordnet"  # holds data.noun, data.verb, data.adj, data.adv
-    keep_examples: bool = False  # keep the quoted example sentences after the definition
-    max_samples: int = 0  # > 0: a seeded random subset of this many synsets (quick runs)
-    vocab_size: int = 8000  # WordPiece vocabulary, special tokens included
-    min_frequency: int = 2  # a merge must occur this often in the training split
-    max_length: int = 32  # tokens per sample incl. [CLS] and [SEP] (4.5% of definitions are
-    #                       longer and get truncated); = the model's positions
+    wordnet_dir: str = "/usr/share/wordnet"
+    """Holds data.noun, data.verb, data.adj, data.adv."""
+    keep_examples: bool = False
+    """Keep the quoted example sentences after the definition."""
+    max_samples: int = 0
+    """A seeded random subset of this many synsets (quick runs); 0: all of them."""
+    vocab_size: int = 8000
+    """WordPiece vocabulary, special tokens included."""
+    min_frequency: int = 2
+    """A merge must occur this often in the training split."""
+    max_length: int = 32
+    """Tokens per sample, [CLS] and [SEP] included (4.5% of definitions are longer and get
+    truncated); also the model's positions."""
     val_fraction: float = 0.05
+    """The validation split's share of the synsets kept."""
     test_fraction: float = 0.05
+    """The test split's share of the synsets kept."""
 
 
 class ModelConfig(BaseModelConfig):
     """``model:`` section: a ``DistilBertConfig`` (names as there)."""
 
-    dim: int = 128  # hidden size
+    dim: int = 128
+    """Hidden size."""
     n_layers: int = 1
-    n_heads: int = 4  # must divide dim
-    hidden_dim: int = 512  # feed-forward inner size
-    # none by default: a few epochs of 106k samples underfit, and dropout only slowed learning
-    dropout: float = 0.0  # embeddings, residual branches, feed-forward
+    """Transformer layers."""
+    n_heads: int = 4
+    """Must divide dim."""
+    hidden_dim: int = 512
+    """Feed-forward inner size."""
+    dropout: float = 0.0
+    """Dropout on the embeddings, residual branches and feed-forward layers (none by default: a few
+    epochs of 106k samples underfit, and dropout only slowed learning)."""
     attention_dropout: float = 0.0
-    seq_classif_dropout: float = 0.0  # before the classification head
+    """Dropout on the attention weights."""
+    seq_classif_dropout: float = 0.0
+    """Before the classification head."""
 
 
 # ---------------------------------------------------------------- WordNet

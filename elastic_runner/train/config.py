@@ -19,16 +19,23 @@ class ModelConfig(Section):
 
 
 class OptimizerConfig(Section):
+    """The optimizer, built over the task's parameter groups."""
+
     name: Literal["adamw", "sgd"] = "adamw"
+    """The optimizer: torch's AdamW or SGD (a task's own ``optimizer_fn`` replaces it)."""
     lr: Float = Field(1e-3, gt=0)
-    """Peak learning rate (after warm-up)."""
+    """Peak learning rate (after warm-up); with `batch.global_batch_size` set, the rate of that
+    fixed global batch at any world size."""
     weight_decay: Float = 0.0
+    """Weight decay: decoupled (AdamW) or an L2 penalty (SGD), on the task's parameter groups
+    (default: every parameter)."""
     betas: tuple[Float, Float] = (0.9, 0.999)
+    """AdamW's coefficients of the running averages of the gradient and its square."""
     momentum: Float = 0.9
-    """Sgd only."""
+    """SGD's momentum (ignored by AdamW)."""
     fused: Literal["auto"] | StrictBool = "auto"
-    """Torch's fused kernel (one launch for all parameters; it can skip an update on the device,
-    which the lagged step vote needs); auto: on CUDA, not on CPU."""
+    """torch's fused kernel (one launch for all parameters; it can skip an update on the device,
+    which the lagged step vote needs); `auto`: on CUDA, not on CPU."""
 
     def fused_on(self, device: torch.device) -> bool:
         """Whether to build the optimizer with ``fused=True`` on ``device``."""
@@ -43,8 +50,12 @@ class ScheduleConfig(Section):
     """
 
     name: Literal["cosine", "constant"] = "cosine"
+    """`cosine`: linear warm-up, then cosine decay; `constant`: linear warm-up, then the peak rate."""
     warmup_steps: StrictInt = Field(0, ge=0)
+    """Optimizer steps of linear warm-up to `optimizer.lr` (step k of w, from 0, uses (k+1)/w of
+    it)."""
     min_lr_ratio: Float = Field(0.1, ge=0, le=1)
+    """The cosine decays to this fraction of `optimizer.lr` at the last step."""
 
 
 class BatchConfig(Section):
@@ -58,11 +69,13 @@ class BatchConfig(Section):
     """
 
     micro_batch_size: StrictInt = Field(32, ge=1)
-    """Per rank, per forward/backward."""
+    """Samples per rank in one forward/backward pass."""
     grad_accum_steps: StrictInt = Field(1, ge=1)
-    """Per optimizer step (ignored with global)."""
+    """Micro-batches per optimizer step on each rank (derived from `global_batch_size` when that is
+    set)."""
     global_batch_size: StrictInt | None = None
-    """Samples per optimizer step, constant on resizes."""
+    """Samples per optimizer step over all ranks, kept when the world size changes (it must divide
+    by world size x `micro_batch_size`); null: `grad_accum_steps` is fixed instead."""
 
     @model_validator(mode="after")
     def _global_is_multiple(self) -> BatchConfig:
@@ -91,52 +104,82 @@ class BatchConfig(Section):
 
 
 class TrainingConfig(Section):
+    """How long to train and how each optimizer step runs."""
+
     max_epochs: StrictInt = Field(10, ge=1)
+    """Stop after this many passes over the training split."""
     max_steps: StrictInt | None = Field(None, ge=1)
-    """Optimizer steps; whichever limit is first."""
+    """Stop after this many optimizer steps (null: no limit); whichever of the two limits comes
+    first."""
     grad_clip_norm: Float | None = 1.0
+    """Clip the total gradient norm (over all parameters) to this; null: no clipping (the norm is
+    still measured)."""
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
-    """Fp16 uses a GradScaler (CUDA only)."""
+    """Autocast dtype of the forward pass: `fp32` (none), `bf16`, or `fp16` with a GradScaler (CUDA
+    only)."""
     log_every_steps: StrictInt = Field(10, ge=1)
+    """Log the loss, learning rate and throughput every this many optimizer steps (rank 0)."""
     max_bad_steps: StrictInt = Field(3, ge=1)
-    """Non-finite steps in a row before a rollback."""
+    """Non-finite steps in a row (each skipped on every rank) before rolling back to the last valid
+    checkpoint."""
     lagged_vote: Literal["auto"] | StrictBool = "auto"
     """The step vote decided on the device and read one step later (no host synchronisation per
-    step, see consensus.LaggedConsensus); auto: on CUDA with a fused optimizer and no sample
-    trace (the trace reads every step's loss)."""
+    step, see `train/consensus.py`); `auto`: on CUDA with a fused optimizer and no sample trace
+    (the trace reads every step's loss)."""
     deterministic: StrictBool = False
-    """Torch.use_deterministic_algorithms(True), cuDNN autotuning off and, on CUDA,
-    CUBLAS_WORKSPACE_CONFIG=:4096:8 unless set (docs/gpu.md says what is bitwise then)."""
+    """`torch.use_deterministic_algorithms(True)`, cuDNN autotuning off and, on CUDA,
+    `CUBLAS_WORKSPACE_CONFIG=:4096:8` unless set (the GPU page says what is bitwise then)."""
 
 
 class EvalConfig(Section):
+    """When the validation split is evaluated (every rank evaluates its shard; the results are
+    reduced over ranks)."""
+
     every_steps: StrictInt = 0
-    """0: evaluate at the end of each epoch only."""
+    """Evaluate every this many optimizer steps; 0: at the end of each epoch only."""
     max_batches: StrictInt | None = None
-    """Per rank; None = the whole validation split."""
+    """Validation batches per rank in one evaluation; null: the whole validation split."""
 
 
 class EarlyStoppingConfig(Section):
+    """Early stopping on an evaluation metric: rank 0 applies the patience rule and broadcasts its
+    decision, so every rank stops after the same step."""
+
     enabled: StrictBool = False
+    """Stop when the metric has not improved for `patience` evaluations (rank 0 decides, every rank
+    stops at the same step)."""
     metric: str = "val_loss"
+    """The evaluation metric to watch (a key of the task's `evaluate` result, e.g. `val_loss`,
+    `val_accuracy`)."""
     mode: Literal["min", "max"] = "min"
+    """Whether a lower (`min`) or higher (`max`) value is better."""
     patience: StrictInt = Field(3, ge=1)
     """Evaluations without improvement before stopping."""
     min_delta: Float = 0.0
+    """An improvement must beat the best value by more than this (in the direction of `mode`)."""
 
 
 class DDPConfig(Section):
+    """Options of torch's DistributedDataParallel."""
+
     bucket_cap_mb: Float = 25.0
+    """DDP's gradient bucket size, in MiB (torch's `bucket_cap_mb`)."""
     static_graph: StrictBool = False
+    """DDP's `static_graph`: the same parameters are used in every iteration."""
     find_unused_parameters: StrictBool = False
+    """DDP's `find_unused_parameters` (also keeps the bucket layout fixed after a new DDP, which
+    bitwise replay with more than two ranks needs)."""
 
 
 class DistributedConfig(Section):
+    """The process group every generation of workers forms."""
+
     backend: Literal["auto", "gloo", "nccl"] = "auto"
-    """Auto: nccl on CUDA, gloo on CPU."""
+    """Process-group backend; `auto`: NCCL on CUDA, gloo on CPU."""
     timeout_seconds: Float = Field(600.0, gt=0)
-    """Collective and store timeout."""
+    """Timeout of collectives and store operations, in seconds."""
     ddp: DDPConfig = Field(default_factory=DDPConfig)
+    """DistributedDataParallel's options."""
 
 
 class FaultSpec(Section):
@@ -147,16 +190,27 @@ class FaultSpec(Section):
     makes ``count`` consecutive steps take ``seconds`` longer on the rank (a straggler)."""
 
     kind: Literal["sigkill", "sigterm", "raise", "hang", "nan", "slow"] = "sigkill"
+    """What the rank does: `sigkill`, `sigterm` (a signal to itself), `raise` (an exception), `hang`
+    (blocks forever in the step), `nan` (its loss becomes NaN), `slow` (each step takes longer)."""
     rank: StrictInt = 0
+    """The global rank that does it."""
     step: StrictInt | None = None
+    """The global optimizer step it fires at (or after); null: use `after_steps`."""
     after_steps: StrictInt | None = None
+    """Fire after this many steps of the current restart attempt instead (0: as the attempt begins)."""
     attempts: StrictInt = 1
+    """Fire in restart attempts 0 .. attempts-1 (the restart count torchrun gives the workers)."""
     count: StrictInt = 1
+    """`nan` and `slow`: the number of consecutive steps it covers."""
     repeat: StrictBool = False
+    """`nan`: fire again when the covered steps are replayed after a rollback."""
     seconds: Float = 0.0
-    """``slow``: extra time each of ``count`` steps takes on this rank."""
+    """`slow`: the extra time, in seconds, each covered step takes on the rank."""
     during: Literal["step", "checkpoint", "evaluation", "joining"] = "step"
-    """Sigkill/sigterm/."""
+    """`sigkill`, `sigterm`, `raise`: after the step (`step`), while the step's checkpoint is
+    written (`checkpoint`: after the snapshot), as the evaluation after the step begins
+    (`evaluation`), or as a replacement joins a running group (`joining`: its process group
+    formed, the state not yet agreed; its own steps: `after_steps: 0`)."""
 
 
 class FaultConfig(Section):
@@ -164,11 +218,17 @@ class FaultConfig(Section):
     variable ``ELASTIC_RUNNER_FAULTS`` (a YAML list of fault specs) is appended to ``inject``."""
 
     inject: list[FaultSpec] = Field(default_factory=list)
+    """The faults to inject (the environment variable `ELASTIC_RUNNER_FAULTS`, a YAML list of the
+    same, is appended)."""
     once_dir: str | None = None
-    """Marker files here make each fault fire once per job."""
+    """A directory for marker files that make each fault fire once per job (across restarts and
+    nodes); null: each process keeps its own record."""
     planted_metric: list[Float] | None = None
-    """Replaces the early-stopping metric, one per eval."""
+    """Replaces the early-stopping metric of each evaluation in turn (the last repeats): a test of
+    the stopping rule."""
     perturb_rank: StrictInt | None = None
-    """This rank's weights diverge after loading a checkpoint."""
+    """This rank's weights diverge after loading a checkpoint: a test of the replica check."""
     trigger_file: str | None = None
-    """Watched each step (one stat): a line "nan rank=R" written."""
+    """A file watched before each step (one stat): a line `nan rank=R` written from outside makes
+    rank R's next loss NaN once, then is removed; `slow rank=R seconds=S` slows rank R by S
+    seconds a step while it stands (see `train/faults.py`)."""

@@ -8,7 +8,7 @@ update is not applied, its samples stay unconsumed): the checkpoint that follows
 applied step, and a restart redoes the discarded one.
 
 One interface (:class:`StepConsensus`: :meth:`~StepConsensus.propose` before the step's last
-backward, :meth:`~StepConsensus.decide` after it), four implementations:
+backward, :meth:`~StepConsensus.decide` after it), five implementations:
 
 * :class:`GradientConsensus` (DDP, the default): **no collective of its own**. A rank whose loss
   is non-finite, or that was asked to stop, backpropagates ``loss x NaN``; DDP's gradient

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# A first fault drill: kill -9 one worker of a running digits job from outside, on both
+# recovery paths, and show what the runner logged. Run it from the checkout's root:
+#
+#     bash examples/fault_drill.sh [DIR]     # DIR: where the two runs go (default runs/drill)
+#
+# The warm spare starts 2 s after the workers built the task here (the default,
+# recovery.spare_delay_seconds, is 10 s: a short job never pays for one).
+#
+# In place (the default under `elastic-runner run`): the agent hands the dead worker's rank to
+# its warm spare and the other worker keeps its process. Restart (`recovery.mode=restart`, what
+# plain torchrun does): every worker is stopped and started again, and they resume from the
+# newest checkpoint.
+set -euo pipefail
+dir=${1:-runs/drill}
+mkdir -p "$dir"
+
+drill() {  # $1: name; $2: the log line to wait for before the kill; then run's extra arguments
+  local name=$1 ready=$2 log="$dir/$1.log"
+  shift 2
+  elastic-runner run configs/digits.yaml training.max_epochs=60 early_stopping.enabled=false \
+    recovery.spare_delay_seconds=2 logging.tensorboard_dir=null checkpoint.dir="$dir/$name" \
+    "$@" >"$log" 2>&1 &
+  local job=$!
+  until grep -q "$ready" "$log"; do
+    kill -0 "$job" 2>/dev/null || { echo "the $name run ended before the kill"; exit 1; }
+    sleep 0.2
+  done
+  # the oldest process of the command is a worker (the spare starts after them)
+  pkill -9 -o -f "elastic_runner train"
+  wait "$job"
+  echo "--- $name: what the runner logged"
+  grep -E "exited with code|in-place recovery [0-9]+ done|resumed from|finished:" "$log"
+}
+
+drill in-place "spare .* ready"
+drill restart "epoch 5 " recovery.mode=restart
