@@ -44,7 +44,7 @@ _JOINED = re.compile(r"membership: node\(s\) \[\d+\] join after step")
 _LEFT = re.compile(r"membership: node\(s\) \[\d+\] preempted after step")
 _RESUMED = re.compile(r"\[rank0\] INFO elastic_runner\.train\.session: resumed from")
 _STEP = re.compile(r"\[rank0\] INFO elastic_runner\.train\.loop: epoch \d+ step (\d+)/")
-_AT_TWO = re.compile(r"\[rank0\] INFO elastic_runner\.\w+: task \w+: .* world size 2;")
+_AT_TWO = re.compile(r"\[rank0\] INFO elastic_runner\.[\w.]+: task \w+: .* world size 2;")
 
 
 def _argv(nodes: Nodes, i: int, path: str, workdir: Path) -> list[str]:

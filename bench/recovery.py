@@ -378,7 +378,7 @@ _FAILED = re.compile(r"^\S+ (?:WARNING elastic_runner\.agent\.inplace_agent: ran
 # none (a restart before the first checkpoint; also the job's first start)
 _DONE_IN_PLACE = re.compile(r"^\S+ \[rank\d+\] WARNING elastic_runner\.train\.loop: in-place recovery "
                             r"(\d+) done", re.M)
-_STARTED = re.compile(r"^\S+ \[rank0\] INFO elastic_runner\.\w+: (?:resumed from \S+: step|no "
+_STARTED = re.compile(r"^\S+ \[rank0\] INFO elastic_runner\.[\w.]+: (?:resumed from \S+: step|no "
                       r"checkpoint in .*: starting from scratch)", re.M)
 
 

@@ -184,7 +184,7 @@ def test_writer_killed_between_state_and_manifest_resumes_from_previous(s3_bucke
 
 WRITE_STEP = """
 import sys, torch
-from elastic_runner import checkpoint as ckpt
+from elastic_runner.checkpoint import storage as ckpt
 step = int(sys.argv[2])
 ckpt.write_checkpoint(sys.argv[1], f"step-{step:08d}", {"w": torch.full((4,), float(step))},
                       {"step": step})
