@@ -18,7 +18,7 @@ from elastic_runner.checkpoint import storage as ckpt
 from elastic_runner.data.loader import elastic_dataloader
 from elastic_runner.exit_codes import EXIT_PREEMPTED
 from elastic_runner.observe.reporting import WatchdogHeartbeat
-from elastic_runner.own_loop import fault_tolerant
+from elastic_runner.own_loop import DEFAULT_EVERY_SECONDS, fault_tolerant
 from elastic_runner.preempt import Preempted
 from elastic_runner.train.consensus import LocalConsensus
 from elastic_runner.train.session import RollbackRequested, TrainingFailed
@@ -455,3 +455,21 @@ def test_own_loop_with_a_grad_scaler_skips_an_overflow_without_counting_it(tmp_p
     ft.close()
     assert updated[0] is False and updated[-1] is True  # the overflow skipped, later steps apply
     assert ft.session.state.bad_steps == 0 and scaler.get_scale() < 2.0 ** 200
+
+
+@pytest.mark.usefixtures("restore_signals")
+def test_without_a_cadence_fault_tolerant_checkpoints_on_the_clock(tmp_path, parts, caplog):
+    """``every_steps=0`` and no ``every_seconds`` (the defaults) took no periodic checkpoint, so
+    a crash after hours resumed from step 0; now a checkpoint every 300 s, logged once."""
+    model, opt, loader = parts
+    with caplog.at_level("INFO", logger="elastic_runner.own_loop"):
+        ft = fault_tolerant(model, opt, loader, checkpoint_dir=str(tmp_path))
+    try:
+        assert ft.session.checkpoints.every_seconds == DEFAULT_EVERY_SECONDS == 300.0
+        assert "no checkpoint cadence given" in caplog.text
+        given = fault_tolerant(model, opt, loader, checkpoint_dir=str(tmp_path / "b"),
+                               every_steps=10)
+        assert given.session.checkpoints.every_seconds is None
+        given.close()
+    finally:
+        ft.close()

@@ -38,11 +38,19 @@ def assert_same_tensors(a: dict, b: dict) -> None:
 
 
 def test_digits_two_workers_reach_test_accuracy(launch, tmp_path):
-    ck = tmp_path / "ck"
-    job = launch(cli("run", DIGITS, f"checkpoint.dir={ck}", *QUIET), name="digits")
+    ck, tmp = tmp_path / "ck", tmp_path / "tmp"
+    tmp.mkdir()
+    job = launch(cli("run", DIGITS, f"checkpoint.dir={ck}", *QUIET), name="digits",
+                 env={"TMPDIR": str(tmp)})
     assert job.wait(timeout=400) == 0, job.output[-3000:]
+    # torch's agent wrote its workers' error files in a directory the run removed at its end
+    assert not [p.name for p in tmp.iterdir() if p.name.startswith(("torchelastic_",
+                                                                     "elastic-runner-"))]
     res = results(ck)
     assert res["test_accuracy"] >= 0.95, res
+    # the test split was evaluated on the best checkpoint's weights, which evaluate takes too
+    (best,) = [c for c in ckpt.list_checkpoints(ck) if c.kind == "best"]
+    assert res["test_step"] == best.step < res["step"], res  # digits stops early
     summaries = rank_summaries(ck)
     assert [s["rank"] for s in summaries] == [0, 1]
     assert all(s["world_size"] == 2 and s["step"] == res["step"] for s in summaries)
@@ -50,6 +58,8 @@ def test_digits_two_workers_reach_test_accuracy(launch, tmp_path):
     assert listing.returncode == 0 and "valid" in listing.stdout and "best-step-" in listing.stdout
     evaluated = run_cli("evaluate", DIGITS, "--checkpoint", str(ck))
     assert evaluated.returncode == 0, evaluated.stderr
+    assert f"using best-step-{best.step:08d} (the best checkpoint of {ck}" in evaluated.stderr
+    assert json.loads(evaluated.stdout)["step"] == best.step
     assert json.loads(evaluated.stdout)["test_accuracy"] == pytest.approx(res["test_accuracy"])
 
 
