@@ -142,28 +142,37 @@ def test_a_preempting_job_stops_it_at_a_checkpoint_and_it_resumes_after(
     assert_same_final_state(job, uninterrupted)
 
 
+class NodeLoss:
+    """Node 1 lost (every process there SIGKILLed) and started again; the fixture brings it
+    back, idle, after the test if the test did not."""
+
+    def __init__(self, cluster: SlurmCluster) -> None:
+        self.cluster, self.lost = cluster, False
+
+    def lose(self) -> None:
+        self.cluster.lose_node(1)
+        self.lost = True
+
+    def restore(self) -> None:
+        if self.lost:
+            self.cluster.start_node(1)
+            self.lost = False
+
+
 @pytest.fixture
-def lose_node_1(slurm_cluster):
-    """Lose node 1 (every process there SIGKILLed) when called; it is back, idle, after the
-    test."""
-    lost: list[int] = []
-
-    def lose() -> None:
-        slurm_cluster.lose_node(1)
-        lost.append(1)
-
-    yield lose
-    for i in lost:
-        slurm_cluster.start_node(i)
+def node_loss(slurm_cluster):
+    loss = NodeLoss(slurm_cluster)
+    yield loss
+    loss.restore()
     slurm_cluster.wait_idle()
 
 
 def test_a_lost_node_with_no_kill_leaves_the_job_in_place_and_it_goes_on(
-        slurm_cluster, lose_node_1, tmp_path):
+        slurm_cluster, node_loss, tmp_path):
     pace = Pace(tmp_path / "pace", PACE_S)
     job = SlurmJob(slurm_cluster, tmp_path, ["--no-kill"], env={"NNODES": "1:2"}, pace=pace)
     job.training()
-    lose_node_1()
+    node_loss.lose()
     job.wait_for(r"in-place recovery 1 done")
     pace.end()
     record = job.finish()
@@ -176,16 +185,16 @@ def test_a_lost_node_with_no_kill_leaves_the_job_in_place_and_it_goes_on(
 
 
 def test_a_lost_node_without_no_kill_ends_the_job_and_slurm_requeues_it(
-        slurm_cluster, uninterrupted, lose_node_1, tmp_path):
+        slurm_cluster, uninterrupted, node_loss, tmp_path):
     pace = Pace(tmp_path / "pace", PACE_S)
     job = SlurmJob(slurm_cluster, tmp_path, [], pace=pace)
     job.training()
-    lose_node_1()
+    node_loss.lose()
     # Slurm marks the node down, ends the job (NODE_FAIL) and requeues it (--requeue): it waits
     # for two nodes
     slurm_cluster.wait_job(job.id, {"PENDING"}, JOB_TIMEOUT_S)
     pace.end()
-    slurm_cluster.start_node(1)
+    node_loss.restore()
     record = job.finish()
     assert record["Restarts"] == "1" and record["ExitCode"] == "0:0"
     resumed = [int(m[1]) for m in _RESUMED.finditer(job.output)]
