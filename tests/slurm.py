@@ -51,12 +51,18 @@ START_TIMEOUT_S = 60
 SLURMD_PORT = 6818  # each node has its own port space
 
 
+def _short_hostname() -> str:
+    """This machine's name as slurmctld matches it against ``SlurmctldHost`` (up to the first
+    dot)."""
+    return socket.gethostname().split(".")[0]
+
+
 def _conf(root: Path, names: list[str], nodes: Nodes, ctld_port: int) -> str:
     node_lines = "\n".join(f"NodeName={name} NodeAddr={nodes.address(i)} CPUs=2 State=UNKNOWN"
                            for i, name in enumerate(names))
     return f"""\
 ClusterName=elastic-runner-tests
-SlurmctldHost={socket.gethostname()}({nodes.host_address})
+SlurmctldHost={_short_hostname()}({nodes.host_address})
 SlurmctldPort={ctld_port}
 SlurmdPort={SLURMD_PORT}
 SlurmUser=root
