@@ -208,7 +208,9 @@ def test_etcd_2_3_2_1_2_the_store_host_leaves_then_its_successor_dies_in_place(
         kept = next(iter(last.workers().values()))
         ids = {j: int(re.search(r"membership: node (\d+) (?:registered|joined)", j.output)[1])
                for j in (host, successor, last)}
-        assert sorted(ids.values()) == [0, 1, 2] and ids[last] == 2
+        # a joiner's id is its join's: one that needed a second rendezvous round (a running
+        # agent came to the first too late, seen under load in CI) is node 3
+        assert ids[host] == 0 and ids[successor] == 1 and ids[last] >= 2
 
         # 2. the store's host is preempted: it leaves in place, the store moves to node 1
         host.proc.send_signal(signal.SIGTERM)

@@ -13,6 +13,7 @@ import pytest
 
 from . import needs
 from .procs import REPO
+from .slurm import SLURM_PACKAGES
 
 
 @pytest.fixture
@@ -138,8 +139,11 @@ def test_require_netns_follows_the_probe(monkeypatch: pytest.MonkeyPatch) -> Non
     needs.require_netns()
 
 
-def test_ci_run_sets_ci_and_installs_iproute2() -> None:
+def test_ci_run_sets_ci_and_installs_iproute2_and_slurm() -> None:
     script = (REPO / ".ci" / "run").read_text()
     assert '\nexport CI="${CI:-1}"\n' in script
-    assert "command -v ip " in script and "command -v tc " in script
-    assert "apt-get install" in script and "wordnet-base openssl iproute2\n" in script
+    for command in ("ip", "tc", "slurmctld", "slurmd", "sbatch", "munged"):
+        assert f"command -v {command} " in script, command
+    (install,) = [line for line in script.replace("\\\n", " ").splitlines()
+                  if "apt-get install" in line]
+    assert {"wordnet-base", "openssl", "iproute2", *SLURM_PACKAGES.split()} <= set(install.split())
