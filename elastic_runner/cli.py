@@ -23,6 +23,8 @@ from .checkpoint.storage import CheckpointError
 from .config_base import ConfigError
 from .exit_codes import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, described
 
+log = logging.getLogger("elastic_runner.cli")
+
 if TYPE_CHECKING:
     from .data.audit import EpochReport
 
@@ -203,6 +205,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     args.shutdown_timeout = cfg.preemption.grace_seconds
     args.metrics = cfg.metrics
     args.recovery = cfg.recovery
+    if cfg.distributed.strategy == "fsdp" and cfg.recovery.mode == "in_place":
+        # no peer holds a dead rank's shard: the replacement could not be given its state
+        log.warning("recovery.mode 'in_place' is not available with distributed.strategy "
+                    "'fsdp' yet: a failed worker restarts every worker from the newest "
+                    "checkpoint (recovery.mode 'restart')")
+        args.recovery = cfg.recovery.model_copy(update={"mode": "restart"})
     args.batch = cfg.batch  # which world sizes a node's departure may leave
     args.restarts = RestartBudget(cfg.restarts.preemption, cfg.restarts.peer_lost,
                                   cfg.restarts.crash_loop,

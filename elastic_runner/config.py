@@ -46,10 +46,10 @@ from .checkpoint.config import CheckpointConfig
 from .config_base import ConfigError, Hint, Section, invalid
 from .data.config import AuditConfig, DataConfig
 from .observe.config import LoggingConfig, MetricsConfig, WatchdogConfig
+from .parallel.config import DDPConfig, FSDPConfig
 from .recovery.config import RecoveryConfig
 from .train.config import (
     BatchConfig,
-    DDPConfig,
     DistributedConfig,
     EarlyStoppingConfig,
     EvalConfig,
@@ -65,7 +65,7 @@ from .train.config import (
 __all__ = [
     "AuditConfig", "BatchConfig", "CheckpointConfig", "Config", "ConfigError", "DDPConfig",
     "DataConfig", "DistributedConfig", "EarlyStoppingConfig", "EvalConfig", "FaultConfig",
-    "FaultSpec", "LoggingConfig", "MetricsConfig", "ModelConfig", "OptimizerConfig",
+    "FaultSpec", "FSDPConfig", "LoggingConfig", "MetricsConfig", "ModelConfig", "OptimizerConfig",
     "PreemptionConfig", "RecoveryConfig", "RestartsConfig", "ScheduleConfig", "TrainingConfig",
     "WatchdogConfig", "available_tasks", "build_key", "config_schema", "dump_yaml",
     "fingerprint", "from_dict", "load_config", "task_builder", "task_target",
@@ -141,7 +141,9 @@ _NOT_MODEL = ("checkpoint", "logging", "audit", "watchdog", "preemption", "recov
 # while they hold these defaults, so those checkpoints still match their config
 _LATER_KEYS: dict[tuple[str, str], Any] = {("optimizer", "fused"): "auto",
                                            ("training", "lagged_vote"): "auto",
-                                           ("training", "deterministic"): False}
+                                           ("training", "deterministic"): False,
+                                           ("distributed", "strategy"): "ddp",
+                                           ("distributed", "fsdp"): FSDPConfig().model_dump()}
 
 
 def fingerprint(config: dict[str, Any]) -> str:

@@ -220,6 +220,24 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     return box[0]
 
 
+def max_over_ranks(value: int, device: torch.device) -> int:
+    """The largest ``value`` of any rank (``value`` without a group)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
+def all_gather_object(obj: Any) -> list[Any]:
+    """Every rank's ``obj``, by rank (``[obj]`` without a group)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return [obj]
+    values: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(values, obj)
+    return values
+
+
 def barrier() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()

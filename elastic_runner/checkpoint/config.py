@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, StrictBool, StrictInt
 
 from ..config_base import Float, Section
@@ -23,6 +25,12 @@ class CheckpointConfig(Section):
     every_seconds: Float | None = Field(None, gt=0)
     """Also save when this much wall-clock time (seconds) passed since the last save (rank 0 decides
     for all); null: off."""
+    format: Literal["auto", "rank0", "dcp"] = "auto"
+    """`rank0`: rank 0 writes one `state.pt` of the whole state; `dcp`: every rank writes its
+    part through torch.distributed.checkpoint (DCP: sharded state as sharded, replicated tensors
+    spread over the ranks) and rank 0 the rest, all under the same commit protocol; `auto`: `dcp`
+    with `distributed.strategy: fsdp`, else `rank0`. Either format resumes at any world size, and
+    a `dcp` checkpoint under either strategy."""
     async_save: StrictBool = True
     """Snapshot into reused host buffers and write in a background thread, so training stalls only
     for the snapshot."""

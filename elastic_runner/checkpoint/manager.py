@@ -4,7 +4,10 @@ It holds a ``dict[str, Stateful]`` (torch's ``torch.distributed.checkpoint.state
 protocol: ``state_dict()`` / ``load_state_dict()``) and never reaches inside; it knows nothing of
 the training loop. The storage format and commit protocol are ``checkpoint/storage.py``'s (one
 ``state.pt`` per checkpoint plus a manifest written last; atomic rename on filesystems, manifest
-last on object stores). Rank 0 writes; every rank loads the checkpoint rank 0 chose.
+last on object stores). Rank 0 writes; every rank loads the checkpoint rank 0 chose. With the
+sharded layout (``layout="dcp"``, or ``"auto"`` and a model of DTensors: FSDP2) every rank writes
+its part of ``state["model"]`` and ``state["optimizer"]`` through DCP (``checkpoint/dcp_format.py``)
+and rank 0 the rest and the manifest; a load reshards to the current world size.
 
 Usage from any loop (see ``examples/own_loop.py``)::
 
@@ -20,15 +23,26 @@ Usage from any loop (see ``examples/own_loop.py``)::
 from __future__ import annotations
 
 import logging
+import pickle
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
 
-from ..dist import assert_same_across_ranks, broadcast_object, current_rank
+from ..dist import (
+    all_gather_object,
+    assert_same_across_ranks,
+    broadcast_object,
+    current_rank,
+    is_peer_failure,
+)
+from . import dcp_format
 from . import storage as ckpt
 from .async_save import AsyncCheckpointer
 from .fencing import Fence, NoFence
@@ -102,6 +116,10 @@ class CheckpointManager:
         migrate: rewrites a loaded raw state before it is applied (checkpoints of older
             releases); identity by default.
         rank: this process's rank (default: the process group's, 0 without one).
+        layout: ``rank0`` (one ``state.pt`` by rank 0), ``dcp`` (sharded: every rank writes
+            its part of ``state["model"]`` and ``state["optimizer"]``), ``auto``: ``dcp`` when
+            the model's parameters are DTensors (FSDP2), else ``rank0``. Loading follows the
+            checkpoint's layout, whatever this one is.
         fencing: rank 0 claims a fencing token in ``directory`` (``checkpoint/fencing.py``) before it
             chooses the checkpoint to resume from (or before its first save), and every commit
             is refused with :class:`~elastic_runner.checkpoint.fencing.FencedOut` once a newer group has
@@ -109,6 +127,7 @@ class CheckpointManager:
 
     Raises:
         TypeError: a value of ``state`` does not implement ``Stateful``.
+        ValueError: the sharded layout without ``model`` and ``optimizer`` in ``state``.
     """
 
     def __init__(self, directory: str, state: Mapping[str, Stateful], *, every_steps: int = 0,
@@ -119,7 +138,7 @@ class CheckpointManager:
                  listener: CheckpointListener | None = None,
                  after_load: Callable[[dict[str, Any]], None] = lambda raw: None,
                  migrate: Callable[[dict[str, Any]], dict[str, Any]] = lambda raw: raw,
-                 rank: int | None = None, fencing: bool = True) -> None:
+                 rank: int | None = None, fencing: bool = True, layout: str = "auto") -> None:
         for key, value in state.items():
             if not isinstance(value, Stateful):
                 raise TypeError(f"checkpoint state {key!r}: {type(value).__name__} does not "
@@ -133,8 +152,13 @@ class CheckpointManager:
         self.after_load, self.migrate = after_load, migrate
         self.rank = current_rank() if rank is None else rank
         self.resumed_from: str | None = None
-        self._writer = AsyncCheckpointer() if async_save and self.rank == 0 else _SyncWriter()
-        self._async = async_save
+        self.sharded = layout == "dcp" or (layout == "auto" and is_sharded(state.get("model")))
+        if self.sharded and not all(k in self.state for k in dcp_format.SHARDED_KEYS):
+            raise ValueError("a sharded (DCP) checkpoint needs the state keys 'model' and "
+                             f"'optimizer'; got {', '.join(self.state)}")
+        # a sharded save is collective: every rank writes its part before the commit
+        self._async = async_save and not self.sharded
+        self._writer = AsyncCheckpointer() if self._async and self.rank == 0 else _SyncWriter()
         self._last_save = time.monotonic()
         self._fencing = fencing and self.rank == 0
         self.fence: Fence | NoFence = ckpt.UNFENCED
@@ -178,6 +202,9 @@ class CheckpointManager:
         names = [f"step-{step:08d}"] if step_checkpoint else []
         if best and self.keep_best:
             names.append(f"best-step-{step:08d}")
+        if names and self.sharded:
+            self._save_sharded(step, names)
+            return
         if not names or self.rank != 0:
             return
         self._last_save = time.monotonic()
@@ -196,6 +223,42 @@ class CheckpointManager:
         ckpt.prune(self.directory, self.keep_last, protect=self.resumed_from)
         log.info("committed checkpoint %s (written in %.2f s)", ", ".join(paths), seconds)
         self.listener.checkpoint_committed(CheckpointEvent(paths, meta["step"], seconds, size))
+
+    def _save_sharded(self, step: int, names: list[str]) -> None:
+        """Every rank writes its DCP files into the staging directory rank 0 names and hashes
+        them; rank 0 gathers the hashes, writes the rest and the manifest, and publishes under
+        the fence. A rank that dies before the commit makes the gather fail on rank 0: nothing
+        is published."""
+        self._last_save = time.monotonic()
+        staging = None
+        if self.rank == 0:
+            self.claim()
+            staging = str(ckpt.staging_dir(self.directory, names))
+        staging = broadcast_object(staging)
+        t0 = time.perf_counter()
+        dcp_format.save_shards(staging, self.state["model"], self.state["optimizer"])
+        mine = [f.name for f in Path(staging).iterdir()
+                if f.name.startswith(f"__{self.rank}_") and f.name.endswith(".distcp")]
+        if self.rank == 0:
+            mine.append(dcp_format.METADATA)
+        files = ckpt.hash_files(staging, mine)
+        stall = time.perf_counter() - t0
+        self.listener.checkpoint_stall(stall)
+        gathered = all_gather_object(files)
+        if self.rank != 0:
+            return
+        meta = {"step": step, **self.meta()}
+        shard_files = {k: v for part in gathered for k, v in part.items()}
+        rest = {k: v.state_dict() for k, v in self.state.items()
+                if k not in dcp_format.SHARDED_KEYS}
+        paths = ckpt.commit_sharded(self.directory, names, Path(staging), shard_files,
+                                    {**rest, **self.extra}, meta, self.fence)
+        seconds = time.perf_counter() - t0
+        size = ckpt.inspect(paths[0]).size_bytes
+        ckpt.prune(self.directory, self.keep_last, protect=self.resumed_from)
+        log.info("committed sharded checkpoint %s (%d files, written in %.2f s)",
+                 ", ".join(paths), len(shard_files) + 1, seconds)
+        self.listener.checkpoint_committed(CheckpointEvent(paths, step, seconds, size))
 
     def state_dict(self) -> dict[str, Any]:
         return {**{k: v.state_dict() for k, v in self.state.items()}, **self.extra}
@@ -236,16 +299,19 @@ class CheckpointManager:
         if choice is None:
             log.info("no checkpoint in %s: starting from scratch", self.directory)
             return None
-        raw = self.migrate(ckpt.load_state(choice, map_location=map_location))
+        raw = self.migrate(ckpt.load_state(choice, map_location=map_location, full=False))
         self.resumed_from = choice
         self._load(raw, choice)
         return raw
 
     def _load(self, raw: dict[str, Any], source: str) -> None:
-        self._apply(raw, source)
+        if ckpt.is_sharded(source):
+            self._apply_sharded(raw, source)
+        else:
+            self._apply(raw, source)
         self.after_load(raw)
         model = self.state.get("model")
-        if isinstance(model, torch.nn.Module):
+        if isinstance(model, torch.nn.Module) and not is_sharded(model):
             # replicas must be identical after loading, or DDP would average diverged models
             assert_same_across_ranks(ckpt.tensors_digest(model.state_dict()),
                                      f"model parameters loaded from {source}")
@@ -258,8 +324,50 @@ class CheckpointManager:
         model = self.state.get("model")
         if isinstance(model, torch.nn.Module):
             ckpt.check_compatible(model.state_dict(), raw["model"], source)
+        if is_sharded(model):  # a whole (rank-0) checkpoint into shards: each rank takes its own
+            dcp_format.set_full_state(model, self.state["optimizer"], raw["model"],
+                                      raw["optimizer"])
         for key, obj in self.state.items():
-            obj.load_state_dict(raw[key])
+            if not (is_sharded(model) and key in dcp_format.SHARDED_KEYS):
+                obj.load_state_dict(raw[key])
+
+    def _apply_sharded(self, raw: dict[str, Any], source: str) -> None:
+        """Load a sharded checkpoint: model and optimizer through DCP (resharded to this group,
+        collective), the rest from its ``state.pt``."""
+        missing = sorted(set(self.state) - set(raw) - set(dcp_format.SHARDED_KEYS))
+        if missing or not all(k in self.state for k in dcp_format.SHARDED_KEYS):
+            raise ckpt.CheckpointError(f"checkpoint {source} has no state for "
+                                       f"{', '.join(missing) or 'model/optimizer'}")
+        model = self.state["model"]
+        try:
+            shapes = dcp_format.model_shapes(dcp_format.read_metadata(source))
+        except (OSError, pickle.UnpicklingError, EOFError) as e:
+            raise ckpt.CheckpointError(f"checkpoint {source}: cannot read its DCP metadata: "
+                                       f"{dcp_format.problem(e)}") from e
+        ckpt.check_compatible(model.state_dict(),
+                              {k: torch.empty(s, device="meta") for k, s in shapes.items()},
+                              source)
+        try:
+            dcp_format.load_shards(source, model, self.state["optimizer"])
+        except (Exception, CheckpointException) as e:  # DCP's is a BaseException
+            if is_peer_failure(e):
+                raise
+            raise ckpt.CheckpointError(f"checkpoint {source}: cannot load its DCP files: "
+                                       f"{dcp_format.problem(e)}") from e
+        for key, obj in self.state.items():
+            if key not in dcp_format.SHARDED_KEYS:
+                obj.load_state_dict(raw[key])
+
+    def load_weights(self, path: str) -> None:
+        """Load only the model weights of the checkpoint at ``path`` (collective when either
+        the checkpoint or the model is sharded): the best checkpoint for the test split."""
+        model = self.state["model"]
+        if ckpt.is_sharded(path):
+            dcp_format.load_shards(path, model, None)
+        elif is_sharded(model):
+            dcp_format.set_full_model(model, ckpt.load_state(path)["model"])
+        else:
+            model.load_state_dict(ckpt.load_state(path)["model"])
 
     def load_from_peer(self, raw: dict[str, Any], peer: int) -> None:
         """Load ``raw`` (a live peer's :meth:`state_dict`, received during an in-place
@@ -267,6 +375,8 @@ class CheckpointManager:
 
         Raises:
             CheckpointError: a missing state key or tensors that do not fit the model."""
+        if self.sharded:
+            raise ckpt.CheckpointError("a sharded model's state is not held whole by any peer")
         self._apply(raw, f"rank {peer}'s state")
 
     def rollback(self, map_location: str | torch.device = "cpu") -> bool:
@@ -274,3 +384,10 @@ class CheckpointManager:
         False if there is none."""
         self.wait()
         return self.load_latest(map_location) is not None
+
+
+def is_sharded(model: Any) -> bool:
+    """Whether ``model`` is a module with DTensor parameters (FSDP2's shards)."""
+    if not isinstance(model, torch.nn.Module):
+        return False
+    return any(isinstance(p, DTensor) for p in model.parameters())

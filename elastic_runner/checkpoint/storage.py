@@ -8,6 +8,13 @@ Layout: one directory (prefix) per checkpoint inside ``checkpoint.dir``::
                                           config hash, and bytes + sha256 of every file)
     best-step-00000100/    the same, for the best evaluation so far
 
+A sharded checkpoint (``checkpoint.format: dcp``, manifest ``format_version`` 2) holds beside
+``state.pt`` (the replicated state: sampler, schedule, counters) the model and optimizer state as
+DCP wrote it: ``.metadata`` and one ``__<rank>_<n>.distcp`` per rank (``checkpoint/dcp_format.py``).
+Every rank writes its files into the same staging directory, which rank 0 named; each hashes its
+own; rank 0 gathers the hashes, writes ``state.pt`` and the manifest, and publishes as below. A
+checkpoint whose manifest does not list every file, or lists one that is missing, is invalid.
+
 Commit protocol, local paths: everything is written under ``.tmp-<name>-<pid>/`` in the same
 directory, each file is flushed and fsynced, the manifest is written last and fsynced, the
 temporary directory is fsynced, then ``os.replace``-d to its final name and the parent directory
@@ -38,12 +45,16 @@ from typing import Any, BinaryIO
 import fsspec
 import torch
 from fsspec.implementations.local import LocalFileSystem
+from torch.distributed.checkpoint.api import CheckpointException
 
+from . import dcp_format
 from .fencing import Fence, FencedOut, NoFence
 
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
+SHARDED_FORMAT_VERSION = 2
+MAX_FILES = 100_000  # a sharded checkpoint has one file per rank, and .metadata
 STATE_FILE = "state.pt"
 MANIFEST = "manifest.json"
 UNFENCED = NoFence()
@@ -146,7 +157,8 @@ def _sha256(fs: fsspec.AbstractFileSystem, path: str) -> str:
 
 
 def _manifest(meta: dict[str, Any], files: dict[str, Any]) -> bytes:
-    return json.dumps({"format_version": FORMAT_VERSION, "time": time.time(), **meta,
+    version = SHARDED_FORMAT_VERSION if dcp_format.METADATA in files else FORMAT_VERSION
+    return json.dumps({"format_version": version, "time": time.time(), **meta,
                        "files": files}, indent=1).encode()
 
 
@@ -183,6 +195,12 @@ def _write_local(directory: Path, names: list[str], state: dict[str, Any],
         # vanished under us, say that we are fenced out rather than a bare FileNotFoundError
         fence.check(", ".join(names))
         raise
+    return _publish_local(directory, staged, names, fence)
+
+
+def _publish_local(directory: Path, staged: list[Path], names: list[str],
+                   fence: Fence | NoFence) -> list[Path]:
+    """Rename each complete staging directory to its name, under the fence."""
     finals = []
     try:
         with fence.guard(", ".join(names)):
@@ -200,6 +218,81 @@ def _write_local(directory: Path, names: list[str], state: dict[str, Any],
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     return finals
+
+
+def staging_dir(directory: str | Path, names: list[str]) -> Path:
+    """A fresh, empty staging directory for ``names`` in the local ``directory`` (this process's
+    pid in its name: a prune by this process spares it, one by another removes it).
+
+    Raises:
+        ValueError: ``directory`` is a URL (sharded checkpoints need a shared filesystem).
+    """
+    fs, root = _resolve(directory)
+    if not _is_local(fs):
+        raise ValueError(f"checkpoint.dir {directory}: sharded (DCP) checkpoints need a local or "
+                         "shared filesystem path; object stores take checkpoint.format: rank0")
+    tmp = Path(root) / f".tmp-{names[0]}-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def hash_files(directory: str | Path, names: list[str]) -> dict[str, Any]:
+    """``{name: {"bytes", "sha256"}}`` of the files ``names`` in the local ``directory``."""
+    fs, root = _resolve(directory)
+    return {n: {"bytes": fs.size(f"{root}/{n}"), "sha256": _sha256(fs, f"{root}/{n}")}
+            for n in names}
+
+
+def commit_sharded(directory: str | Path, names: list[str], staging: Path,
+                   shard_files: dict[str, Any], state: dict[str, Any], meta: dict[str, Any],
+                   fence: Fence | NoFence = UNFENCED) -> list[str]:
+    """Complete and publish a sharded checkpoint whose DCP files every rank wrote into
+    ``staging`` (:func:`staging_dir`) and hashed (``shard_files``): write ``state`` (the
+    replicated rest) as ``state.pt``, then the manifest, and publish under each of ``names``
+    (later names hard-link the files) as :func:`write_checkpoint` does.
+
+    Raises:
+        CheckpointError: ``staging`` holds a file no rank hashed, or lacks one that was.
+        FencedOut: a newer group claimed ``directory``; nothing was published.
+    """
+    meta = {**meta, "fence": fence.token}
+    present = {p.name for p in staging.iterdir()}
+    unknown = sorted(present - set(shard_files))
+    missing = sorted(set(shard_files) - present)
+    if unknown or missing:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise CheckpointError(f"sharded checkpoint {names[0]}: files not accounted for "
+                              f"(unhashed: {unknown[:4]}, missing: {missing[:4]})")
+    try:
+        with open(staging / STATE_FILE, "wb") as f:
+            files = {**shard_files, STATE_FILE: _save_hashed(f, state)}
+            os.fsync(f.fileno())
+        staged = [staging]
+        for name in names[1:]:
+            tmp = Path(staging.parent) / f".tmp-{name}-{os.getpid()}"
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+            for fname in files:
+                _link_or_copy(staging / fname, tmp / fname)
+            staged.append(tmp)
+        for tmp in staged:
+            with open(tmp / MANIFEST, "wb") as f:
+                f.write(_manifest(meta, files))
+                f.flush()
+                os.fsync(f.fileno())
+            _fsync_dir(tmp)
+    except OSError:
+        fence.check(", ".join(names))  # a newer group's prune removed our staging
+        raise
+    return [str(p) for p in _publish_local(staging.parent, staged, names, fence)]
+
+
+def is_sharded(path: str | Path) -> bool:
+    """Whether the checkpoint at ``path`` holds DCP files (``.metadata``)."""
+    fs, p = _resolve(path)
+    return fs.exists(f"{p}/{dcp_format.METADATA}")
 
 
 def _stage_local(directory: Path, names: list[str], state: dict[str, Any],
@@ -262,23 +355,35 @@ def _manifest_problem(manifest: Any) -> str:
     state.pt unverified), each with an int size and a sha256, and its fields are typed."""
     if not isinstance(manifest, dict):
         return f"manifest is a JSON {type(manifest).__name__}, not an object"
-    if manifest.get("format_version") != FORMAT_VERSION:
-        return f"format version {str(manifest.get('format_version'))[:40]} != {FORMAT_VERSION}"
+    version = manifest.get("format_version")
+    if version not in (FORMAT_VERSION, SHARDED_FORMAT_VERSION):
+        return (f"format version {str(version)[:40]} is not one of {FORMAT_VERSION} (one "
+                f"state.pt) or {SHARDED_FORMAT_VERSION} (sharded)")
+    sharded = version == SHARDED_FORMAT_VERSION
+    allowed = (f"{STATE_FILE}, {dcp_format.METADATA}, __<rank>_<n>.distcp" if sharded
+               else STATE_FILE)
     files = manifest.get("files")
     if not isinstance(files, dict):
         return "manifest has no 'files' object"
+    if len(files) > MAX_FILES:
+        return f"manifest lists {len(files)} files, more than {MAX_FILES}"
     for fname in files:
         shown = repr(fname[:200]) + ("..." if len(fname) > 200 else "")
         if "/" in fname or "\\" in fname or fname in ("", ".", ".."):
             return (f"manifest names file {shown}: a path outside the checkpoint directory "
-                    f"(only plain names: {STATE_FILE})")
-        if fname != STATE_FILE:
-            return f"manifest names file {shown}, not one of this format ({STATE_FILE})"
-    desc = files.get(STATE_FILE)
-    if not isinstance(desc, dict):
-        return f"manifest does not list {STATE_FILE} (its size and sha256 are unknown)"
-    if type(desc.get("bytes")) is not int or not isinstance(desc.get("sha256"), str):
-        return f"manifest entry of {STATE_FILE} lacks an int 'bytes' or a 'sha256'"
+                    f"(only plain names: {allowed})")
+        ours = fname == STATE_FILE or (sharded and (fname == dcp_format.METADATA
+                                                   or dcp_format.SHARD_FILE.match(fname)))
+        if not ours:
+            return f"manifest names file {shown}, not one of this format ({allowed})"
+    for fname in (STATE_FILE, dcp_format.METADATA) if sharded else (STATE_FILE,):
+        desc = files.get(fname)
+        if not isinstance(desc, dict):
+            return f"manifest does not list {fname} (its size and sha256 are unknown)"
+    for fname, desc in files.items():
+        if not isinstance(desc, dict) or type(desc.get("bytes")) is not int \
+                or not isinstance(desc.get("sha256"), str):
+            return f"manifest entry of {fname[:80]} lacks an int 'bytes' or a 'sha256'"
     typed = {"step": (int,), "epoch": (int, type(None)), "world_size": (int, type(None)),
              "time": (int, float, type(None))}
     wrong = [k for k, ok in typed.items() if type(manifest.get(k)) not in ok]
@@ -322,6 +427,9 @@ def inspect(path: str | Path, verify: bool = False) -> CheckpointInfo:
     problem = _manifest_problem(manifest)
     if problem:
         return bad(problem)
+    unlisted = sorted(set(sizes) - set(manifest["files"]) - {MANIFEST})
+    if unlisted and manifest["format_version"] == SHARDED_FORMAT_VERSION:
+        return bad(f"{unlisted[0][:80]!r} is not in the manifest (DCP would read it unverified)")
     for fname, desc in manifest["files"].items():
         if fname not in sizes:
             return bad(f"{fname} missing")
@@ -363,14 +471,29 @@ def latest_valid(directory: str | Path, kind: str = "step") -> CheckpointInfo | 
     return None
 
 
-def load_state(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+def load_state(path: str | Path, map_location: str | torch.device = "cpu",
+               full: bool = True) -> dict[str, Any]:
     """Load a checkpoint's state (``weights_only=True``).
 
-    ``path`` is a checkpoint directory/URL or its ``state.pt``.
+    ``path`` is a checkpoint directory/URL or its ``state.pt``. A sharded checkpoint's model
+    and optimizer are assembled whole on the CPU in this process when ``full`` (export,
+    inspection; optimizer state keyed by parameter name), else left out (a group loads them
+    sharded: :func:`~elastic_runner.checkpoint.dcp_format.load_shards`).
 
     Raises:
-        CheckpointError: the file is missing or cannot be unpickled safely.
+        CheckpointError: a file is missing or cannot be unpickled safely.
     """
+    raw = _load_state_file(path, map_location)
+    if full and not str(path).endswith(".pt") and is_sharded(path):
+        try:
+            raw.update(dcp_format.load_full(_resolve(path)[1]))
+        except (Exception, CheckpointException) as e:  # DCP's is a BaseException
+            raise CheckpointError(f"checkpoint {path}: cannot load its DCP files: "
+                                  f"{dcp_format.problem(e)}") from e
+    return raw
+
+
+def _load_state_file(path: str | Path, map_location: str | torch.device) -> dict[str, Any]:
     fs, p = _resolve(path)
     f = p if p.endswith(".pt") else f"{p}/{STATE_FILE}"
     try:

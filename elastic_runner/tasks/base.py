@@ -76,6 +76,10 @@ class TaskBundle:
             tokenizer uses its own ``generate()`` without one.
         tokens_per_sample: tokens in one training sample, for language-model tasks (exported as
             ``elastic_runner_tokens_total`` and ``_tokens_per_second``); None otherwise.
+        shard_units: ``shard_units(model) -> list of submodules`` that FSDP2 shards one by one
+            (``distributed.strategy: fsdp``, ``distributed.fsdp.units``; the root takes the
+            rest), e.g. ``lambda m: list(m.layers)``. None: the largest ``nn.ModuleList`` of
+            modules of one type (see :func:`elastic_runner.parallel.fsdp.find_blocks`).
     """
 
     model: nn.Module
@@ -93,6 +97,7 @@ class TaskBundle:
     artifacts: dict[str, Any] = field(default_factory=dict)
     sample_fn: Callable[..., str] | None = None
     tokens_per_sample: int | None = None
+    shard_units: Callable[[nn.Module], list[nn.Module]] | None = None
 
 
 def weight_decay_groups(model: nn.Module, no_decay: Callable[[str, nn.Module], bool] | None = None
@@ -250,20 +255,26 @@ def check_split_fractions(val_fraction: float, test_fraction: float) -> None:
 def metric_sums(model: nn.Module, loader: Any, metrics_fn: Callable[..., MetricSums] | None,
                 device: torch.device, dtype: torch.dtype | None = None,
                 max_batches: int | None = None,
-                loss_fn: Callable[..., torch.Tensor] | None = None) -> MetricSums:
+                loss_fn: Callable[..., torch.Tensor] | None = None,
+                pad_to: int | None = None, pad_batch: Callable[[], Any] | None = None
+                ) -> MetricSums:
     """``{name: (sum, count)}`` of ``metrics_fn`` (default: the sample-weighted loss, see
     :func:`elastic_runner.data.batches.loss_metrics`) over ``loader``'s batches (at most
     ``max_batches``), with the model in eval mode and autocast to ``dtype`` when given; the
     model's train/eval mode is restored afterwards. Tensor outputs reach ``metrics_fn`` as
-    float32."""
+    float32. ``pad_to``: run that many forwards in all, the ones past the loader's on
+    ``pad_batch()`` with their outputs discarded (a sharded model's forward is collective: every
+    rank must run as many)."""
     sums: dict[str, tuple[float, float]] = {}
     was_training = model.training
     model.eval()
+    done = 0
     try:
         for i, batch in enumerate(loader):
             if max_batches is not None and i >= max_batches:
                 break
             batch = to_device(batch, device)
+            done += 1
             with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
                 out = forward(model, batch)
             if isinstance(out, torch.Tensor):
@@ -273,6 +284,9 @@ def metric_sums(model: nn.Module, loader: Any, metrics_fn: Callable[..., MetricS
             for name, (s, c) in batch_sums.items():
                 s0, c0 = sums.get(name, (0.0, 0.0))
                 sums[name] = (s0 + s, c0 + c)
+        for _ in range(done, pad_to or 0):
+            with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+                forward(model, to_device(pad_batch(), device))  # type: ignore[misc]
     finally:
         model.train(was_training)
     return sums

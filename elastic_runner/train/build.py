@@ -1,5 +1,6 @@
-"""Assemble the built-in trainer from a config: task, model, DDP, optimizer, schedule, data,
-checkpoints, step consensus, stop policy and reporting callbacks, for one rank."""
+"""Assemble the built-in trainer from a config: task, model, parallelism (DDP or FSDP2),
+optimizer, schedule, data, checkpoints, step consensus, stop policy and reporting callbacks, for
+one rank."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..checkpoint.manager import CheckpointManager
 from ..config import Config, fingerprint, task_builder
@@ -28,6 +28,8 @@ from ..observe.reporting import (
     runner_callbacks,
 )
 from ..observe.straggler import StragglerMonitor
+from ..parallel.base import Parallelism
+from ..parallel.choose import make_parallelism
 from ..preempt import PreemptionFlag
 from ..tasks.base import TaskBundle, check_same_build, task_fingerprint
 from . import faults as fault_injection
@@ -110,8 +112,9 @@ def build_trainer(cfg: Config, info: DistInfo, metrics: RankMetrics | None = Non
     bundle, built = task or build_task(cfg)
     if not joining:
         _check_same_task(cfg, built)
+    parallelism = _parallelism(cfg, info, bundle)
     model = bundle.model.to(info.device)
-    net = model if joining else _wrap(cfg, info, model)
+    net = model if joining else parallelism.wrap(model)
     loader = _loader(cfg, info, bundle)
     sampler = loader.elastic_sampler
     total = sampler.steps_per_epoch() * cfg.training.max_epochs
@@ -127,7 +130,7 @@ def build_trainer(cfg: Config, info: DistInfo, metrics: RankMetrics | None = Non
              sampler.grad_accum_steps, sampler.steps_per_epoch(), total)
     engine = StepEngine(net, model, optimizer, scheduler, bundle.loss_fn, info.device,
                         precision_dtype(cfg.training.precision), cfg.training.grad_clip_norm,
-                        scaler)
+                        scaler, parallelism)
     metrics = metrics or RankMetrics(cfg.metrics, info.rank, info.local_rank,
                                      cuda=info.device.type == "cuda")
     metrics.count_tokens(bundle.tokens_per_sample)
@@ -141,14 +144,42 @@ def build_trainer(cfg: Config, info: DistInfo, metrics: RankMetrics | None = Non
                       scheduler=scheduler, loader=loader, engine=engine, session=session,
                       total_steps=total, preempt=preempt, fingerprint=built)
     session.save = trainer.save
-    trainer.rewrap = lambda: _rewrap(cfg, info, trainer)
+    trainer.rewrap = lambda: _rewrap(cfg, info, trainer, parallelism)
     return trainer
 
 
-def _rewrap(cfg: Config, info: DistInfo, trainer: Trainer) -> None:
+def _parallelism(cfg: Config, info: DistInfo, bundle: TaskBundle) -> Parallelism:
+    """``distributed.strategy`` for this process's group (the model as it is without one)."""
+    d = cfg.distributed
+    bf16 = cfg.training.precision == "bf16"
+    return make_parallelism(d.strategy, d.ddp, d.fsdp, info.distributed, info.world_size,
+                            info.device, torch.bfloat16 if bf16 else None, bundle.shard_units)
+
+
+def checkpoint_layout(cfg: Config) -> str:
+    """``checkpoint.format`` resolved: ``dcp`` or ``rank0``.
+
+    Raises:
+        ConfigError: ``rank0`` with FSDP (no rank holds the whole state), or ``dcp`` on an
+            object store.
+    """
+    c, fsdp = cfg.checkpoint, cfg.distributed.strategy == "fsdp"
+    layout = ("dcp" if fsdp else "rank0") if c.format == "auto" else c.format
+    if layout == "rank0" and fsdp:
+        raise ConfigError("checkpoint.format: 'rank0' with distributed.strategy: 'fsdp': no rank "
+                          "holds the whole sharded state; use 'dcp' or 'auto'")
+    if layout == "dcp" and "://" in c.dir and not c.dir.startswith("file://"):
+        raise ConfigError(f"checkpoint.format: 'dcp' with checkpoint.dir {c.dir}: sharded "
+                          "checkpoints need a local or shared filesystem path for now; use an "
+                          "NFS/Lustre path, or checkpoint.format: 'rank0' with distributed."
+                          "strategy: 'ddp' for object stores")
+    return layout
+
+
+def _rewrap(cfg: Config, info: DistInfo, trainer: Trainer, parallelism: Parallelism) -> None:
     """After the process group was re-formed (in-place recovery): a new DDP over the same
     module on the new group, and the step vote and straggler exchange that go with it."""
-    net = _wrap(cfg, info, trainer.model)
+    net = parallelism.wrap(trainer.model)
     session = trainer.session
     trainer.engine.rebind(net)
     session.consensus = _consensus(cfg, info, net, trainer.optimizer, trainer.preempt)
@@ -201,16 +232,6 @@ def _check_same_task(cfg: Config, built: str) -> None:
                           "elastic_runner.tasks.base.job_artifact") from e
 
 
-def _wrap(cfg: Config, info: DistInfo, model: nn.Module) -> nn.Module:
-    """DDP(model) in a process group, else the model itself."""
-    if not info.distributed:
-        return model
-    d = cfg.distributed.ddp
-    return DDP(model, device_ids=[info.device] if info.device.type == "cuda" else None,
-               bucket_cap_mb=d.bucket_cap_mb, static_graph=d.static_graph,
-               find_unused_parameters=d.find_unused_parameters)
-
-
 def _loader(cfg: Config, info: DistInfo, bundle: TaskBundle) -> ElasticDataLoader:
     sampler = ElasticSampler(len(bundle.train), cfg.seed, cfg.batch.micro_batch_size,
                              cfg.batch.accumulation_for(info.world_size), info.rank,
@@ -251,7 +272,8 @@ def _session(cfg: Config, info: DistInfo, net: nn.Module, stateful: dict[str, An
         meta=lambda: {"epoch": sampler.epoch, "cursor": sampler.cursor,
                       "world_size": info.world_size, "config_hash": cfg.fingerprint(),
                       "finished": stop.stopped},
-        listener=callbacks, after_load=after_load, migrate=migrate_checkpoint, rank=info.rank)
+        listener=callbacks, after_load=after_load, migrate=migrate_checkpoint, rank=info.rank,
+        layout=checkpoint_layout(cfg))
     return TrainingSession(
         state=state, sampler=sampler, checkpoints=checkpoints,
         consensus=_consensus(cfg, info, net, stateful["optimizer"], preempt), stop=stop,

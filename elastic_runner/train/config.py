@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Literal
 from pydantic import Field, StrictBool, StrictInt, model_validator
 
 from ..config_base import ConfigError, Float, Section, invalid
+from ..parallel.config import DDPConfig, FSDPConfig
 
 if TYPE_CHECKING:
     import torch
@@ -159,27 +160,23 @@ class EarlyStoppingConfig(Section):
     """An improvement must beat the best value by more than this (in the direction of `mode`)."""
 
 
-class DDPConfig(Section):
-    """Options of torch's DistributedDataParallel."""
-
-    bucket_cap_mb: Float = 25.0
-    """DDP's gradient bucket size, in MiB (torch's `bucket_cap_mb`)."""
-    static_graph: StrictBool = False
-    """DDP's `static_graph`: the same parameters are used in every iteration."""
-    find_unused_parameters: StrictBool = False
-    """DDP's `find_unused_parameters` (also keeps the bucket layout fixed after a new DDP, which
-    bitwise replay with more than two ranks needs)."""
-
-
 class DistributedConfig(Section):
-    """The process group every generation of workers forms."""
+    """The process group every generation of workers forms, and how the model is spread over
+    it."""
 
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """Process-group backend; `auto`: NCCL on CUDA, gloo on CPU."""
     timeout_seconds: Float = Field(600.0, gt=0)
     """Timeout of collectives and store operations, in seconds."""
+    strategy: Literal["ddp", "fsdp"] = "ddp"
+    """`ddp`: every rank holds the whole model, optimizer state and gradients
+    (DistributedDataParallel); `fsdp`: each rank holds 1/world_size of them (FSDP2,
+    `fully_shard`), gathered per unit for forward and backward; checkpoints are then sharded
+    (DCP). See docs/guides/ddp-or-fsdp.md."""
     ddp: DDPConfig = Field(default_factory=DDPConfig)
     """DistributedDataParallel's options."""
+    fsdp: FSDPConfig = Field(default_factory=FSDPConfig)
+    """FSDP2's options."""
 
 
 class FaultSpec(Section):

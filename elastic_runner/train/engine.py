@@ -1,7 +1,7 @@
 """The step engine: one optimizer step over its micro-batches.
 
-Forward and backward of each micro-batch (gradients all-reduced only on the last one: DDP's
-``no_sync()`` on the others), autocast to bf16/fp16, a GradScaler for fp16, gradient clipping,
+Forward and backward of each micro-batch (gradients reduced only on the last one: the
+parallelism's ``gradient_sync``, DDP's ``no_sync()`` or FSDP2's ``set_requires_gradient_sync``), autocast to bf16/fp16, a GradScaler for fp16, gradient clipping,
 then the optimizer and LR scheduler steps, as torchtitan's ``train_step``. The update is applied
 only where the session's step consensus allows it (``TrainingSession.optimizer_step``: decided on
 the host, or on the device and read a step later). Batches may be a tensor, a tuple/list or a
@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..data.batches import batch_loss, to_device
+from ..parallel.base import Parallelism, SingleProcess
 from .session import TrainingSession
 
 __all__ = ["StepEngine", "batch_loss", "precision_dtype", "to_device"]
@@ -30,9 +30,12 @@ def precision_dtype(precision: str) -> torch.dtype | None:
 
 
 class StepEngine:
-    """Runs optimizer steps of ``net`` (DDP-wrapped or not) on its unwrapped ``model``.
+    """Runs optimizer steps of ``net`` (DDP-wrapped, FSDP-sharded or plain) on its unwrapped
+    ``model``.
 
     Args:
+        parallelism: how gradients are synchronised and their norm is taken (default: one
+            process).
         grad_clip_norm: clip the total gradient norm to this (None: measure it only, for the
             non-finite check).
         dtype: autocast dtype (None: fp32).
@@ -42,17 +45,18 @@ class StepEngine:
     def __init__(self, net: nn.Module, model: nn.Module, optimizer: torch.optim.Optimizer,
                  scheduler: torch.optim.lr_scheduler.LRScheduler, loss_fn: Callable[..., Any],
                  device: torch.device, dtype: torch.dtype | None, grad_clip_norm: float | None,
-                 scaler: torch.amp.GradScaler) -> None:
+                 scaler: torch.amp.GradScaler,
+                 parallelism: Parallelism | None = None) -> None:
         self.net, self.optimizer, self.scheduler = net, optimizer, scheduler
         self.loss_fn, self.device, self.dtype = loss_fn, device, dtype
         self.clip, self.scaler = grad_clip_norm, scaler
         self.fp16 = scaler.is_enabled()
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self._ddp = isinstance(net, DDP)
+        self.parallelism: Parallelism = parallelism or SingleProcess()
 
     def rebind(self, net: nn.Module) -> None:
         """Train through ``net`` from now on (a new DDP wrapper of the same module)."""
-        self.net, self._ddp = net, isinstance(net, DDP)
+        self.net = net
 
     def step(self, micro_batches: list[Any], session: TrainingSession) -> torch.Tensor:
         """One optimizer step; returns the step's loss (detached, on the device, not read)."""
@@ -60,8 +64,7 @@ class StepEngine:
         total = None
         for i, batch in enumerate(micro_batches):
             last = i == n - 1
-            with (contextlib.nullcontext() if last or not self._ddp else self.net.no_sync()), \
-                    self._autocast():
+            with self.parallelism.gradient_sync(self.net, last), self._autocast():
                 loss = batch_loss(self.net, to_device(batch, self.device), self.loss_fn)
             if n > 1:
                 loss = loss / n
@@ -87,9 +90,4 @@ class StepEngine:
         an overflow makes it non-finite too; the GradScaler then skips the update itself."""
         if self.fp16:
             self.scaler.unscale_(self.optimizer)
-        grads = [p for p in self.params if p.grad is not None]
-        if self.clip:
-            norm = nn.utils.clip_grad_norm_(grads, self.clip)
-        else:
-            norm = nn.utils.get_total_norm([p.grad for p in grads])
-        return norm
+        return self.parallelism.grad_norm(self.params, self.clip)

@@ -30,7 +30,7 @@ from ..config import Config
 from ..config_base import ConfigError
 from ..data.loader import ElasticDataLoader
 from ..data.sampler import ElasticSampler, shard_indices
-from ..dist import DistInfo, all_reduce_sums, broadcast_object
+from ..dist import DistInfo, all_reduce_sums, broadcast_object, max_over_ranks
 from ..preempt import PreemptionFlag
 from ..recovery.inplace import InPlaceRecovery, NoRecovery, RecoveryReport, StepRedo
 from ..tasks.base import TaskBundle, metric_sums
@@ -248,12 +248,24 @@ class Trainer:
         shard = Subset(dataset, shard_indices(len(dataset), self.info.rank, self.info.world_size))
         loader = DataLoader(shard, batch_size=self.cfg.batch.micro_batch_size,
                             collate_fn=self.bundle.collate_fn)
+        pad_to = None
+        if self.checkpoints.sharded:  # every rank must join every forward's all-gathers
+            pad_to = self._batches_everywhere(len(shard), max_batches)
         sums = metric_sums(self.model, loader, self.bundle.metrics_fn, self.info.device,
                            precision_dtype(self.cfg.training.precision), max_batches,
-                           self.bundle.loss_fn)
+                           self.bundle.loss_fn, pad_to,
+                           lambda: self.bundle.collate_fn([dataset[0]]) if self.bundle.collate_fn
+                           else torch.utils.data.default_collate([dataset[0]]))
         total = all_reduce_sums(sums, self.info.device)
         prefix = "val" if split == "val" else split
         return {f"{prefix}_{k}": s / c if c else float("nan") for k, (s, c) in total.items()}
+
+    def _batches_everywhere(self, shard_size: int, max_batches: int | None) -> int:
+        """The most evaluation batches any rank has (capped at ``max_batches``)."""
+        mb = self.cfg.batch.micro_batch_size
+        n = -(-shard_size // mb)
+        n = min(n, max_batches) if max_batches is not None else n
+        return max_over_ranks(n, self.info.device)
 
     def _evaluate_and_decide(self) -> None:
         """Validate, let rank 0 decide early stopping; marks a pending best checkpoint."""
@@ -323,7 +335,7 @@ class Trainer:
         best = broadcast_object(best)
         if best is None or best[0] == self.state.step:
             return self.state.step
-        self.model.load_state_dict(storage.load_state(best[1])["model"])
+        self.checkpoints.load_weights(best[1])
         log.info("test split on the best checkpoint's weights (%s: step %d, best %s)", best[1],
                  best[0], self.cfg.early_stopping.metric)
         return best[0]

@@ -1,0 +1,198 @@
+"""The sharded part of a checkpoint: model and optimizer state through
+``torch.distributed.checkpoint`` (DCP), read without running a checkpoint's code.
+
+Every rank writes its own shards (``__<rank>_<n>.distcp``; DCP's ``FileSystemWriter`` names a
+rank's files by its plan's index) into the checkpoint's staging directory, DCP's coordinator
+writes ``.metadata``; the runner's commit protocol (``checkpoint/storage.py``) then hashes, fences
+and publishes them. State dicts come from ``torch.distributed.checkpoint.state_dict``
+(``get_state_dict`` / ``set_state_dict``): keys are parameter FQNs, so one checkpoint loads into
+DDP, FSDP2 or a plain module at any world size (DCP reshards on load).
+
+What DCP itself would unpickle is restricted: ``.metadata`` is read with an unpickler that
+admits only DCP's metadata classes (DCP's ``FileSystemReader`` uses plain ``pickle.load``), and
+non-tensor values (optimizer hyper-parameters) are loaded with ``torch.load(weights_only=True)``
+(DCP's default planner uses ``weights_only=False``). Tensors DCP already loads with
+``weights_only=True``.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.default_planner import (
+    DefaultLoadPlanner,
+    _EmptyStateDictLoadPlanner,
+)
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+METADATA = ".metadata"
+SHARD_FILE = re.compile(r"^__(?P<rank>\d{1,6})_(?P<n>\d{1,6})\.distcp$")
+SHARDED_KEYS = ("model", "optimizer")  # what DCP holds; the rest stays in state.pt
+
+# what ``.metadata`` may name (as torch 2.13's DCP writes it): DCP's metadata dataclasses and
+# enums, torch's Size, dtypes and layouts, the checkpoint's path. Anything else is refused.
+_SAFE_MODULES = ("torch.distributed.checkpoint.metadata",)
+_SAFE_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"),
+                 ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+                 ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
+                 ("collections", "OrderedDict")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        safe = (module in _SAFE_MODULES and not name.startswith("__")) \
+            or (module, name) in _SAFE_GLOBALS \
+            or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))
+        if not safe:
+            raise pickle.UnpicklingError(f"{METADATA} names {module}.{name}, which a DCP "
+                                         "checkpoint's metadata never holds (refused)")
+        return super().find_class(module, name)
+
+
+def problem(error: BaseException) -> str:
+    """One line saying why a DCP save or load failed: DCP's ``CheckpointException`` (a
+    ``BaseException``) wraps each rank's error with its traceback; keep the first rank's last
+    line."""
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank, inner = next(iter(sorted(failures.items())))
+        if isinstance(inner, tuple):  # (exception, traceback) in some releases
+            inner = inner[0]
+        return f"rank {rank}: {problem(inner) if isinstance(inner, BaseException) else inner}"
+    lines = [ln.strip() for ln in str(error).splitlines() if ln.strip()]
+    text = lines[-1] if lines else type(error).__name__
+    return text.split("; rank local metadata read failed")[0][:300]
+
+
+def read_metadata(path: str | Path) -> Metadata:
+    """The DCP metadata of the checkpoint directory ``path``, unpickled with only DCP's own
+    classes allowed.
+
+    Raises:
+        pickle.UnpicklingError: it names any other global; OSError: unreadable.
+    """
+    with open(Path(path) / METADATA, "rb") as f:
+        metadata = _MetadataUnpickler(f).load()
+    if not isinstance(metadata, Metadata):
+        raise pickle.UnpicklingError(f"{METADATA} holds a {type(metadata).__name__}, not DCP "
+                                     "Metadata")
+    return metadata
+
+
+class SafeReader(dcp.FileSystemReader):
+    """DCP's filesystem reader with :func:`read_metadata`'s restricted unpickler."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        metadata = read_metadata(self.path)
+        metadata.storage_meta = metadata.storage_meta or dcp.metadata.StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class _SafeBytes:
+    """``load_bytes`` with ``torch.load(weights_only=True)`` (DCP's: ``weights_only=False``)."""
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        loaded = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:  # type: ignore[attr-defined]
+            from torch.distributed.checkpoint._nested_dict import set_element
+            set_element(self.original_state_dict,  # type: ignore[attr-defined]
+                        self.mappings[read_item.dest_index.fqn],  # type: ignore[attr-defined]
+                        loaded)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = loaded  # type: ignore[attr-defined]
+
+
+class SafeLoadPlanner(_SafeBytes, DefaultLoadPlanner):
+    """DCP's default load planner, non-tensor values loaded with ``weights_only=True``."""
+
+
+class _SafeEmptyPlanner(_SafeBytes, _EmptyStateDictLoadPlanner):
+    """Rebuilds the whole saved state dict from the metadata (offline, one process)."""
+
+
+def sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """``{"model": ..., "optimizer": ...}`` keyed by parameter FQN (DTensor shards under FSDP2,
+    whole tensors otherwise), as DCP saves and loads them."""
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return {"model": model_sd, "optimizer": optim_sd}
+
+
+def save_shards(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer
+                ) -> Metadata:
+    """Write this rank's part of the model and optimizer state into ``directory`` (collective:
+    every rank of the group calls it with the same directory; files are fsynced)."""
+    return dcp.save(sharded_state(model, optimizer),
+                    storage_writer=dcp.FileSystemWriter(str(directory), sync_files=True))
+
+
+def load_shards(directory: str | Path, model: nn.Module,
+                optimizer: torch.optim.Optimizer | None) -> None:
+    """Load the checkpoint in ``directory`` into ``model`` (and ``optimizer``), resharding to the
+    current group (collective)."""
+    state = sharded_state(model, optimizer) if optimizer is not None else {
+        "model": get_state_dict(model, [])[0]}
+    dcp.load(state, storage_reader=SafeReader(str(directory)), planner=SafeLoadPlanner())
+    if optimizer is None:
+        set_state_dict(model, [], model_state_dict=state["model"], optim_state_dict={})
+    else:
+        set_state_dict(model, optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optimizer"])
+
+
+def load_full(directory: str | Path) -> dict[str, Any]:
+    """The whole model and optimizer state of the checkpoint in ``directory``, unsharded on the
+    CPU, in one process without a process group (export, inspection): ``{"model": {fqn:
+    tensor}, "optimizer": {"state": {fqn: {...}}, "param_groups": [...]}}``."""
+    state: dict[str, Any] = {}
+    # dcp.load copies the keys it is given into a new dict: the empty planner's rebuilt state
+    # must land in ours, as torch's dcp_to_torch_save does
+    _load_state_dict(state, storage_reader=SafeReader(str(directory)),
+                     planner=_SafeEmptyPlanner(), no_dist=True)
+    return state
+
+
+def model_shapes(metadata: Metadata) -> dict[str, tuple[int, ...]]:
+    """The global shape of every model tensor in ``metadata``, by FQN."""
+    out = {}
+    for key, item in metadata.state_dict_metadata.items():
+        if key.startswith("model.") and isinstance(item, TensorStorageMetadata):
+            out[key[len("model."):]] = tuple(item.size)
+    return out
+
+
+def set_full_state(model: nn.Module, optimizer: torch.optim.Optimizer,
+                   model_state: dict[str, torch.Tensor], optim_state: dict[str, Any]) -> None:
+    """Load a whole (rank-0 format) model and optimizer state into a sharded ``model``: each
+    rank keeps its shard. ``optim_state`` is ``optimizer.state_dict()``'s (parameters by index,
+    in the order of ``optimizer.param_groups``); it is re-keyed by FQN for
+    ``set_state_dict(..., full_state_dict=True)``."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    fqns = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
+    by_index = dict(enumerate(fqns))
+    groups = [{**g, "params": [by_index[i] for i in g["params"]]}
+              for g in optim_state["param_groups"]]
+    state = {by_index[i]: s for i, s in optim_state["state"].items()}
+    set_state_dict(model, optimizer, model_state_dict=model_state,
+                   optim_state_dict={"state": state, "param_groups": groups},
+                   options=StateDictOptions(full_state_dict=True))
+
+
+def set_full_model(model: nn.Module, model_state: dict[str, torch.Tensor]) -> None:
+    """Load whole tensors (a rank-0 checkpoint's model) into a sharded ``model``."""
+    set_model_state_dict(model, model_state, options=StateDictOptions(full_state_dict=True))

@@ -1,0 +1,311 @@
+"""Sharded (DCP) checkpoints inside the runner's commit protocol, in one process (unit tier): a
+world-size-1 gloo group with a real FSDP2 model and DCP; the multi-rank cases are in
+tests/test_fsdp.py. Round trip, manifest and sha256, corrupt and hostile files, fencing, the
+format conversions, and the config errors of the parallelism strategies."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from elastic_runner.checkpoint import dcp_format
+from elastic_runner.checkpoint import storage as ckpt
+from elastic_runner.checkpoint.fencing import Fence, FencedOut
+from elastic_runner.checkpoint.manager import CheckpointManager, is_sharded
+from elastic_runner.config import Config, ConfigError, from_dict
+from elastic_runner.parallel.base import total_norm
+from elastic_runner.parallel.choose import make_parallelism
+from elastic_runner.parallel.config import DDPConfig, FSDPConfig
+from elastic_runner.parallel.fsdp import FSDPParallelism, device_mesh, find_blocks
+from elastic_runner.train.build import checkpoint_layout
+
+from .procs import run_cli
+
+CPU = torch.device("cpu")
+
+
+class Blocks(nn.Module):
+    """An embedding, a list of blocks and a head: FSDP2 shards each block, then the root."""
+
+    def __init__(self, width: int = 6, depth: int = 3, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.inp = nn.Linear(4, width)
+        self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+        self.head = nn.Linear(width, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for b in self.blocks:
+            x = torch.relu(b(x))
+        return self.head(x)
+
+
+class Counter:
+    """A minimal Stateful beside the sharded state (goes into state.pt)."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def state_dict(self):
+        return {"n": self.n}
+
+    def load_state_dict(self, state):
+        self.n = state["n"]
+
+
+@pytest.fixture
+def group(tmp_path):
+    """A real gloo process group of world size 1 in this process (FSDP2 and DCP need one)."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg-store'}", rank=0,
+                            world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def sharded(seed: int = 0, steps: int = 2) -> tuple[nn.Module, torch.optim.Optimizer]:
+    model = FSDPParallelism(FSDPConfig(), 1, CPU).wrap(Blocks(seed=seed))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        model(torch.randn(8, 4, generator=g)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+def local(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: getattr(v, "_local_tensor", v).detach().clone() for k, v in
+            model.state_dict().items()}
+
+
+def manager(directory, model, opt, counter=None, **kw) -> CheckpointManager:
+    return CheckpointManager(str(directory), {"model": model, "optimizer": opt,
+                                              "counter": counter or Counter()},
+                             async_save=False, **kw)
+
+
+def test_a_sharded_round_trip_is_bitwise_and_every_file_is_in_the_manifest(group, tmp_path):
+    model, opt = sharded()
+    counter = Counter()
+    counter.n = 7
+    m = manager(tmp_path / "ck", model, opt, counter)
+    assert m.sharded and is_sharded(model)
+    m.save(4)
+    info = ckpt.latest_valid(tmp_path / "ck")
+    assert info.step == 4 and info.valid
+    manifest = json.loads((Path(info.path) / ckpt.MANIFEST).read_text())
+    assert manifest["format_version"] == ckpt.SHARDED_FORMAT_VERSION
+    on_disk = sorted(p.name for p in Path(info.path).iterdir() if p.name != ckpt.MANIFEST)
+    assert sorted(manifest["files"]) == on_disk == [".metadata", "__0_0.distcp", "state.pt"]
+    assert not [p for p in os.listdir(tmp_path / "ck") if p.startswith(".tmp")]
+
+    other, other_opt = sharded(seed=1)
+    fresh = Counter()
+    manager(tmp_path / "ck", other, other_opt, fresh).load_latest()
+    assert fresh.n == 7
+    want, got = local(model), local(other)
+    assert all(torch.equal(want[k], got[k]) for k in want)
+    for a, b in zip(opt.state_dict()["state"].values(), other_opt.state_dict()["state"].values(),
+                    strict=True):
+        assert torch.equal(a["exp_avg"].to_local(), b["exp_avg"].to_local())
+
+
+def test_full_load_assembles_the_model_outside_any_group(group, tmp_path):
+    model, opt = sharded()
+    manager(tmp_path / "ck", model, opt).save(2)
+    dist.destroy_process_group()
+    try:
+        full = ckpt.load_state(tmp_path / "ck" / "step-00000002")
+    finally:
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg2'}", rank=0,
+                                world_size=1)
+    assert full["counter"] == {"n": 0}
+    plain = Blocks()
+    plain.load_state_dict(full["model"])  # whole tensors, as a plain module wants them
+    assert torch.equal(plain.head.weight, model.head.weight.full_tensor())
+    assert set(full["optimizer"]["state"]) == {n for n, _ in plain.named_parameters()}
+
+
+@pytest.mark.parametrize("damage", ["bitflip", "truncate", "unlisted", "missing"])
+def test_a_damaged_sharded_checkpoint_is_skipped_naming_why(group, tmp_path, damage):
+    model, opt = sharded()
+    m = manager(tmp_path / "ck", model, opt, keep_last=5)
+    m.save(1)
+    m.save(2)
+    newest = tmp_path / "ck" / "step-00000002"
+    shard = newest / "__0_0.distcp"
+    if damage == "bitflip":
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 3] ^= 0x10
+        shard.write_bytes(bytes(data))
+        reason = "__0_0.distcp sha256 mismatch"
+    elif damage == "truncate":
+        shard.write_bytes(shard.read_bytes()[:100])
+        reason = "__0_0.distcp has 100 bytes"
+    elif damage == "unlisted":  # DCP would read a file the manifest never vouched for
+        shutil.copy(shard, newest / "__1_0.distcp")
+        reason = "'__1_0.distcp' is not in the manifest"
+    else:
+        (newest / ".metadata").unlink()
+        reason = ".metadata missing"
+    assert reason in ckpt.inspect(newest, verify=True).reason
+    assert ckpt.latest_valid(tmp_path / "ck").step == 1
+    listing = run_cli("checkpoints", str(tmp_path / "ck"), "--verify").stdout
+    assert "INVALID" in listing and reason.split(" ")[0] in listing
+
+
+def test_hostile_dcp_metadata_is_refused_without_running_it(group, tmp_path):
+    model, opt = sharded()
+    m = manager(tmp_path / "ck", model, opt)
+    m.save(3)
+    path = tmp_path / "ck" / "step-00000003"
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    (path / ".metadata").write_bytes(pickle.dumps(Payload()))
+    # the attacker also rewrites the manifest, so the sha256 check passes
+    manifest = json.loads((path / ckpt.MANIFEST).read_text())
+    manifest["files"][".metadata"] = ckpt.hash_files(path, [".metadata"])[".metadata"]
+    (path / ckpt.MANIFEST).write_text(json.dumps(manifest))
+    assert ckpt.inspect(path, verify=True).valid
+    with pytest.raises(ckpt.CheckpointError, match=r"cannot read its DCP metadata: \.metadata "
+                                                   r"names posix\.system.*\(refused\)"):
+        m.load_latest()
+    with pytest.raises(ckpt.CheckpointError, match="posix.system"):
+        ckpt.load_state(path)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("change", ["escape", "foreign", "unverified"])
+def test_a_hostile_sharded_manifest_is_invalid(group, tmp_path, change):
+    model, opt = sharded()
+    manager(tmp_path / "ck", model, opt).save(3)
+    path = tmp_path / "ck" / "step-00000003"
+    manifest = json.loads((path / ckpt.MANIFEST).read_text())
+    entry = manifest["files"].pop("__0_0.distcp")
+    if change == "escape":
+        manifest["files"]["../__0_0.distcp"] = entry
+        want = "a path outside the checkpoint directory"
+    elif change == "foreign":
+        manifest["files"]["evil.py"] = entry
+        want = "not one of this format"
+    else:
+        manifest["files"]["__0_0.distcp"] = {"bytes": entry["bytes"]}
+        want = "lacks an int 'bytes' or a 'sha256'"
+    (path / ckpt.MANIFEST).write_text(json.dumps(manifest))
+    info = ckpt.inspect(path)
+    assert not info.valid and want in info.reason
+
+
+def test_a_fenced_writer_cannot_publish_a_sharded_checkpoint(group, tmp_path):
+    model, opt = sharded()
+    m = manager(tmp_path / "ck", model, opt)
+    m.save(1)
+    newer = Fence.claim(str(tmp_path / "ck"))  # another group took the directory over
+    with pytest.raises(FencedOut, match=f"fencing token {newer.token}"):
+        m.save(2)
+    assert [c.step for c in ckpt.list_checkpoints(tmp_path / "ck")] == [1]
+    assert not [p for p in os.listdir(tmp_path / "ck") if p.startswith(".tmp")]
+
+
+def test_a_sharded_checkpoint_of_another_model_names_the_tensors(group, tmp_path):
+    model, opt = sharded()
+    manager(tmp_path / "ck", model, opt).save(1)
+    wider = FSDPParallelism(FSDPConfig(), 1, CPU).wrap(Blocks(width=8))
+    with pytest.raises(ckpt.CheckpointError, match=r"shape mismatch \(9\): blocks\.0\.bias: "
+                                                   r"checkpoint \(6,\) vs model \(8,\)"):
+        manager(tmp_path / "ck", wider, torch.optim.AdamW(wider.parameters())).load_latest()
+
+
+def test_whole_and_sharded_checkpoints_convert_both_ways(group, tmp_path):
+    """DDP (rank-0 ``state.pt``) into FSDP2 shards, and FSDP2 (DCP) into a plain module."""
+    plain = Blocks(seed=3)
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=0.01)
+    plain(torch.randn(8, 4)).sum().backward()
+    plain_opt.step()
+    manager(tmp_path / "whole", plain, plain_opt, layout="rank0").save(5)
+
+    model, opt = sharded(seed=4, steps=0)
+    manager(tmp_path / "whole", model, opt).load_latest()
+    assert torch.equal(model.head.weight.full_tensor(), plain.head.weight)
+    assert torch.equal(opt.state_dict()["state"][0]["exp_avg"].full_tensor(),
+                       plain_opt.state_dict()["state"][0]["exp_avg"])
+
+    manager(tmp_path / "sharded", model, opt).save(6)
+    back = Blocks(seed=5)
+    back_opt = torch.optim.AdamW(back.parameters(), lr=0.01)
+    manager(tmp_path / "sharded", back, back_opt).load_latest()
+    assert torch.equal(back.head.weight, plain.head.weight)
+    assert torch.equal(back_opt.state_dict()["state"][0]["exp_avg"],
+                       plain_opt.state_dict()["state"][0]["exp_avg"])
+
+
+def test_the_norm_equals_torch_clip_grad_norm_bitwise():
+    torch.manual_seed(0)
+    a, b = Blocks(), Blocks()
+    b.load_state_dict(a.state_dict())
+    x = torch.randn(16, 4)
+    for m in (a, b):
+        (m(x) * 100).sum().backward()
+    want = nn.utils.clip_grad_norm_(list(a.parameters()), 0.5)
+    got = total_norm(list(b.parameters()), 0.5)
+    assert torch.equal(want, got)
+    for p, q in zip(a.parameters(), b.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)
+
+
+def test_find_blocks_takes_the_largest_list_of_one_type():
+    model = Blocks(depth=3)
+    assert find_blocks(model) == list(model.blocks)
+    assert find_blocks(nn.Sequential(nn.Linear(2, 2), nn.ReLU())) == []
+
+
+def _cfg(**sections) -> Config:
+    return from_dict({"task": "digits", **sections})
+
+
+def test_strategy_errors_name_the_key_and_what_to_do(group):
+    with pytest.raises(ConfigError, match="'fsdp' needs a process group"):
+        make_parallelism("fsdp", DDPConfig(), FSDPConfig(), False, 1, CPU)
+    with pytest.raises(ConfigError, match=r"distributed\.fsdp\.units: 'blocks' but Sequential "
+                                          "has no block list"):
+        FSDPParallelism(FSDPConfig(units="blocks"), 1, CPU).wrap(nn.Sequential(nn.Linear(2, 2)))
+    with pytest.raises(ConfigError, match=r"distributed\.fsdp\.replicas: 2 does not divide the "
+                                          "world size 3"):
+        device_mesh(3, 2, CPU)
+    with pytest.raises(ConfigError, match="checkpoint.format: 'rank0' with distributed"):
+        checkpoint_layout(_cfg(distributed={"strategy": "fsdp"},
+                               checkpoint={"format": "rank0"}))
+    with pytest.raises(ConfigError, match="sharded checkpoints need a local or shared"):
+        checkpoint_layout(_cfg(distributed={"strategy": "fsdp"},
+                               checkpoint={"dir": "s3://bucket/run"}))
+    assert checkpoint_layout(_cfg()) == "rank0"
+    assert checkpoint_layout(_cfg(distributed={"strategy": "fsdp"})) == "dcp"
+    assert checkpoint_layout(_cfg(checkpoint={"format": "dcp"})) == "dcp"
+
+
+def test_fsdp_options_keep_old_checkpoints_fingerprints():
+    from elastic_runner.config import fingerprint
+    base = _cfg().to_dict()
+    old = {**base, "distributed": {k: v for k, v in base["distributed"].items()
+                                   if k not in ("strategy", "fsdp")}}
+    assert fingerprint(base) == fingerprint(old)
+    assert fingerprint(_cfg(distributed={"strategy": "fsdp"}).to_dict()) != fingerprint(base)
+
+
+def test_dcp_helpers_name_only_dcp_files():
+    assert dcp_format.SHARD_FILE.match("__12_0.distcp")
+    assert not dcp_format.SHARD_FILE.match("__1_0.distcp.py")
+    assert not dcp_format.SHARD_FILE.match("../__1_0.distcp")
