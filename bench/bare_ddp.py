@@ -31,6 +31,11 @@ SIGTERM), the hang watchdog, metrics, the straggler exchange, checkpoints, the s
 the tutorial's, it never reads the device in the step: on CUDA the host runs ahead of the GPU.
 
     torchrun --standalone --nproc-per-node 2 -m bench.bare_ddp CONFIG --steps 300 [overrides]
+             [--fsdp]
+
+``--fsdp``: the model is sharded with FSDP2 instead (``fully_shard`` on each block the runner
+shards, ``elastic_runner.parallel.fsdp.find_blocks``, then the root, on a 1-D mesh), as
+torchtitan's ``apply_fsdp`` does; the loop is otherwise the same.
 
 Rank 0 prints ``HH:MM:SS.mmm step N`` every 10 steps; ``bench.overhead`` reads the rate from
 those lines exactly as it reads the runner's log.
@@ -46,10 +51,13 @@ from datetime import datetime
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
 from elastic_runner.config import Config, load_config, task_builder
+from elastic_runner.parallel.fsdp import find_blocks
 
 
 def lr_lambda(cfg: Config, total_steps: int) -> Callable[[int], float]:
@@ -74,6 +82,7 @@ def main() -> None:
     p.add_argument("config")
     p.add_argument("overrides", nargs="*")
     p.add_argument("--steps", type=int, default=300, help="optimizer steps to train")
+    p.add_argument("--fsdp", action="store_true", help="FSDP2 instead of DDP")
     args = p.parse_args()
     cfg = load_config(args.config, args.overrides)
     cuda = torch.cuda.is_available()
@@ -91,7 +100,14 @@ def main() -> None:
                               enabled=cfg.training.precision == "bf16")
     torch.manual_seed(cfg.seed)
     bundle = task_builder(cfg.task)(cfg)
-    model = DDP(bundle.model.to(device), device_ids=[device] if cuda else None)
+    if args.fsdp:
+        model = bundle.model.to(device)
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        for block in find_blocks(model):
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    else:
+        model = DDP(bundle.model.to(device), device_ids=[device] if cuda else None)
     o = cfg.optimizer
     fused = o.fused_on(device)
     if o.name == "sgd":

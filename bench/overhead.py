@@ -22,7 +22,10 @@ min, max over pairs) and the per-step overhead in milliseconds, ``1000 * (1/rate
 1/rate_bare)`` of each pair (median, min, max): the time the variant adds to one optimizer step.
 
     python -m bench.overhead [--tasks digits char_lm] [--steps 300] [--repeats 10] [--every 20]
-                             [--variants ...] [--json out.json]
+                             [--variants ...] [--strategy ddp|fsdp] [--json out.json]
+
+``--strategy fsdp``: both sides shard the model with FSDP2 (the bare loop: ``bench/bare_ddp.py
+--fsdp``; the runner: ``distributed.strategy=fsdp``, sharded DCP checkpoints).
 
 The JSON holds ``tasks: {task: {repeats, variants}}``; its top-level ``repeats`` and
 ``variants`` repeat those of the first task (the layout ``bench.plot`` reads).
@@ -46,24 +49,30 @@ VARIANTS = ("bare", "runner", "runner+sync", "runner+async")
 TASKS = tuple(TASK_CONFIGS)
 
 
-def argv_for(variant: str, task: str, steps: int, every: int, workdir: Path) -> list[str]:
+def argv_for(variant: str, task: str, steps: int, every: int, workdir: Path,
+             strategy: str = "ddp") -> list[str]:
     """Command line of one run of ``variant`` on ``task`` for ``steps`` optimizer steps
-    (checkpoints every ``every`` steps where the variant has them) under ``workdir``."""
+    (checkpoints every ``every`` steps where the variant has them) under ``workdir``, with the
+    model replicated (``ddp``) or sharded (``fsdp``)."""
     config = TASK_CONFIGS[task]
     if variant == "bare":
         return [sys.executable, "-m", "torch.distributed.run", "--standalone",
                 "--nproc-per-node", "2", "-m", "bench.bare_ddp", config,
-                "batch.grad_accum_steps=1", "logging.tensorboard_dir=null", "--steps", str(steps)]
+                "batch.grad_accum_steps=1", "logging.tensorboard_dir=null", "--steps", str(steps),
+                *(["--fsdp"] if strategy == "fsdp" else [])]
     ckpt = {"runner": ["checkpoint.every_steps=0", "checkpoint.at_epoch_end=false"],
             "runner+sync": [f"checkpoint.every_steps={every}", "checkpoint.async_save=false"],
             "runner+async": [f"checkpoint.every_steps={every}", "checkpoint.async_save=true"]}
     return run_argv(config, steps, workdir / variant, "batch.grad_accum_steps=1",
-                    f"metrics.port={free_port()}", *ckpt[variant])
+                    f"metrics.port={free_port()}", f"distributed.strategy={strategy}",
+                    *ckpt[variant])
 
 
-def run_once(variant: str, task: str, steps: int, every: int, workdir: Path) -> float:
+def run_once(variant: str, task: str, steps: int, every: int, workdir: Path,
+             strategy: str = "ddp") -> float:
     """Steps/s of one run of ``variant`` on ``task``."""
-    log = run_logged(argv_for(variant, task, steps, every, workdir), f"{task}/{variant}")
+    log = run_logged(argv_for(variant, task, steps, every, workdir, strategy),
+                     f"{task}/{variant}/{strategy}")
     return steps_per_second(log, BARE_STEP) if variant == "bare" else steps_per_second(log)
 
 
@@ -99,6 +108,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--repeats", type=int, default=10, help="pairs per task")
     p.add_argument("--every", type=int, default=20, help="checkpoint cadence (steps)")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    p.add_argument("--strategy", default="ddp", choices=("ddp", "fsdp"))
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     variants = ["bare", *[v for v in args.variants if v != "bare"]]
@@ -109,9 +119,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             for task in tasks[i % len(tasks):] + tasks[:i % len(tasks)]:
                 order = variants[i % len(variants):] + variants[:i % len(variants)]
                 repeats[task].append({v: run_once(v, task, args.steps, args.every,
-                                                  Path(tmp) / f"{i}-{task}-{v}")
+                                                  Path(tmp) / f"{i}-{task}-{v}", args.strategy)
                                       for v in order})
-    summary: dict[str, Any] = {"steps": args.steps, "every": args.every, "tasks": {}}
+    summary: dict[str, Any] = {"steps": args.steps, "every": args.every,
+                               "strategy": args.strategy, "tasks": {}}
     for task in tasks:
         summary["tasks"][task] = {"repeats": repeats[task],
                                   "variants": summarize(repeats[task], variants)}

@@ -229,13 +229,28 @@ def max_over_ranks(value: int, device: torch.device) -> int:
     return int(t.item())
 
 
-def all_gather_object(obj: Any) -> list[Any]:
-    """Every rank's ``obj``, by rank (``[obj]`` without a group)."""
+def all_gather_object(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
+    """Every rank's ``obj``, by rank, over ``group`` (default: the default group; ``[obj]``
+    without one)."""
     if not (dist.is_available() and dist.is_initialized()):
         return [obj]
-    values: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(values, obj)
+    values: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(values, obj, group=group)
     return values
+
+
+def checkpoint_group() -> dist.ProcessGroup | None:
+    """A gloo group of every rank for background checkpoint collectives (collective: every rank
+    calls it at the same point); None without a process group."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    return dist.new_group(backend="gloo")
+
+
+def release_group(group: dist.ProcessGroup | None) -> None:
+    """Destroy ``group`` (from :func:`checkpoint_group`) while the default group still exists."""
+    if group is not None and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group(group)
 
 
 def barrier() -> None:

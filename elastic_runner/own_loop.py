@@ -43,6 +43,7 @@ import torch
 import yaml
 from torch import nn
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .checkpoint.manager import CheckpointManager
@@ -54,6 +55,7 @@ from .observe.config import MetricsConfig
 from .observe.metrics import RankMetrics
 from .observe.reporting import Budgets, FaultInjection, runner_callbacks
 from .observe.straggler import StragglerMonitor
+from .parallel.base import total_norm
 from .preempt import Preempted, PreemptionFlag
 from .train.callbacks import Callback, Callbacks
 from .train.config import EarlyStoppingConfig, FaultConfig, FaultSpec
@@ -133,8 +135,9 @@ class FaultTolerantLoop:
         ``overflow_ok``: fp16 with a GradScaler, whose ``step`` skips an overflowing update
         itself; such a step is then not counted as non-finite."""
         if grad_norm is None:
-            grad_norm = nn.utils.get_total_norm(
-                [p.grad for p in self._params if p.grad is not None])
+            grad_norm = total_norm(self._params, None)
+        elif isinstance(grad_norm, DTensor):  # FSDP2's clip_grad_norm_ result: the local part
+            grad_norm = grad_norm.full_tensor()
         return self.session.should_commit(grad_norm, overflow_ok)
 
     def step_done(self) -> int:
@@ -214,11 +217,14 @@ def fault_tolerant(model: nn.Module, optimizer: torch.optim.Optimizer,
                    metrics: MetricsConfig | None = None, trace_dir: str | None = None,
                    comm_hook: CommHook | None = None, hook_state: Any = None,
                    callbacks: list[Callback] | None = None) -> FaultTolerantLoop:
-    """Make a user's DDP loop fault-tolerant (see the module docstring).
+    """Make a user's DDP or FSDP2 loop fault-tolerant (see the module docstring).
 
     Args:
         model: the model as trained: a ``DistributedDataParallel`` (its step vote then rides on
-            the gradient all-reduce) or a plain module (world size 1, or a vote by all-reduce).
+            the gradient all-reduce), a module sharded with ``fully_shard`` (FSDP2: checkpoints
+            are sharded through DCP, every rank writes its part, a resume reshards to the world
+            size; the vote is a small all-reduce) or a plain module (world size 1, or a vote by
+            all-reduce).
         optimizer: its optimizer (checkpointed).
         loader: an :class:`~elastic_runner.data.loader.ElasticDataLoader` (its cursor is
             checkpointed and only finished steps move it).

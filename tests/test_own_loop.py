@@ -160,3 +160,39 @@ def test_kill_9_from_outside_under_elastic_runner_run_with_metrics(launch, tmp_p
     resumed = re.search(r"resumed from \S+/step-(\d+): step (\d+)", job.output)
     assert resumed and int(resumed[2]) >= 20, job.output[-3000:]
     assert_bitwise(reference, model_state(ck))
+
+
+def fsdp_loop(*args: str, nproc: int = 2) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+            str(nproc), "--max-restarts", "1", "--monitor-interval", "0.2",
+            str(EXAMPLES / "own_loop_fsdp.py"), *args]
+
+
+def test_an_fsdp2_loop_resumes_bitwise_after_kill_9_and_reshards_to_3_ranks(launch, tmp_path):
+    """``examples/own_loop_fsdp.py``: a kill -9 mid-run resumes from the sharded checkpoint
+    bitwise equal to an uninterrupted run; then 3 ranks continue its checkpoint (resharded,
+    uneven shards) with every sample of the epoch exactly once."""
+    ref, ck, trace = tmp_path / "ref", tmp_path / "ck", tmp_path / "trace"
+    job = launch(fsdp_loop("--steps", "50", "--checkpoint-dir", str(ref)), name="reference")
+    assert job.wait(timeout=240) == 0, job.output[-3000:]
+    job = launch(fsdp_loop("--steps", "50", "--checkpoint-dir", str(ck), "--trace-dir",
+                           str(trace)), name="kill",
+                 env={"ELASTIC_RUNNER_FAULTS": "[{kind: sigkill, rank: 1, step: 30}]"})
+    assert job.wait(timeout=240) == 0, job.output[-3000:]
+    assert f"resumed from {ck / 'step-00000020'}: step 20" in job.output
+    assert ckpt.is_sharded(ckpt.latest_valid(ck).path)
+    want = ckpt.load_state(ckpt.latest_valid(ref).path)
+    got = ckpt.load_state(ckpt.latest_valid(ck).path)
+    assert_bitwise(want["model"], got["model"])
+    for name, moments in want["optimizer"]["state"].items():
+        assert_bitwise(moments, got["optimizer"]["state"][name])
+
+    job = launch(fsdp_loop("--steps", "80", "--checkpoint-dir", str(ck), "--trace-dir",
+                           str(trace), nproc=3), name="three")
+    assert job.wait(timeout=240) == 0, job.output[-3000:]
+    assert f"resumed from {ck / 'step-00000050'}: step 50" in job.output
+    worlds = {e["step"]: e["world_size"] for e in audit.read_entries(trace) if "world_size" in e}
+    assert (worlds[50], worlds[51]) == (2, 3)
+    # epoch 0: 56 steps of 32 samples at world size 2, then 48-sample steps
+    first = audit.audit(trace)[0]
+    assert first.complete and first.ok and not first.duplicated, first

@@ -119,6 +119,23 @@ def test_a_sharded_round_trip_is_bitwise_and_every_file_is_in_the_manifest(group
         assert torch.equal(a["exp_avg"].to_local(), b["exp_avg"].to_local())
 
 
+def test_an_async_sharded_save_holds_the_state_of_its_step_not_a_later_one(group, tmp_path):
+    """The snapshot copies each rank's shards; training goes on while the background writes."""
+    model, opt = sharded()
+    m = CheckpointManager(str(tmp_path / "ck"), {"model": model, "optimizer": opt},
+                          async_save=True)
+    want = local(model)
+    m.save(2)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)  # the next steps, while the save of step 2 is being written
+    m.close()
+    got = ckpt.load_state(tmp_path / "ck" / "step-00000002")["model"]
+    plain = Blocks()
+    plain.load_state_dict(got)
+    assert all(torch.equal(want[k], plain.state_dict()[k]) for k in want)
+
+
 def test_full_load_assembles_the_model_outside_any_group(group, tmp_path):
     model, opt = sharded()
     manager(tmp_path / "ck", model, opt).save(2)

@@ -7,9 +7,12 @@ state lives on CUDA) and reused by every later save; the training loop is blocke
 copy. At most one save is in flight: the next save, and the end of training, first wait for it.
 A failed background save raises at that wait, so it is never lost silently.
 
-torch.distributed.checkpoint's ``async_save`` is the library alternative; it writes its own
-multi-file format, so we keep the single-file, manifest-committed format of ``checkpoint/storage.py``
-(loadable with ``weights_only=True``) and compare the stalls in ``bench/checkpoint_stall.py``.
+torch.distributed.checkpoint's ``async_save`` is the library alternative for the rank-0 format;
+it writes its own multi-file format, so there we keep the single-file, manifest-committed format
+of ``checkpoint/storage.py`` (loadable with ``weights_only=True``) and compare the stalls in
+``bench/checkpoint_stall.py``. Sharded state (DTensors) is staged shard by shard: each rank copies
+its local shards and the background write hands DCP DTensors over those copies
+(``bench/checkpoint_scaling.py`` compares the stall with DCP's own ``async_save``).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 
 class StagingBuffers:
@@ -43,6 +47,10 @@ class StagingBuffers:
         return staged
 
     def _copy(self, obj: Any, path: tuple[Any, ...]) -> Any:
+        if isinstance(obj, DTensor):  # this rank's shard, the same mesh and placements
+            local = self._copy(obj.to_local(), (*path, "local"))
+            return DTensor.from_local(local, obj.device_mesh, obj.placements, run_check=False,
+                                      shape=obj.shape, stride=obj.stride())
         if isinstance(obj, torch.Tensor):
             buf = self._buffers.get(path)
             if buf is None or buf.shape != obj.shape or buf.dtype != obj.dtype:

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.default_planner import (
@@ -133,12 +134,14 @@ def sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[st
     return {"model": model_sd, "optimizer": optim_sd}
 
 
-def save_shards(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer
-                ) -> Metadata:
-    """Write this rank's part of the model and optimizer state into ``directory`` (collective:
-    every rank of the group calls it with the same directory; files are fsynced)."""
-    return dcp.save(sharded_state(model, optimizer),
-                    storage_writer=dcp.FileSystemWriter(str(directory), sync_files=True))
+def save_shards(directory: str | Path, state: dict[str, Any],
+                group: dist.ProcessGroup | None = None) -> Metadata:
+    """Write this rank's part of ``state`` (:func:`sharded_state`, or a staged copy of it) into
+    ``directory`` (collective over ``group``, default: the default group: every rank calls it
+    with the same directory; files are fsynced). DCP's planner writes each sharded tensor's
+    local shard on its rank and spreads replicated tensors over the ranks."""
+    return dcp.save(state, storage_writer=dcp.FileSystemWriter(str(directory), sync_files=True),
+                    process_group=group)
 
 
 def load_shards(directory: str | Path, model: nn.Module,

@@ -39,8 +39,10 @@ from ..dist import (
     all_gather_object,
     assert_same_across_ranks,
     broadcast_object,
+    checkpoint_group,
     current_rank,
     is_peer_failure,
+    release_group,
 )
 from . import dcp_format
 from . import storage as ckpt
@@ -156,9 +158,12 @@ class CheckpointManager:
         if self.sharded and not all(k in self.state for k in dcp_format.SHARDED_KEYS):
             raise ValueError("a sharded (DCP) checkpoint needs the state keys 'model' and "
                              f"'optimizer'; got {', '.join(self.state)}")
-        # a sharded save is collective: every rank writes its part before the commit
-        self._async = async_save and not self.sharded
-        self._writer = AsyncCheckpointer() if self._async and self.rank == 0 else _SyncWriter()
+        self._async = async_save
+        # sharded: every rank writes its part; async, on a group of its own, so the background
+        # collectives never interleave with training's on the default group
+        writes = self.rank == 0 or self.sharded
+        self._writer = AsyncCheckpointer() if async_save and writes else _SyncWriter()
+        self._group = checkpoint_group() if self.sharded and async_save else None
         self._last_save = time.monotonic()
         self._fencing = fencing and self.rank == 0
         self.fence: Fence | NoFence = ckpt.UNFENCED
@@ -225,40 +230,52 @@ class CheckpointManager:
         self.listener.checkpoint_committed(CheckpointEvent(paths, meta["step"], seconds, size))
 
     def _save_sharded(self, step: int, names: list[str]) -> None:
-        """Every rank writes its DCP files into the staging directory rank 0 names and hashes
-        them; rank 0 gathers the hashes, writes the rest and the manifest, and publishes under
-        the fence. A rank that dies before the commit makes the gather fail on rank 0: nothing
-        is published."""
+        """Every rank snapshots its shards (and rank 0 the rest) and writes its DCP files into
+        the staging directory rank 0 names, in the background when async (:meth:`_write_sharded`
+        commits them)."""
         self._last_save = time.monotonic()
-        staging = None
+        staging, meta = None, {}
         if self.rank == 0:
             self.claim()
+            self._writer.wait()  # the previous commit's prune runs before this staging exists
             staging = str(ckpt.staging_dir(self.directory, names))
+            meta = {"step": step, **self.meta()}
         staging = broadcast_object(staging)
+        state = {"sharded": dcp_format.sharded_state(self.state["model"], self.state["optimizer"]),
+                 "rest": self._rest() if self.rank == 0 else {}}
+        stall = self._writer.save(state, lambda s: self._write_sharded(names, staging, s, meta))
+        self.listener.checkpoint_stall(stall)
+        if self.rank == 0:
+            log.info("checkpoint of step %d: training stalled %.3f s (%s, sharded)", step, stall,
+                     "async" if self._async else "sync")
+
+    def _rest(self) -> dict[str, Any]:
+        return {**{k: v.state_dict() for k, v in self.state.items()
+                   if k not in dcp_format.SHARDED_KEYS}, **self.extra}
+
+    def _write_sharded(self, names: list[str], staging: str, state: dict[str, Any],
+                       meta: dict[str, Any]) -> None:
+        """Write this rank's DCP files and hash them; rank 0 gathers every rank's hashes,
+        writes the rest and the manifest and publishes under the fence. A rank that dies before
+        its hashes arrive makes the gather fail on rank 0: nothing is published."""
         t0 = time.perf_counter()
-        dcp_format.save_shards(staging, self.state["model"], self.state["optimizer"])
+        dcp_format.save_shards(staging, state["sharded"], self._group)
         mine = [f.name for f in Path(staging).iterdir()
                 if f.name.startswith(f"__{self.rank}_") and f.name.endswith(".distcp")]
         if self.rank == 0:
             mine.append(dcp_format.METADATA)
-        files = ckpt.hash_files(staging, mine)
-        stall = time.perf_counter() - t0
-        self.listener.checkpoint_stall(stall)
-        gathered = all_gather_object(files)
+        gathered = all_gather_object(ckpt.hash_files(staging, mine), self._group)
         if self.rank != 0:
             return
-        meta = {"step": step, **self.meta()}
         shard_files = {k: v for part in gathered for k, v in part.items()}
-        rest = {k: v.state_dict() for k, v in self.state.items()
-                if k not in dcp_format.SHARDED_KEYS}
         paths = ckpt.commit_sharded(self.directory, names, Path(staging), shard_files,
-                                    {**rest, **self.extra}, meta, self.fence)
+                                    state["rest"], meta, self.fence)
         seconds = time.perf_counter() - t0
         size = ckpt.inspect(paths[0]).size_bytes
         ckpt.prune(self.directory, self.keep_last, protect=self.resumed_from)
         log.info("committed sharded checkpoint %s (%d files, written in %.2f s)",
                  ", ".join(paths), len(shard_files) + 1, seconds)
-        self.listener.checkpoint_committed(CheckpointEvent(paths, step, seconds, size))
+        self.listener.checkpoint_committed(CheckpointEvent(paths, meta["step"], seconds, size))
 
     def state_dict(self) -> dict[str, Any]:
         return {**{k: v.state_dict() for k, v in self.state.items()}, **self.extra}
@@ -268,8 +285,14 @@ class CheckpointManager:
         self._writer.wait()
 
     def close(self) -> None:
-        """Commit the in-flight save and stop the writer thread."""
-        self._writer.close()
+        """Commit the in-flight save, stop the writer thread and release the checkpoint group
+        (a gloo group left to the garbage collector after the default group is gone can block
+        in its destructor)."""
+        try:
+            self._writer.close()
+        finally:
+            group, self._group = self._group, None
+            release_group(group)
 
     # ------------------------------------------------------------ loading
 
