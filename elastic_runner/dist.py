@@ -272,6 +272,11 @@ def assert_same_across_ranks(value: str, what: str) -> None:
         raise RuntimeError(f"{what} differs between ranks ({detail})")
 
 
+def world_size() -> int:
+    """The default process group's size (1 without one)."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
 def current_rank() -> int:
     """This process's rank in the default process group (0 without one)."""
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0

@@ -223,8 +223,8 @@ def fault_tolerant(model: nn.Module, optimizer: torch.optim.Optimizer,
         model: the model as trained: a ``DistributedDataParallel`` (its step vote then rides on
             the gradient all-reduce), a module sharded with ``fully_shard`` (FSDP2: checkpoints
             are sharded through DCP, every rank writes its part, a resume reshards to the world
-            size; the vote is a small all-reduce) or a plain module (world size 1, or a vote by
-            all-reduce).
+            size; the vote travels in the gradients as on DDP) or a plain module (world size 1,
+            or a vote by all-reduce).
         optimizer: its optimizer (checkpointed).
         loader: an :class:`~elastic_runner.data.loader.ElasticDataLoader` (its cursor is
             checkpointed and only finished steps move it).

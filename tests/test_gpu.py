@@ -169,13 +169,18 @@ def test_lagged_vote_skips_a_nan_step_on_the_device_like_the_eager_vote(tmp_path
 # ------------------------------------------------------------ real launches
 
 
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 @pytest.mark.parametrize("task", ["digits", "causal_lm"])
-def test_nccl_kill9_and_resume_is_bitwise_with_deterministic_algorithms(launch, tmp_path, task):
+def test_nccl_kill9_and_resume_is_bitwise_with_deterministic_algorithms(launch, tmp_path, task,
+                                                                      strategy):
+    """DDP, and FSDP2 (bf16 parameters through its MixedPrecisionPolicy, sharded DCP
+    checkpoints staged in pinned memory), on NCCL."""
     config = {"digits": [DIGITS, "training.precision=bf16"],
               "causal_lm": [CAUSAL_LM, "training.precision=bf16", "data.vocab_size=512",
                             "model.n_layer=2", "eval.every_steps=1000"]}[task]
     common = [*config, *QUIET, "training.max_steps=60", "checkpoint.every_steps=20",
-              "training.deterministic=true", "--nproc-per-node", "1"]
+              "training.deterministic=true", f"distributed.strategy={strategy}",
+              "--nproc-per-node", "1"]
     ref = launch(cli("run", *common, f"checkpoint.dir={tmp_path / 'ref'}"), name="ref")
     assert ref.wait(timeout=300) == 0, ref.output[-3000:]
     job = launch(cli("run", *common, f"checkpoint.dir={tmp_path / 'ck'}",
@@ -183,6 +188,9 @@ def test_nccl_kill9_and_resume_is_bitwise_with_deterministic_algorithms(launch, 
                      f"faults.once_dir={tmp_path / 'once'}"), name="job")
     assert job.wait(timeout=300) == 0, job.output[-3000:]
     assert "process group: backend nccl, world size 1, rank 0 on cuda:0" in job.output
+    if strategy == "fsdp":
+        assert "parameters in torch.bfloat16" in job.output
+        assert ckpt.is_sharded(ckpt.latest_valid(tmp_path / "ck").path)
     assert re.search(r"resumed from \S+step-00000040: step 40, epoch", job.output), \
         job.output[-3000:]  # the newest checkpoint before the kill
     a, b = final_state(tmp_path / "ref"), final_state(tmp_path / "ck")

@@ -326,3 +326,17 @@ def test_dcp_helpers_name_only_dcp_files():
     assert dcp_format.SHARD_FILE.match("__12_0.distcp")
     assert not dcp_format.SHARD_FILE.match("__1_0.distcp.py")
     assert not dcp_format.SHARD_FILE.match("../__1_0.distcp")
+
+
+def test_ranks_share_the_sha256_check_each_reading_its_part(group, tmp_path):
+    model, opt = sharded()
+    manager(tmp_path / "ck", model, opt).save(1)
+    path = tmp_path / "ck" / "step-00000001"
+    names = sorted(json.loads((path / ckpt.MANIFEST).read_text())["files"])
+    assert names == [".metadata", "__0_0.distcp", "state.pt"]
+    data = bytearray((path / "__0_0.distcp").read_bytes())
+    data[-1] ^= 0x01
+    (path / "__0_0.distcp").write_bytes(bytes(data))
+    assert ckpt.verify_files(path, 0, 2) == ""  # .metadata and state.pt
+    assert ckpt.verify_files(path, 1, 2) == "__0_0.distcp sha256 mismatch (corrupt)"
+    assert ckpt.verify_files(path) == "__0_0.distcp sha256 mismatch (corrupt)"

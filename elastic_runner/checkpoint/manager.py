@@ -43,6 +43,7 @@ from ..dist import (
     current_rank,
     is_peer_failure,
     release_group,
+    world_size,
 )
 from . import dcp_format
 from . import storage as ckpt
@@ -183,9 +184,13 @@ class CheckpointManager:
 
     def due(self, step: int) -> bool:
         """Whether the cadence asks for a checkpoint after ``step``. The time rule is rank 0's
-        clock; only rank 0 writes, so the other ranks' answer does not matter for it."""
+        clock; in the rank-0 layout only rank 0 writes, so the other ranks' answer does not
+        matter for it. A sharded save needs every rank: with ``every_seconds`` rank 0's answer
+        is then broadcast (collective: every rank calls this at the same step)."""
         by_time = (self.every_seconds is not None and self.rank == 0
                    and time.monotonic() - self._last_save >= self.every_seconds)
+        if self.sharded and self.every_seconds is not None:
+            by_time = bool(broadcast_object(by_time))
         return self.due_by_steps(step) or by_time
 
     def maybe_save(self, step: int) -> bool:
@@ -311,14 +316,7 @@ class CheckpointManager:
             CheckpointError: unreadable file, tensors that do not fit the model (named), a
                 missing state key; RuntimeError: the replicas differ after loading.
         """
-        choice = None
-        if self.rank == 0:
-            self.claim()  # before choosing: no older group's later commit can go unseen
-            found = ckpt.latest_valid(self.directory)
-            if found is not None:
-                choice = found.path
-                self.listener.checkpoint_loaded(found)
-        choice = broadcast_object(choice)
+        choice = self._choose()
         if choice is None:
             log.info("no checkpoint in %s: starting from scratch", self.directory)
             return None
@@ -326,6 +324,27 @@ class CheckpointManager:
         self.resumed_from = choice
         self._load(raw, choice)
         return raw
+
+    def _choose(self) -> str | None:
+        """The newest checkpoint whose files verify, the same on every rank (collective). Rank 0
+        lists them; every rank hashes its share of each candidate's files (a sharded
+        checkpoint's are spread over the ranks, not all read by rank 0)."""
+        listed = None
+        if self.rank == 0:
+            self.claim()  # before choosing: no older group's later commit can go unseen
+            listed = [(c.path, c.reason) for c in ckpt.newest_first(self.directory)]
+        rank, world = self.rank, world_size()
+        for path, reason in broadcast_object(listed):
+            if not reason:
+                problems = all_gather_object(ckpt.verify_files(path, rank, world))
+                reason = next((p for p in problems if p), "")
+            if not reason:
+                if self.rank == 0:
+                    self.listener.checkpoint_loaded(ckpt.inspect(path))
+                return path
+            if self.rank == 0:
+                log.warning("skipping checkpoint %s: %s", path, reason)
+        return None
 
     def _load(self, raw: dict[str, Any], source: str) -> None:
         if ckpt.is_sharded(source):

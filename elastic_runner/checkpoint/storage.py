@@ -458,17 +458,44 @@ def latest_valid(directory: str | Path, kind: str = "step") -> CheckpointInfo | 
     """The newest checkpoint of ``kind`` whose files verify (sha256): the highest step of the
     highest fencing token (a stale group's checkpoints lose to a newer group's whatever their
     step); invalid newer ones are skipped with a warning naming the reason."""
-    found = [c for c in list_checkpoints(directory) if c.kind == kind]
-    # an invalid one's token is unknown (its manifest may be what is broken): rank it as the
-    # newest group's, so a damaged newer checkpoint is still named when it is skipped
-    newest = max((c.fence for c in found if c.valid), default=0)
-    for info in sorted(found, key=lambda c: c.order if c.valid else (newest, c.step),
-                       reverse=True):
+    for info in newest_first(directory, kind):
         checked = inspect(info.path, verify=True) if info.valid else info
         if checked.valid:
             return checked
         log.warning("skipping checkpoint %s: %s", info.path, checked.reason)
     return None
+
+
+def newest_first(directory: str | Path, kind: str = "step") -> list[CheckpointInfo]:
+    """The checkpoints of ``kind``, in the order resume tries them (:func:`latest_valid`);
+    checked by manifest and sizes, not yet by sha256 (:func:`verify_files`)."""
+    found = [c for c in list_checkpoints(directory) if c.kind == kind]
+    # an invalid one's token is unknown (its manifest may be what is broken): rank it as the
+    # newest group's, so a damaged newer checkpoint is still named when it is skipped
+    newest = max((c.fence for c in found if c.valid), default=0)
+    return sorted(found, key=lambda c: c.order if c.valid else (newest, c.step), reverse=True)
+
+
+def verify_files(path: str | Path, part: int = 0, parts: int = 1) -> str:
+    """Check the sha256 of every ``parts``-th file of the checkpoint at ``path`` (in name order,
+    from the ``part``-th), against its manifest: how ``parts`` ranks share verifying a sharded
+    checkpoint. Returns why it fails ('' when it does not).
+
+    Raises:
+        nothing: an unreadable manifest or file is a failure reason.
+    """
+    fs, p = _resolve(path)
+    try:
+        manifest = json.loads(fs.cat_file(f"{p}/{MANIFEST}"))
+        problem = _manifest_problem(manifest)
+        if problem:
+            return problem
+        for fname in sorted(manifest["files"])[part::parts]:
+            if _sha256(fs, f"{p}/{fname}") != manifest["files"][fname]["sha256"]:
+                return f"{fname} sha256 mismatch (corrupt)"
+    except (OSError, ValueError) as e:
+        return f"cannot verify: {e}"
+    return ""
 
 
 def load_state(path: str | Path, map_location: str | torch.device = "cpu",

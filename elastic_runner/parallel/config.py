@@ -32,8 +32,10 @@ class FSDPConfig(Section):
     `shard_units(model)` returns), then the root for the rest; `root`: the whole model as one
     unit; `auto`: `blocks` when there are any, else `root`."""
     reshard_after_forward: StrictBool = True
-    """Free the gathered parameters after each unit's forward and gather them again for
-    backward (ZeRO-3); false keeps them until backward (ZeRO-2: more memory, less traffic)."""
+    """Free each block's gathered parameters after its forward and gather them again for its
+    backward (ZeRO-3); false keeps them until backward (more memory, less traffic). The root's
+    own parameters (what no block holds) are kept until backward either way, as torch's default
+    for the root is."""
     replicas: StrictInt = Field(1, ge=1)
     """HSDP: this many replicas, each sharding the model over world_size / replicas ranks (a 2-D
     mesh `(replicas, shards)`; replicas across nodes, shards within one). 1: plain FSDP. The

@@ -43,8 +43,9 @@ class TaskBundle:
     """What a task hands to the runner.
 
     Attributes:
-        model: the module to train (unwrapped; the runner wraps it in DDP). A
-            ``transformers.PreTrainedModel`` is exported in its ``save_pretrained`` layout.
+        model: the module to train (unwrapped; the runner wraps it in DDP or shards it with
+            FSDP2). A ``transformers.PreTrainedModel`` is exported in its ``save_pretrained``
+            layout.
         train, val, test: map-style datasets. ``ds[i]`` is a tensor, a tuple/list or a mapping
             of tensors (nested); see :mod:`elastic_runner.data.batches` for how each is passed to
             the model: an ``(inputs, targets)`` pair as ``model(inputs)``, a mapping as
