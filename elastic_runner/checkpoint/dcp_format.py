@@ -13,6 +13,12 @@ admits only DCP's metadata classes (DCP's ``FileSystemReader`` uses plain ``pick
 non-tensor values (optimizer hyper-parameters) are loaded with ``torch.load(weights_only=True)``
 (DCP's default planner uses ``weights_only=False``). Tensors DCP already loads with
 ``weights_only=True``.
+
+Torch internals relied on here (torch 2.13; not yet in ``compat.py`` and its start-up check):
+``default_planner._EmptyStateDictLoadPlanner`` and ``state_dict_loader._load_state_dict`` (the
+offline whole-state load, as torch's own ``format_utils.dcp_to_torch_save`` does it), and
+``_nested_dict.set_element`` (where ``load_bytes`` puts a value). A torch that changes them fails
+``tests/test_sharded_checkpoint.py``.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint._nested_dict import set_element
 from torch.distributed.checkpoint.default_planner import (
     DefaultLoadPlanner,
     _EmptyStateDictLoadPlanner,
@@ -111,7 +118,6 @@ class _SafeBytes:
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         loaded = torch.load(value, weights_only=True)
         if self.flatten_state_dict:  # type: ignore[attr-defined]
-            from torch.distributed.checkpoint._nested_dict import set_element
             set_element(self.original_state_dict,  # type: ignore[attr-defined]
                         self.mappings[read_item.dest_index.fqn],  # type: ignore[attr-defined]
                         loaded)
