@@ -18,8 +18,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .agent.restart_budget import RestartBudget, newest_checkpoint_step
-from .checkpoint.storage import CheckpointError
+from .agent.restart_budget import RestartBudget
+from .checkpoint.storage import CheckpointError, newest_checkpoint_step
 from .config_base import ConfigError
 from .exit_codes import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, described
 

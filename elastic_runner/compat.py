@@ -100,6 +100,16 @@ does when one is gone (required: exit code 2 with one line; optional: a warning,
    s). :func:`shutdown_timeout_supported` tells; without it ``run`` leaves the option out (torch's
    parser would refuse it) and the start-up check warns that the grace is torch's 30 s.
 
+11. **DCP internals of sharded checkpoints** (``checkpoint/default_planner.py``:
+   ``_EmptyStateDictLoadPlanner``; ``checkpoint/state_dict_loader.py``: ``_load_state_dict`` with
+   ``no_dist``; ``checkpoint/_nested_dict.py``: ``set_element``; optional, worker).
+   :func:`dcp_internals` returns them to ``checkpoint/dcp_format.py``: the whole-state load of a
+   sharded checkpoint in one process (``export``, ``evaluate``, ``generate``; torch's own
+   ``format_utils.dcp_to_torch_save`` does it this way) and the planner's ``load_bytes``, which
+   loads non-tensor values with ``weights_only=True`` where torch's uses ``weights_only=False``.
+   Without them sharded checkpoints cannot be loaded: resume, export and the rest fail naming
+   the checkpoint.
+
 Check 1 is the only required one: losing it breaks elastic membership changes silently (a hang
 until the rendezvous times out). ``ELASTIC_RUNNER_IGNORE_TORCH_CHECK=1`` turns that error into a
 warning for users who must run an untested torch.
@@ -585,6 +595,32 @@ class _Fix:
     without: str  # what happens when it cannot apply
 
 
+def dcp_internals() -> tuple[type, Callable[..., Any], Callable[..., Any]]:
+    """Fix 11: torch's ``(_EmptyStateDictLoadPlanner, _load_state_dict, set_element)``.
+
+    Raises:
+        ImportError, AttributeError: this torch has moved or removed one of them.
+    """
+    from torch.distributed.checkpoint import _nested_dict, default_planner, state_dict_loader
+
+    return (default_planner._EmptyStateDictLoadPlanner, state_dict_loader._load_state_dict,
+            _nested_dict.set_element)
+
+
+def _check_dcp_internals() -> str | None:
+    try:
+        _, load, set_element = dcp_internals()
+    except (ImportError, AttributeError) as e:
+        return first_line(e)
+    wanted = ("state_dict", "storage_reader", "planner", "no_dist")
+    missing = [p for p in wanted if p not in inspect.signature(load).parameters]
+    if missing:
+        return f"state_dict_loader._load_state_dict takes no {', '.join(missing)}"
+    if len(inspect.signature(set_element).parameters) != 3:
+        return "_nested_dict.set_element no longer takes (root, path, value)"
+    return None
+
+
 FIXES = (
     _Fix("the rendezvous store switch (node join/leave)", ("agent",), True,
          _check_share_store_switch,
@@ -606,6 +642,10 @@ FIXES = (
          "under plain torchrun a restarted group may read the dead workers' store keys"),
     _Fix("the DDP comm-hook detection", ("worker",), False, _check_comm_hook_record,
          "a comm hook registered before the step vote's goes unnoticed"),
+    _Fix("the sharded checkpoints' loading (DCP internals)", ("worker",), False,
+         _check_dcp_internals,
+         "sharded (DCP) checkpoints cannot be loaded: resume and export fail naming the "
+         "checkpoint"),
 )
 
 

@@ -340,3 +340,24 @@ def test_torchrun_functions_parse_and_configure_a_run(monkeypatch):
     assert (config.nproc_per_node, config.min_nodes, config.max_nodes) == (3, 1, 1)
     assert cmd_args[-4:] == ["-m", "elastic_runner", "train", "c.yaml"], (cmd, cmd_args)
     assert compat.determine_local_world_size("3") == 3
+
+
+# --- 11. DCP internals of sharded checkpoints ---
+
+def test_a_moved_dcp_internal_is_reported_and_fails_a_sharded_load_naming_it(monkeypatch,
+                                                                             tmp_path):
+    from torch.distributed.checkpoint import default_planner
+
+    from elastic_runner.checkpoint import storage
+
+    monkeypatch.delattr(default_planner, "_EmptyStateDictLoadPlanner")
+    monkeypatch.delenv("RANK", raising=False)
+    (warning,) = compat.check_torch("worker")
+    assert "sharded checkpoints' loading (DCP internals) is off (AttributeError" in warning
+    path = tmp_path / "step-00000001"
+    path.mkdir()
+    (path / ".metadata").write_bytes(b"")
+    torch.save({"x": 1}, path / "state.pt")
+    with pytest.raises(storage.CheckpointError, match=r"step-00000001: cannot load its DCP "
+                                                      r"files: .*_EmptyStateDictLoadPlanner"):
+        storage.load_state(path)

@@ -42,9 +42,10 @@ def assert_same_optimizer(a: dict, b: dict) -> None:
 
 def test_fsdp_kill_and_resume_is_bitwise_also_when_a_rank_dies_in_the_save(launch, tmp_path):
     """Dropout on, 2 ranks. A rank SIGKILLed after step 15 (restart from step 10), and a rank
-    SIGKILLed after it wrote its shards of step 10 but before rank 0 committed them (nothing
-    of step 10 may be published; the restart resumes from step 5): both end bitwise equal to
-    the uninterrupted run, weights and AdamW state."""
+    SIGKILLed while the checkpoint of step 10 is being written (after its snapshot, with the
+    background write of the shards in flight: nothing of step 10 may be published; the restart
+    resumes from step 5): both end bitwise equal to the uninterrupted run, weights and AdamW
+    state."""
     common = [DIGITS, *FSDP, "training.max_steps=30", "checkpoint.every_steps=5",
               "checkpoint.keep_last=10", "checkpoint.at_epoch_end=false"]
     run_to_end(launch, "reference", *common, f"checkpoint.dir={tmp_path / 'ref'}")
@@ -63,8 +64,7 @@ def test_fsdp_kill_and_resume_is_bitwise_also_when_a_rank_dies_in_the_save(launc
         assert f"resumed from {ck / f'step-{resumed:08d}'}: step {resumed}," in out, out[-3000:]
         if name == "in_save":
             assert "fault injection: rank 1 sigkill during the checkpoint of step 10" in out
-            # step 10's shards were complete on disk; its commit never happened: the first
-            # attempt published nothing of it, the second wrote it again after the resume
+            # the first attempt published nothing of step 10; the second wrote it again
             first_attempt = out.split("resumed from")[0]
             assert "committed sharded checkpoint" in first_attempt
             assert f"{ck / 'step-00000010'}" not in first_attempt

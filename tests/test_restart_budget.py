@@ -9,8 +9,9 @@ import sys
 import pytest
 
 from elastic_runner import compat
-from elastic_runner.agent.restart_budget import Failure, RestartBudget, newest_checkpoint_step
+from elastic_runner.agent.restart_budget import Failure, RestartBudget
 from elastic_runner.checkpoint import storage as ckpt
+from elastic_runner.checkpoint.storage import newest_checkpoint_step
 from elastic_runner.exit_codes import (
     EXIT_BAD_INPUT,
     EXIT_CRASH_LOOP,

@@ -147,17 +147,3 @@ def failures_of(result: Any) -> dict[int, Failure]:
             code = 1
         out[rank] = Failure(code, lines[0][:300] if lines else "")
     return out
-
-
-def newest_checkpoint_step(directory: str) -> Callable[[], int]:
-    """``progress`` for :class:`RestartBudget`: the highest step of a checkpoint with a
-    complete manifest in ``directory`` (no sha256: called on the agent at each failure)."""
-    from ..checkpoint.storage import list_checkpoints
-
-    def step() -> int:
-        try:
-            return max((c.step for c in list_checkpoints(directory) if c.valid), default=-1)
-        except OSError:
-            return -1
-
-    return step

@@ -14,11 +14,8 @@ non-tensor values (optimizer hyper-parameters) are loaded with ``torch.load(weig
 (DCP's default planner uses ``weights_only=False``). Tensors DCP already loads with
 ``weights_only=True``.
 
-Torch internals relied on here (torch 2.13; not yet in ``compat.py`` and its start-up check):
-``default_planner._EmptyStateDictLoadPlanner`` and ``state_dict_loader._load_state_dict`` (the
-offline whole-state load, as torch's own ``format_utils.dcp_to_torch_save`` does it), and
-``_nested_dict.set_element`` (where ``load_bytes`` puts a value). A torch that changes them fails
-``tests/test_sharded_checkpoint.py``.
+The torch internals this relies on (the offline whole-state load, where ``load_bytes`` puts a
+value) come from :func:`elastic_runner.compat.dcp_internals` (fix 11 there, checked at start-up).
 """
 
 from __future__ import annotations
@@ -33,11 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint._nested_dict import set_element
-from torch.distributed.checkpoint.default_planner import (
-    DefaultLoadPlanner,
-    _EmptyStateDictLoadPlanner,
-)
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict import (
@@ -46,7 +39,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_state_dict,
 )
-from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+from ..compat import dcp_internals
 
 METADATA = ".metadata"
 SHARD_FILE = re.compile(r"^__(?P<rank>\d{1,6})_(?P<n>\d{1,6})\.distcp$")
@@ -118,6 +112,7 @@ class _SafeBytes:
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         loaded = torch.load(value, weights_only=True)
         if self.flatten_state_dict:  # type: ignore[attr-defined]
+            set_element = dcp_internals()[2]
             set_element(self.original_state_dict,  # type: ignore[attr-defined]
                         self.mappings[read_item.dest_index.fqn],  # type: ignore[attr-defined]
                         loaded)
@@ -127,10 +122,6 @@ class _SafeBytes:
 
 class SafeLoadPlanner(_SafeBytes, DefaultLoadPlanner):
     """DCP's default load planner, non-tensor values loaded with ``weights_only=True``."""
-
-
-class _SafeEmptyPlanner(_SafeBytes, _EmptyStateDictLoadPlanner):
-    """Rebuilds the whole saved state dict from the metadata (offline, one process)."""
 
 
 def sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -168,11 +159,14 @@ def load_full(directory: str | Path) -> dict[str, Any]:
     """The whole model and optimizer state of the checkpoint in ``directory``, unsharded on the
     CPU, in one process without a process group (export, inspection): ``{"model": {fqn:
     tensor}, "optimizer": {"state": {fqn: {...}}, "param_groups": [...]}}``."""
+    empty_planner, load_state_dict, _ = dcp_internals()
+    # rebuilds the whole saved state from the metadata; non-tensor values as _SafeBytes loads them
+    planner = type("SafeEmptyPlanner", (_SafeBytes, empty_planner), {})()
     state: dict[str, Any] = {}
     # dcp.load copies the keys it is given into a new dict: the empty planner's rebuilt state
     # must land in ours, as torch's dcp_to_torch_save does
-    _load_state_dict(state, storage_reader=SafeReader(str(directory)),
-                     planner=_SafeEmptyPlanner(), no_dist=True)
+    load_state_dict(state, storage_reader=SafeReader(str(directory)), planner=planner,
+                    no_dist=True)
     return state
 
 
