@@ -260,10 +260,7 @@ def barrier() -> None:
 
 def assert_same_across_ranks(value: str, what: str) -> None:
     """All-gather ``value`` and raise ``RuntimeError`` naming the ranks that disagree."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return
-    values: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(values, value)
+    values = all_gather_object(value)
     if len(set(values)) > 1:
         groups: dict[str, list[int]] = {}
         for r, v in enumerate(values):

@@ -228,11 +228,15 @@ class CheckpointManager:
     def _write(self, names: list[str], state: dict[str, Any], meta: dict[str, Any]) -> None:
         t0 = time.perf_counter()
         paths = ckpt.write_checkpoint(self.directory, names, state, meta, self.fence)
+        self._committed(paths, meta["step"], t0, "checkpoint")
+
+    def _committed(self, paths: list[str], step: int, t0: float, what: str) -> None:
+        """After a commit (rank 0): retention, the log line, the listener's event."""
         seconds = time.perf_counter() - t0
         size = ckpt.inspect(paths[0]).size_bytes
         ckpt.prune(self.directory, self.keep_last, protect=self.resumed_from)
-        log.info("committed checkpoint %s (written in %.2f s)", ", ".join(paths), seconds)
-        self.listener.checkpoint_committed(CheckpointEvent(paths, meta["step"], seconds, size))
+        log.info("committed %s %s (written in %.2f s)", what, ", ".join(paths), seconds)
+        self.listener.checkpoint_committed(CheckpointEvent(paths, step, seconds, size))
 
     def _save_sharded(self, step: int, names: list[str]) -> None:
         """Every rank snapshots its shards (and rank 0 the rest) and writes its DCP files into
@@ -275,12 +279,8 @@ class CheckpointManager:
         shard_files = {k: v for part in gathered for k, v in part.items()}
         paths = ckpt.commit_sharded(self.directory, names, Path(staging), shard_files,
                                     state["rest"], meta, self.fence)
-        seconds = time.perf_counter() - t0
-        size = ckpt.inspect(paths[0]).size_bytes
-        ckpt.prune(self.directory, self.keep_last, protect=self.resumed_from)
-        log.info("committed sharded checkpoint %s (%d files, written in %.2f s)",
-                 ", ".join(paths), len(shard_files) + 1, seconds)
-        self.listener.checkpoint_committed(CheckpointEvent(paths, meta["step"], seconds, size))
+        self._committed(paths, meta["step"], t0,
+                        f"sharded checkpoint ({len(shard_files) + 1} files)")
 
     def state_dict(self) -> dict[str, Any]:
         return {**{k: v.state_dict() for k, v in self.state.items()}, **self.extra}

@@ -25,7 +25,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Subset
 
 from ..checkpoint import storage
-from ..checkpoint.manager import CheckpointManager
+from ..checkpoint.manager import CheckpointManager, is_sharded
 from ..config import Config
 from ..config_base import ConfigError
 from ..data.loader import ElasticDataLoader
@@ -249,7 +249,7 @@ class Trainer:
         loader = DataLoader(shard, batch_size=self.cfg.batch.micro_batch_size,
                             collate_fn=self.bundle.collate_fn)
         pad_to = None
-        if self.checkpoints.sharded:  # every rank must join every forward's all-gathers
+        if is_sharded(self.model):  # every rank must join every forward's all-gathers
             pad_to = self._batches_everywhere(len(shard), max_batches)
         sums = metric_sums(self.model, loader, self.bundle.metrics_fn, self.info.device,
                            precision_dtype(self.cfg.training.precision), max_batches,
