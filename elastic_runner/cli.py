@@ -205,12 +205,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     args.shutdown_timeout = cfg.preemption.grace_seconds
     args.metrics = cfg.metrics
     args.recovery = cfg.recovery
-    if cfg.distributed.strategy == "fsdp" and cfg.recovery.mode == "in_place":
-        # no peer holds a dead rank's shard: the replacement could not be given its state
-        log.warning("recovery.mode 'in_place' is not available with distributed.strategy "
-                    "'fsdp' yet: a failed worker restarts every worker from the newest "
-                    "checkpoint (recovery.mode 'restart')")
-        args.recovery = cfg.recovery.model_copy(update={"mode": "restart"})
     args.batch = cfg.batch  # which world sizes a node's departure may leave
     args.restarts = RestartBudget(cfg.restarts.preemption, cfg.restarts.peer_lost,
                                   cfg.restarts.crash_loop,

@@ -8,6 +8,7 @@ name the failing rank's root cause.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -104,7 +105,8 @@ def _train(config_path: str, overrides: list[str], resume: bool, entered: float,
         if info.rank == 0:
             log.info("process group: backend %s, world size %d, rank 0 on %s%s", info.backend,
                      info.world_size, info.device, _device_name(info.device))
-        trainer = build_trainer(cfg, info, metrics, task, joining=task is not None)
+        with _building(cfg, recovery):
+            trainer = build_trainer(cfg, info, metrics, task, joining=task is not None)
         trainer.attach(recovery)
         trainer.preempt.install()
         marks.append(time.time())
@@ -154,8 +156,14 @@ def regroup(cfg: Config, old: Trainer, recovery: InPlaceRecovery | NoRecovery,
     """Go on as rank ``r.rank`` of ``r.world_size``: the same task (data and model objects),
     this process's state, a new process group, a trainer built for the new world size (the
     sampler's global cursor keeps every sample exactly once; with ``batch.global_batch_size``
-    the accumulation is re-derived), then the group agrees on the state (``rejoin``)."""
-    state, after = old.checkpoints.state_dict(), old.after_done
+    the accumulation is re-derived), then the group agrees on the state (``rejoin``). Sharded
+    state (FSDP2) cannot move to the new group: a new module of the same structure is sharded on
+    it, and ``rejoin`` loads it from the peer copies (or the newest checkpoint)."""
+    sharded = old.checkpoints.sharded
+    state, after = ({} if sharded else old.checkpoints.state_dict()), old.after_done
+    goodput = old.checkpoints.state["goodput"].state_dict()
+    bundle = dataclasses.replace(old.bundle,
+                                 model=old.parallelism.module_for_new_group(old.model))
     destroy_distributed()
     t0 = time.perf_counter()
     recovery._form_group(r.rank, r.world_size, r.generation)
@@ -165,10 +173,14 @@ def regroup(cfg: Config, old: Trainer, recovery: InPlaceRecovery | NoRecovery,
         setup_logging(r.rank)
     info = dataclasses.replace(old.info, rank=r.rank, world_size=r.world_size)
     metrics.world(r.world_size)
-    trainer = build_trainer(cfg, info, metrics, (old.bundle, old.fingerprint), joining=True)
+    with _building(cfg, recovery):
+        trainer = build_trainer(cfg, info, metrics, (bundle, old.fingerprint), joining=True)
     trainer.attach(recovery)
     trainer.preempt.install()
-    trainer.checkpoints.load_from_peer(state, r.rank)
+    if sharded:
+        trainer.checkpoints.state["goodput"].load_state_dict(goodput)
+    else:
+        trainer.checkpoints.load_from_peer(state, r.rank)
     # the new trainer's clock goes on from the old one's account, not from the process start
     trainer.checkpoints.state["goodput"].on_recovered(trainer.state.step, True,
                                                       trainer.sampler.last_step)
@@ -178,6 +190,16 @@ def regroup(cfg: Config, old: Trainer, recovery: InPlaceRecovery | NoRecovery,
         r.report.phases.update(group=t1 - t0, state=time.perf_counter() - t1)
         trainer.recovered_at(r.report)
     return trainer
+
+
+def _building(cfg: Config, recovery: InPlaceRecovery | NoRecovery
+              ) -> contextlib.AbstractContextManager[None]:
+    """Under FSDP the trainer's build makes groups inside the current one (an HSDP mesh's, the
+    checkpoint group): a peer can wait on this rank in them, so recovery cuts their sockets too.
+    DDP's build makes none, and a task's own connections (an object store's) must not be cut."""
+    if cfg.distributed.strategy != "fsdp":
+        return contextlib.nullcontext()
+    return recovery.sockets.forming(subgroups=True)
 
 
 def stand_by(cfg: Config, recovery: InPlaceRecovery, spare: str, verbose: bool

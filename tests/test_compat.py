@@ -173,7 +173,9 @@ def test_outage_patch_reports_no_waiting_nodes_and_retries_until_join_timeout(mo
     before, started = _Down.calls, time.monotonic()
     with pytest.raises(RendezvousConnectionError):
         handler.next_rendezvous()
-    assert time.monotonic() - started >= 1.0 and _Down.calls - before > 2
+    # retried (at least one more call) until the join timeout; how many calls fit in it
+    # depends on the machine's load (a loaded CI runner fitted 2)
+    assert time.monotonic() - started >= 1.0 and _Down.calls - before >= 2
 
 
 # --- 3. the agent store in the workers (attempt namespace) ---

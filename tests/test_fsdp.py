@@ -5,6 +5,7 @@ sharded and exported for ``from_pretrained``."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ from elastic_runner.checkpoint import storage as ckpt
 from elastic_runner.data import audit
 
 from .needs import HF_EXTRA, require_modules
-from .procs import CONFIGS, cli, run_cli
+from .procs import CONFIGS, Pace, cli, run_cli, wait_until
 from .test_train_torchrun import assert_same_tensors, final_state, results
 
 pytestmark = pytest.mark.slow
@@ -74,6 +75,81 @@ def test_fsdp_kill_and_resume_is_bitwise_also_when_a_rank_dies_in_the_save(launc
         assert_same_optimizer(want["optimizer"], got["optimizer"])
         assert committed(ck) == list(range(5, 31, 5))
         assert not [p for p in ck.iterdir() if p.name.startswith(".tmp")]
+
+
+def test_fsdp_in_place_recovery_rolls_back_to_peer_copies_bitwise(launch, tmp_path):
+    """``recovery.mode: in_place`` under FSDP2, 2 ranks, peer copies every 5 steps: rank 1
+    SIGKILLed after step 23, then rank 0 while the sharded checkpoint of step 30 is being
+    written. Each time the survivor keeps its process, the replacement (a warm spare) gets its
+    shards from the survivor's copy, both roll back to the copies' step (20, then 25) and redo
+    the steps after it; no checkpoint is read. The run ends bitwise equal to the uninterrupted
+    one (weights and AdamW moments, dropout on), every sample of every step traced once."""
+    common = [DIGITS, *FSDP, "training.max_steps=40", "checkpoint.every_steps=10",
+              "checkpoint.at_epoch_end=false", "recovery.peer_copy_every_steps=5",
+              "recovery.spare_delay_seconds=0"]
+    run_to_end(launch, "reference", *common, f"checkpoint.dir={tmp_path / 'ref'}")
+    want = final_state(tmp_path / "ref")
+
+    ck, trace = tmp_path / "ck", tmp_path / "trace"
+    faults = ("faults.inject=[{kind: sigkill, rank: 1, after_steps: 23},"
+              " {kind: sigkill, rank: 0, step: 30, during: checkpoint}]")
+    job = run_to_end(launch, "in-place", *common, f"checkpoint.dir={ck}", faults,
+                     f"faults.once_dir={tmp_path / 'once'}", "--trace-samples", str(trace))
+    out = job.output
+    assert "resumed from" not in out  # every state came from memory
+    assert out.count("replaced in place by") == 2, out[-3000:]
+    # rank 0 logs at INFO: the survivor first, then the replacement
+    assert "rank 0 rolled back to step 20 (peer copies; replacements [1])" in out
+    assert "rank 0 received the state of step 25 (peer copies; replacements [0])" in out
+    assert "the sharded checkpoint in flight was abandoned" in out  # step 30's, on rank 1
+    assert "3 committed step(s) redone" in out and "5 committed step(s) redone" in out
+    got = final_state(ck)
+    assert got["train_state"]["step"] == want["train_state"]["step"] == 40
+    assert_same_tensors(want["model"], got["model"])
+    assert_same_optimizer(want["optimizer"], got["optimizer"])
+    assert committed(ck)[-1] == 40
+    for r in audit.audit(trace):
+        assert r.ok and not r.duplicated, r
+    steps = sorted(e["step"] for e in audit.read_entries(trace) if "indices" in e)
+    assert steps == sorted(list(range(1, 41)) * 2)
+
+
+def test_fsdp_continue_shrunk_reshards_from_checkpoints_in_place(launch, tmp_path):
+    """No spare, ``recovery.continue_shrunk``: rank 1 of 2 SIGKILLed after step 23. Rank 0
+    keeps its process and goes on alone at once: the peer copies do not fit one rank's shards,
+    so it loads the newest checkpoint (step 20, resharded by DCP). When the replacement is up,
+    the group grows back at a step boundary: it commits that step first, and the larger group
+    loads it, redoing nothing. Every sample of every epoch once, each step's global batch
+    whole."""
+    ck, trace = tmp_path / "ck", tmp_path / "trace"
+    pace = Pace(tmp_path / "pace", 0.15)  # rank 0 slowed until the group is whole again
+    job = launch(cli("run", DIGITS, *FSDP, "training.max_steps=60", "checkpoint.every_steps=10",
+                     "recovery.peer_copy_every_steps=5", "recovery.continue_shrunk=true",
+                     "recovery.spare=false", "batch.global_batch_size=64",
+                     f"checkpoint.dir={ck}", *pace.args,
+                     "faults.inject=[{kind: sigkill, rank: 1, after_steps: 23}]",
+                     f"faults.once_dir={tmp_path / 'once'}", "--trace-samples", str(trace),
+                     "--monitor-interval", "0.2"), name="shrunk")
+    wait_until(lambda: "back to world size 2" in job.output, 120, "the group to grow back")
+    pace.end()
+    assert job.wait(timeout=300) == 0, job.output[-3000:]
+    out = job.output
+    assert "the copies were taken at another world size than 1; every rank loads the newest " \
+           "checkpoint" in out, out[-3000:]
+    assert f"resumed from {ck / 'step-00000020'}: step 20," in out
+    grown = re.search(r"the replacement is ready: back to world size 2 after step (\d+)", out)
+    assert grown, out[-3000:]
+    assert f"resumed from {ck / f'step-{int(grown[1]):08d}'}: step {grown[1]}," in out
+    assert "Traceback" not in out
+    worlds = {e["step"]: e["world_size"] for e in audit.read_entries(trace) if "world_size" in e}
+    assert worlds[21] == 1 and worlds[60] == 2 and sorted(worlds) == list(range(1, 61))
+    for r in audit.audit(trace):
+        assert r.ok and not r.duplicated, r
+    by_step: dict[int, int] = {}
+    for e in audit.read_entries(trace):
+        if "indices" in e:
+            by_step[e["step"]] = by_step.get(e["step"], 0) + len(e["indices"])
+    assert set(by_step.values()) == {64}
 
 
 def test_fsdp_reshards_2_3_1_2_from_a_ddp_checkpoint_with_every_sample_once(launch, tmp_path):
@@ -158,32 +234,45 @@ def test_gpt2_trains_sharded_per_block_and_exports_for_from_pretrained(launch, t
                           rtol=0, atol=1e-4)
 
 
-def test_hsdp_2x2_resumes_as_plain_fsdp_and_a_mesh_that_does_not_divide_exits_2(launch,
-                                                                                tmp_path):
-    """HSDP: 2 replicas x 2 shards on 4 ranks, where a NaN loss on rank 3 skips that step on
-    every rank (the vote rides on the gradients: reduce-scatter, all-reduce over replicas, the
-    norm's all-reduce); its checkpoint resumes at 2 ranks as plain FSDP. 3 replicas at 4 ranks
-    is refused with exit code 2 and one line naming the key."""
+def test_hsdp_2x2_recovers_from_a_replica_and_resumes_as_plain_fsdp(launch, tmp_path):
+    """HSDP: 2 replicas x 2 shards on 4 ranks. A NaN loss on rank 3 skips that step on every
+    rank (the vote rides on the gradients: reduce-scatter, all-reduce over replicas, the norm's
+    all-reduce). Rank 2 SIGKILLed after step 5 is recovered in place from rank 0, the surviving
+    replica of its shard: nothing is redone (no peer copy exists yet, none is needed) and the
+    run ends bitwise equal to an uninterrupted one. Its checkpoint resumes at 2 ranks as plain
+    FSDP. 3 replicas at 4 ranks is refused with exit code 2 and one line naming the key."""
     ck = tmp_path / "ck"
     common = [DIGITS, *FSDP, "batch.micro_batch_size=4", "batch.global_batch_size=32",
               "checkpoint.every_steps=3", "checkpoint.at_epoch_end=false",
               f"checkpoint.dir={ck}", "recovery.spare=false"]
-    job = run_to_end(launch, "hsdp", *common, "distributed.fsdp.replicas=2",
-                     "training.max_steps=6", "faults.inject=[{kind: nan, rank: 3, step: 4}]",
-                     "--nproc-per-node", "4", timeout=400)
-    assert "FSDP2: 0 unit(s) + root on mesh (2, 2)" in job.output
-    assert "step 4: non-finite loss or gradient on at least one rank: update skipped" in job.output
-    assert final_state(ck)["train_state"]["bad_steps"] == 1
+    hsdp = [*common, "distributed.fsdp.replicas=2", "training.max_steps=8",
+            "faults.inject=[{kind: nan, rank: 3, step: 4}, {kind: sigkill, rank: 2, step: 5}]",
+            f"faults.once_dir={tmp_path / 'once'}", "--nproc-per-node", "4"]
+    ref = tmp_path / "ref"
+    run_to_end(launch, "reference", *hsdp[:-4], "faults.inject=[{kind: nan, rank: 3, step: 4}]",
+               f"checkpoint.dir={ref}", *hsdp[-2:], timeout=400)
+    job = run_to_end(launch, "hsdp", *hsdp, timeout=400)
+    out = job.output
+    assert "FSDP2: 0 unit(s) + root on mesh (2, 2)" in out
+    assert "step 4: non-finite loss or gradient on at least one rank: update skipped" in out
+    assert "rank(s) [2] exited with code(s) [-9]: replaced in place" in out, out[-3000:]
+    assert "rank 0 goes on at step 5; replacement(s) [2] received theirs from replica(s) [0]" \
+        in out
+    assert "resumed from" not in out and "committed step(s) redone" not in out
+    want, got = final_state(ref), final_state(ck)
+    assert got["train_state"]["bad_steps"] == want["train_state"]["bad_steps"] == 1
+    assert_same_tensors(want["model"], got["model"])
+    assert_same_optimizer(want["optimizer"], got["optimizer"])
     # every_seconds: rank 0's clock decides a save every rank writes (its answer is broadcast)
-    job = run_to_end(launch, "fsdp", *common, "training.max_steps=9",
+    job = run_to_end(launch, "fsdp", *common, "training.max_steps=11",
                      "checkpoint.every_seconds=0.01")
-    assert f"resumed from {ck / 'step-00000006'}: step 6" in job.output
-    assert set(committed(ck)) >= {7, 8, 9}  # by the clock, at every step
-    assert committed(ck)[-1] == 9
+    assert f"resumed from {ck / 'step-00000008'}: step 8" in job.output
+    assert set(committed(ck)) >= {9, 10, 11}  # by the clock, at every step
+    assert committed(ck)[-1] == 11
 
-    bad = launch(cli("run", *common, "distributed.fsdp.replicas=3", "training.max_steps=12",
+    bad = launch(cli("run", *common, "distributed.fsdp.replicas=3", "training.max_steps=14",
                      "--nproc-per-node", "4", "--max-restarts", "0"), name="bad-mesh")
     assert bad.wait(timeout=300) == 2, bad.output[-3000:]
     assert ("distributed.fsdp.replicas: 3 does not divide the world size 4; use a divisor of "
             "it (1: plain FSDP)") in bad.output
-    assert committed(ck)[-1] == 9  # nothing written
+    assert committed(ck)[-1] == 11  # nothing written

@@ -62,6 +62,7 @@ DOCUMENTED: dict[str, str] = {
     "elastic_runner_checkpoint_written_bytes_total": "counter",
     "elastic_runner_checkpoint_last_success_timestamp_seconds": "gauge",
     "elastic_runner_in_place_recoveries_total": "counter",
+    "elastic_runner_in_place_steps_redone_total": "counter",
     "elastic_runner_last_recovery_seconds": "gauge",
     "elastic_runner_goodput_seconds": "gauge",
     "elastic_runner_ettr": "gauge",

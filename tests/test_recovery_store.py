@@ -139,7 +139,7 @@ def test_a_restart_asked_for_ends_the_wait_for_a_generation():
     assert worker._wait_generation(1, 0.2) is None  # nothing announced: times out
     server.set("p/gen/1", json.dumps({"failed": [1]}))
     assert worker._wait_generation(1, 5) == {"failed": [1]}
-    worker._ask_restart()
+    worker.ask_restart()
     assert worker._wait_generation(2, 5) == {"restart": True}
 
 

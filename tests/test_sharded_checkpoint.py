@@ -340,3 +340,104 @@ def test_ranks_share_the_sha256_check_each_reading_its_part(group, tmp_path):
     assert ckpt.verify_files(path, 0, 2) == ""  # .metadata and state.pt
     assert ckpt.verify_files(path, 1, 2) == "__0_0.distcp sha256 mismatch (corrupt)"
     assert ckpt.verify_files(path) == "__0_0.distcp sha256 mismatch (corrupt)"
+
+
+# ------------------------------------------------------------ peer copies (in-place recovery)
+
+
+def test_a_local_copy_loads_into_the_module_rebuilt_on_a_new_group_bitwise(tmp_path):
+    """What an in-place recovery under FSDP does on one rank: copy the local shards and the
+    rest (``local_copy``, through the wire format), destroy the group, form a new one, shard a
+    module of the same structure (``module_for_new_group``: parameter-less until loaded) and
+    load the copy: weights, AdamW moments and the rest equal the copy; the next step equals the
+    one the old model takes."""
+    from elastic_runner.recovery.peer_copies import pack, unpack
+
+    def init(name):
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / name}", rank=0,
+                                world_size=1)
+
+    init("pg-1")
+    try:
+        strategy = FSDPParallelism(FSDPConfig(), 1, CPU)
+        model = strategy.wrap(Blocks(seed=3))
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+        counter = Counter()
+        counter.n = 7
+        g = torch.Generator().manual_seed(3)
+        for _ in range(2):
+            model(torch.randn(8, 4, generator=g)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        copy = unpack(pack(manager(tmp_path / "a", model, opt, counter).local_copy()))
+        x = torch.randn(8, 4, generator=g)
+        model(x).square().mean().backward()
+        opt.step()
+        want, want_opt = local(model), opt.state_dict()
+        fresh = strategy.module_for_new_group(model)
+        assert not is_sharded(fresh) and fresh.blocks[0].weight.shape == (6, 6)
+    finally:
+        dist.destroy_process_group()
+    init("pg-2")
+    try:
+        rebuilt = FSDPParallelism(FSDPConfig(), 1, CPU).wrap(fresh)
+        opt2 = torch.optim.AdamW(rebuilt.parameters(), lr=0.01)
+        counter2 = Counter()
+        manager(tmp_path / "b", rebuilt, opt2, counter2).load_local_copy(copy, "the copy")
+        assert counter2.n == 7
+        rebuilt(x).square().mean().backward()
+        opt2.step()
+        got = local(rebuilt)
+        assert want.keys() == got.keys()
+        for k in want:
+            assert torch.equal(want[k], got[k]), k
+        a, b = want_opt["state"], opt2.state_dict()["state"]
+        for i in a:
+            for k in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(a[i][k].to_local(), b[i][k].to_local()), (i, k)
+        other = FSDPParallelism(FSDPConfig(), 1, CPU).wrap(Blocks(width=5))
+        with pytest.raises(ckpt.CheckpointError, match=r"the copy: shards.model.inp.weight: local shard \(6, 4\) does not fit"):
+            manager(tmp_path / "c", other, torch.optim.AdamW(other.parameters()),
+                    Counter()).load_local_copy(copy, "the copy")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_plan_of_a_recovery_from_peer_copies():
+    """Rank r's copy is on rank r + 1 (mod the world size): a replacement gets it from there;
+    two neighbours lost, copies of different steps (a failure during the exchange) or of
+    another world size fall back to the checkpoint (a reason is returned)."""
+    from elastic_runner.recovery.peer_copies import plan
+
+    def member(own, held, joining=False, world=4):
+        return {"own": own, "held": held, "world_size": world, "joining": joining}
+
+    survivors = [member(20, 20) for _ in range(4)]
+    assert plan(survivors) == (20, {})
+    one = [*survivors[:1], member(None, None, True, 0), *survivors[2:]]
+    assert plan(one) == (20, {1: 2})
+    last = [*survivors[:3], member(None, None, True, 0)]
+    assert plan(last) == (20, {3: 0})
+    assert plan([*survivors[:1], member(None, None, True, 0), member(None, None, True, 0),
+                 survivors[3]]) == "rank 1's copy was on rank 2, which lost it too"
+    assert "different steps" in plan([member(20, 20), member(24, 24), *one[1:3]])
+    assert "another world size" in plan([member(20, 20, world=2), *one[1:]])
+    assert plan([member(None, None, True, 0)] * 2) == "no survivor holds a copy"
+
+
+def test_the_plan_of_an_hsdp_recovery_from_replicas():
+    """2 replicas x 2 shards (rank = replica x 2 + shard): a replacement gets the live state of
+    the surviving replica of its shard; none when both replicas of a shard died, the survivors'
+    live states differ, or the world size is not the one they were taken at."""
+    from elastic_runner.recovery.peer_copies import plan_replicas
+
+    def member(joining=False, live=(12, 12, 4)):
+        return {"joining": joining, "live": None if joining else list(live)}
+
+    gone = member(joining=True)
+    assert plan_replicas([member(), member(), member(), gone], 2) == (12, 12, {3: 1})
+    assert plan_replicas([gone, member(), member(), member()], 2) == (12, 12, {0: 2})
+    assert plan_replicas([member(), gone, member(), gone], 2) is None  # shard 1 lost twice
+    assert plan_replicas([member(), member(live=(11, 11, 4)), member(), gone], 2) is None
+    assert plan_replicas([member(live=(12, 12, 2))] * 3 + [gone], 2) is None
+    assert plan_replicas([member(), member(), member(), gone], 1) is None  # plain FSDP

@@ -39,6 +39,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_state_dict,
 )
+from torch.distributed.tensor import DTensor
 
 from ..compat import dcp_internals
 
@@ -153,6 +154,66 @@ def load_shards(directory: str | Path, model: nn.Module,
     else:
         set_state_dict(model, optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optimizer"])
+
+
+def local_shards(state: Any) -> Any:
+    """``state`` (:func:`sharded_state`) with each DTensor replaced by a CPU copy of this rank's
+    local shard (plain tensors copied to the CPU too): what an in-memory copy of this rank's
+    part holds, picklable with ``torch.save`` and loadable with ``weights_only=True``."""
+    if isinstance(state, DTensor):
+        return state.to_local().detach().to("cpu", copy=True)
+    if isinstance(state, torch.Tensor):
+        return state.detach().to("cpu", copy=True)
+    if isinstance(state, dict):
+        return {k: local_shards(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(local_shards(v) for v in state)
+    return state
+
+
+def from_local_shards(template: Any, saved: Any, where: str = "state") -> Any:
+    """The inverse of :func:`local_shards` on the same mesh shape and rank: ``template``'s
+    structure (:func:`sharded_state` of the model to load into) with every DTensor rebuilt over
+    ``saved``'s local shard (``DTensor.from_local`` with the template's mesh, placements and
+    global shape) and every other value taken from ``saved``.
+
+    Raises:
+        ValueError: ``saved`` does not match ``template`` (another model, or another mesh
+            shape): names the key path.
+    """
+    if isinstance(template, DTensor):
+        local = template.to_local()
+        if not isinstance(saved, torch.Tensor) or saved.shape != local.shape:
+            raise ValueError(f"{where}: local shard {tuple(getattr(saved, 'shape', ()))} does "
+                             f"not fit this rank's {tuple(local.shape)}")
+        return DTensor.from_local(saved.to(local.device, local.dtype), template.device_mesh,
+                                  template.placements, run_check=False, shape=template.shape,
+                                  stride=template.stride())
+    if isinstance(template, torch.Tensor):
+        if not isinstance(saved, torch.Tensor) or saved.shape != template.shape:
+            raise ValueError(f"{where}: {tuple(getattr(saved, 'shape', ()))} does not fit "
+                             f"{tuple(template.shape)}")
+        return saved.to(template.device)
+    if isinstance(template, dict):
+        missing = sorted(map(str, set(template) - set(saved))) if isinstance(saved, dict) else []
+        if not isinstance(saved, dict) or missing:
+            raise ValueError(f"{where}: missing {', '.join(missing) or 'a dict'}")
+        return {k: from_local_shards(v, saved[k], f"{where}.{k}") for k, v in template.items()}
+    return saved
+
+
+def load_local_shards(model: nn.Module, optimizer: torch.optim.Optimizer, saved: dict[str, Any]
+                      ) -> None:
+    """Load ``saved`` (:func:`local_shards` of :func:`sharded_state`, taken on the same rank of
+    a mesh of the same shape) into ``model`` and ``optimizer``, which may be sharded on another
+    process group (a re-formed one): no collective reads another rank's data.
+
+    Raises:
+        ValueError: see :func:`from_local_shards`.
+    """
+    state = from_local_shards(sharded_state(model, optimizer), saved, "shards")
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optimizer"])
 
 
 def load_full(directory: str | Path) -> dict[str, Any]:

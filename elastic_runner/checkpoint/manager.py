@@ -289,6 +289,17 @@ class CheckpointManager:
         """Block until the in-flight save is committed (re-raises its error)."""
         self._writer.wait()
 
+    def abandon(self) -> None:
+        """A peer died (in-place recovery of sharded state): wait for the in-flight save, whose
+        collectives fail with the peer (its error is logged, not raised: nothing of it was
+        published), and forget the checkpoint group, which goes with the dead group."""
+        try:
+            self._writer.wait()
+        except (Exception, CheckpointException) as e:  # DCP's is a BaseException
+            log.warning("the sharded checkpoint in flight was abandoned: %s",
+                        dcp_format.problem(e))
+        self._group = None
+
     def close(self) -> None:
         """Commit the in-flight save, stop the writer thread and release the checkpoint group
         (a gloo group left to the garbage collector after the default group is gone can block
@@ -420,6 +431,34 @@ class CheckpointManager:
         if self.sharded:
             raise ckpt.CheckpointError("a sharded model's state is not held whole by any peer")
         self._apply(raw, f"rank {peer}'s state")
+
+    def local_copy(self) -> dict[str, Any]:
+        """This rank's part of the state, on the CPU: its local model and optimizer shards
+        (:func:`~elastic_runner.checkpoint.dcp_format.local_shards`) and the rest (sampler,
+        schedule, counters, RNG). What a peer keeps for an in-place recovery under FSDP
+        (``recovery/peer_copies.py``); sharded layout only, not collective."""
+        sharded = dcp_format.sharded_state(self.state["model"], self.state["optimizer"])
+        return {"shards": dcp_format.local_shards(sharded), "rest": self._rest()}
+
+    def load_local_copy(self, raw: dict[str, Any], source: str, keep: tuple[str, ...] = ()
+                        ) -> None:
+        """Load :meth:`local_copy`'s ``raw`` (taken on this rank's position of a mesh of the
+        same shape) into ``state``; the keys in ``keep`` stay as they are (a survivor's live
+        goodput account). Not collective.
+
+        Raises:
+            CheckpointError: a missing key, or shards that do not fit (named)."""
+        missing = sorted(set(self.state) - set(raw["rest"]) - set(dcp_format.SHARDED_KEYS))
+        if missing:
+            raise ckpt.CheckpointError(f"{source} has no state for {', '.join(missing)}")
+        try:
+            dcp_format.load_local_shards(self.state["model"], self.state["optimizer"],
+                                         raw["shards"])
+        except ValueError as e:
+            raise ckpt.CheckpointError(f"{source}: {e}") from e
+        for key, obj in self.state.items():
+            if key not in dcp_format.SHARDED_KEYS and key not in keep:
+                obj.load_state_dict(raw["rest"][key])
 
     def rollback(self, map_location: str | torch.device = "cpu") -> bool:
         """Wait for the in-flight save, then reload the newest valid checkpoint on all ranks;

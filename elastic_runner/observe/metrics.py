@@ -182,6 +182,9 @@ class RankMetrics:
                                     "blocked by one checkpoint save.", _CKPT_BUCKETS)
         self.recoveries = counter("in_place_recoveries_total", "In-place recoveries this "
                                   "rank took part in (a peer died; this process went on).")
+        self.redone = counter("in_place_steps_redone_total", "Committed steps that in-place "
+                              "recoveries rolled back and redid (sharded state: back to the "
+                              "peer copies' step; see recovery/peer_copies.py).")
         changes = Counter(PREFIX + "membership_changes_total", "Changes of the group's nodes "
                           "in place that this rank went through, by reason (preempted: a node "
                           "got SIGTERM and left; lost: a node's heartbeat stopped; see "
@@ -315,11 +318,13 @@ class RankMetrics:
         if self.enabled:
             self.skipped.inc()
 
-    def recovered(self, phases: dict[str, float]) -> None:
-        """An in-place recovery ended with its first committed step; ``phases`` in seconds."""
+    def recovered(self, phases: dict[str, float], redone: int = 0) -> None:
+        """An in-place recovery ended with its first committed step; ``phases`` in seconds;
+        ``redone``: committed steps it rolled back."""
         if not self.enabled:
             return
         self.recoveries.inc()
+        self.redone.inc(redone)
         for phase, gauge in self._recovery.items():
             gauge.set(phases.get(phase, 0.0))
 

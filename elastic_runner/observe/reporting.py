@@ -64,7 +64,7 @@ class MetricsReporter(Callback):
         self.metrics.rolled_back()
 
     def on_recovery_report(self, report: Any) -> None:
-        self.metrics.recovered(report.phases)
+        self.metrics.recovered(report.phases, report.redone)
 
     def on_membership_change(self, reason: str) -> None:
         self.metrics.membership_changed(reason)

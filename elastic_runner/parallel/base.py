@@ -4,7 +4,8 @@ manager use, and its null object for a single process.
 A strategy wraps the model for a process group, says how a micro-batch skips the gradient
 reduction (accumulation), measures the total gradient norm over every rank's gradients (the same
 value on every rank: the clip and the step vote depend on it), and says whether the state is
-sharded (checkpoints then go through DCP; no peer holds a dead rank's state in place). The two
+sharded (checkpoints then go through DCP; in-place recovery then needs peer copies), and gives
+the module to wrap again on a re-formed group. The two
 implementations are ``parallel/ddp.py`` and ``parallel/fsdp.py``; :func:`make_parallelism` picks one
 from the config.
 """
@@ -26,6 +27,12 @@ class Parallelism(Protocol):
 
     def wrap(self, model: nn.Module) -> nn.Module:
         """What the forward runs through (DDP's wrapper; the sharded module itself for FSDP)."""
+        ...
+
+    def module_for_new_group(self, model: nn.Module) -> nn.Module:
+        """After the process group was re-formed: the module to :meth:`wrap` on the new one.
+        ``model`` itself for a replica (DDP re-wraps it); for sharded state a new module of
+        the same structure whose parameters hold no values yet (the caller loads them)."""
         ...
 
     def gradient_sync(self, net: nn.Module, sync: bool) -> contextlib.AbstractContextManager[Any]:
@@ -61,6 +68,9 @@ class SingleProcess:
     sharded = False
 
     def wrap(self, model: nn.Module) -> nn.Module:
+        return model
+
+    def module_for_new_group(self, model: nn.Module) -> nn.Module:
         return model
 
     def gradient_sync(self, net: nn.Module, sync: bool) -> contextlib.AbstractContextManager[Any]:

@@ -29,6 +29,9 @@ class DDPParallelism:
                    bucket_cap_mb=d.bucket_cap_mb, static_graph=d.static_graph,
                    find_unused_parameters=d.find_unused_parameters)
 
+    def module_for_new_group(self, model: nn.Module) -> nn.Module:
+        return model  # every replica holds the whole module: a new DDP wraps the same one
+
     def gradient_sync(self, net: nn.Module, sync: bool) -> contextlib.AbstractContextManager[Any]:
         if sync or not isinstance(net, DDP):
             return contextlib.nullcontext()

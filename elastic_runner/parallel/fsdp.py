@@ -9,13 +9,16 @@ what is left (embeddings, head). HSDP (``distributed.fsdp.replicas`` > 1) is a 2
 ``set_requires_gradient_sync(False)`` on all but the last micro-batch.
 
 FSDP2 pads a parameter whose first dimension does not divide by the shard count, so no shape
-constraint is checked here. A sharded module cannot be re-sharded onto another group: a new
-world size means a new process (the restart path), whose checkpoint load reshards (DCP).
+constraint is checked here. A sharded module cannot be re-sharded onto another group: after an
+in-place recovery, :meth:`FSDPParallelism.module_for_new_group` gives a new module of the same
+structure (from a parameter-less copy taken before sharding), which is sharded on the new group
+and loaded from peer copies or a checkpoint (``recovery/peer_copies.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -84,6 +87,7 @@ class FSDPParallelism:
                  shard_units: Callable[[nn.Module], list[nn.Module]] | None = None) -> None:
         self.options, self.world_size, self.device = options, world_size, device
         self.param_dtype, self.shard_units = param_dtype, shard_units or find_blocks
+        self._skeleton: nn.Module | None = None  # the unsharded structure (wrap records it)
 
     def mixed_precision(self) -> MixedPrecisionPolicy:
         if self.param_dtype is None:
@@ -114,6 +118,7 @@ class FSDPParallelism:
             ConfigError: see :meth:`units` and :func:`device_mesh`.
         """
         mesh = device_mesh(self.world_size, self.options.replicas, self.device)
+        self._skeleton = skeleton(model)
         kwargs = {"mesh": mesh, "reshard_after_forward": self.options.reshard_after_forward,
                   "mp_policy": self.mixed_precision()}
         units = self.units(model)
@@ -126,6 +131,25 @@ class FSDPParallelism:
                  f", parameters in {self.param_dtype}" if self.param_dtype else "")
         return model
 
+    def module_for_new_group(self, model: nn.Module) -> nn.Module:
+        """A new unsharded module of the structure :meth:`wrap` sharded: buffers as they were
+        then, parameters allocated on the device but not set (tied ones stay tied).
+
+        Raises:
+            RuntimeError: :meth:`wrap` was not called."""
+        if self._skeleton is None:
+            raise RuntimeError("module_for_new_group before wrap: no structure recorded")
+        fresh = copy.deepcopy(self._skeleton)
+        made: dict[int, nn.Parameter] = {}
+        for module in fresh.modules():
+            for name, p in module._parameters.items():
+                if p is not None:
+                    if id(p) not in made:
+                        made[id(p)] = nn.Parameter(torch.empty_like(p, device=self.device),
+                                                   requires_grad=p.requires_grad)
+                    module._parameters[name] = made[id(p)]
+        return fresh
+
     def gradient_sync(self, net: nn.Module, sync: bool) -> contextlib.AbstractContextManager[Any]:
         if isinstance(net, FSDPModule):
             net.set_requires_gradient_sync(sync)
@@ -133,3 +157,13 @@ class FSDPParallelism:
 
     def grad_norm(self, params: list[torch.Tensor], max_norm: float | None) -> torch.Tensor:
         return total_norm(params, max_norm)
+
+
+def skeleton(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` whose parameters are on the meta device (no memory; ties kept) and
+    whose buffers are copied (non-persistent ones, e.g. an attention mask, are in no state
+    dict)."""
+    memo: dict[int, Any] = {id(p): nn.Parameter(torch.empty_like(p, device="meta"),
+                                                 requires_grad=p.requires_grad)
+                            for p in model.parameters()}
+    return copy.deepcopy(model, memo)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, StrictBool, model_validator
+from pydantic import Field, StrictBool, StrictInt, model_validator
 
 from ..config_base import Float, Section, invalid
 
@@ -17,7 +17,9 @@ class RecoveryConfig(Section):
     replacement that the failed worker's agent takes from its node's warm spare, and send it
     their state; a failure with no survivor on its node, a lost node, an unreachable recovery
     store or plain torchrun fall back to ``restart``: torchrun's agents stop every worker and
-    start new ones, which resume from the newest checkpoint."""
+    start new ones, which resume from the newest checkpoint. Under FSDP no survivor holds a dead
+    rank's shards: the group rolls back to peer copies (``peer_copy_every_steps``) or the newest
+    checkpoint, still in place."""
 
     mode: Literal["in_place", "restart"] = "in_place"
     spare: StrictBool = True
@@ -35,6 +37,11 @@ class RecoveryConfig(Section):
     batch.global_batch_size) and the replacement joins at a later step boundary; off: they wait
     for it (bitwise replay needs the world size) (one node only; across nodes the survivors wait
     for the replacement)."""
+    peer_copy_every_steps: StrictInt = Field(10, ge=0)
+    """Sharded state (``distributed.strategy: fsdp``): every this many steps each rank copies its
+    shards and the rest of its state to host memory and to the next rank's (recovery/
+    peer_copies.py); a recovery in place rolls back to the copies' step and redoes the steps
+    after it. 0: no copies; every rank loads the newest checkpoint in place instead."""
     heartbeat_timeout_seconds: Float | None = Field(10.0, gt=0)
     """The agent kills and replaces a worker whose heartbeat thread is silent this long (SIGSTOP, a
     frozen process); keep it below watchdog.hang_timeout_seconds, whose expiry restarts every

@@ -58,10 +58,14 @@ class GroupSockets:
         self.epoch = 0  # which group's sockets are recorded (one more per forming)
 
     @contextlib.contextmanager
-    def forming(self) -> Iterator[None]:
-        """Record the sockets opened inside the ``with`` block (a process group forming)."""
-        with self._lock:
-            self.epoch += 1
+    def forming(self, subgroups: bool = False) -> Iterator[None]:
+        """Record the sockets opened inside the ``with`` block (a process group forming);
+        ``subgroups``: groups made inside the current one (an HSDP mesh's, the checkpoint
+        group: a peer may wait on this rank in them too), recorded with it, not as a newer
+        group."""
+        if not subgroups:
+            with self._lock:
+                self.epoch += 1
         before = _sockets()
         try:
             yield
@@ -119,7 +123,7 @@ class NoSockets:
 
     epoch = 0
 
-    def forming(self) -> contextlib.AbstractContextManager[None]:
+    def forming(self, subgroups: bool = False) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
 
     def outside(self) -> contextlib.AbstractContextManager[None]:

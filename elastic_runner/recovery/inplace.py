@@ -42,7 +42,6 @@ script) gets :class:`NoRecovery`: errors propagate and torchrun restarts everyon
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import logging
 import os
@@ -79,6 +78,17 @@ from .membership import (
     read_view,
     refuse_joins,
 )
+from .peer_copies import (
+    NoCopies,
+    PeerCopies,
+    hand_over,
+    pack,
+    plan,
+    plan_replicas,
+    recv,
+    send,
+    unpack,
+)
 from .store import StoreLocation, connect, told
 
 if TYPE_CHECKING:
@@ -113,6 +123,7 @@ class Recoverable(Protocol):
     fingerprint: str
     after_done: int
     rewrap: Callable[[], None]
+    recovery: InPlaceRecovery | NoRecovery
 
     @property
     def state(self) -> TrainState: ...
@@ -160,10 +171,31 @@ class RecoveryReport:
     cause: str = "the failure"
     source: int = 0
     received: bool = False
+    redone: int = 0  # committed steps rolled back (sharded: to the peer copies' step)
 
     @property
     def seconds(self) -> float:
         return sum(self.phases.values())
+
+
+@dataclass
+class Live:
+    """A survivor's sharded state as a failure left it (committed ``step``, post-step work done
+    up to ``after``), on the CPU: under HSDP the replicas of a dead rank's shard hold exactly
+    what it held, so the group goes on from here, nothing redone."""
+
+    step: int
+    after: int
+    world_size: int
+    state: dict[str, Any]
+
+    @classmethod
+    def of(cls, trainer: Recoverable) -> Live | None:
+        """``trainer``'s state, under HSDP only (``distributed.fsdp.replicas`` > 1)."""
+        if trainer.cfg.distributed.fsdp.replicas == 1:
+            return None
+        return cls(trainer.state.step, trainer.after_done, trainer.info.world_size,
+                   trainer.checkpoints.local_copy())
 
 
 class NoRecovery:
@@ -173,6 +205,14 @@ class NoRecovery:
     generation = 0
     backend = ""
     sockets = NoSockets()
+    copies = NoCopies()
+    live: Live | None = None
+
+    def copy_due(self, step: int) -> bool:
+        return False
+
+    def keep_copy(self, trainer: Recoverable) -> None:
+        pass
 
     def announce_built(self, rank: int) -> None:
         pass
@@ -220,7 +260,7 @@ class InPlaceRecovery:
     def __init__(self, store: dist.Store, prefix: str, generation: int, detect_timeout_s: float,
                  join_timeout_s: float, backend: str = "gloo",
                  location: StoreLocation | None = None, node: int = 0, nnodes: int = 1,
-                 min_nodes: int = 1) -> None:
+                 min_nodes: int = 1, peer_copy_every_steps: int = 0) -> None:
         self.store, self.prefix, self.generation = store, prefix, generation
         self.location = location or StoreLocation("tcp", "?")
         self.node, self.nnodes, self.min_nodes = node, nnodes, min_nodes
@@ -231,6 +271,10 @@ class InPlaceRecovery:
         self.grow_generation: int | None = None  # shrunk: the generation with every rank back
         self.home: tuple[int, int] | None = None  # (rank, world size) at full size
         self.join_waiting = False  # a node asks to join (GenerationWatch's last look)
+        # sharded state: each rank's shards also in a peer's memory (recovery/peer_copies.py)
+        self.copies: PeerCopies | NoCopies = (PeerCopies(peer_copy_every_steps)
+                                              if peer_copy_every_steps else NoCopies())
+        self.live: Live | None = None  # HSDP: this survivor's state as the failure left it
 
     @classmethod
     def from_env(cls, cfg: Any) -> InPlaceRecovery | NoRecovery:
@@ -245,7 +289,8 @@ class InPlaceRecovery:
                    cfg.detect_timeout_seconds, cfg.join_timeout_seconds, location=location,
                    node=int(os.environ.get("GROUP_RANK", 0)),
                    nnodes=int(os.environ.get("GROUP_WORLD_SIZE", 1)),
-                   min_nodes=int(os.environ.get(MIN_NODES_ENV, 1)))
+                   min_nodes=int(os.environ.get(MIN_NODES_ENV, 1)),
+                   peer_copy_every_steps=cfg.peer_copy_every_steps)
 
     def bind(self, trainer: Recoverable) -> None:
         """``trainer`` recovers through this: a join request stops it at the next step
@@ -253,6 +298,8 @@ class InPlaceRecovery:
         and rank 0 tells the agents that nodes may join in place (a script's own loop does
         not bind, so its nodes join through torch's restart)."""
         self.join_waiting = False
+        if not trainer.checkpoints.sharded:  # a DDP survivor holds the whole state already
+            self.copies = NoCopies()
         trainer.preempt.membership = lambda: self.join_waiting
         if self.multi_node and trainer.info.rank == 0:
             with contextlib.suppress(RuntimeError, dist.DistError):
@@ -266,6 +313,23 @@ class InPlaceRecovery:
         """The departure policy: ``--nnodes`` MIN, and a world size the global batch
         divides."""
         return Policy.for_batch(self.min_nodes, trainer.cfg.batch)
+
+    def copy_due(self, step: int) -> bool:
+        """Whether the peer copies are refreshed after ``step`` (the same on every rank)."""
+        return self.copies.due(step)
+
+    def keep_copy(self, trainer: Recoverable) -> None:
+        """At a step boundary (after its evaluation and checkpoint work): refresh this rank's
+        copy and its predecessor's if due (collective; ``recovery/peer_copies.py``)."""
+        step = trainer.state.step
+        if not self.copies.due(step):
+            return
+        copies = self.copies
+        assert isinstance(copies, PeerCopies)
+        seconds = copies.refresh(trainer.checkpoints.local_copy(), step, trainer.info.rank,
+                                 trainer.info.world_size, _wire(trainer))
+        log.debug("peer copies of step %d refreshed in %.3f s (%d bytes)", step, seconds,
+                  copies.own.payload.numel() if copies.own else 0)
 
     def key(self, *parts: object) -> str:
         return "/".join([self.prefix, *map(str, parts)])
@@ -323,7 +387,7 @@ class InPlaceRecovery:
             log.error("collective failed and no peer died within %.0f s "
                       "(recovery.detect_timeout_seconds): %s; restarting every worker",
                       self.detect_timeout_s, first_line(error))
-            self._ask_restart()
+            self.ask_restart()
             return None
         if announced.get("restart"):  # an agent restarts every worker
             return None
@@ -341,6 +405,9 @@ class InPlaceRecovery:
         # peers that wait on this rank in the old group's collective fail now, as if it had
         # died, instead of at the collective timeout (gloo cannot abort: recovery/group_sockets.py)
         self.sockets.cut()
+        if trainer.checkpoints.sharded:  # a sharded save in flight failed with the peer
+            trainer.checkpoints.abandon()
+            self.live = Live.of(trainer)
         dist.destroy_process_group()
         t2 = time.perf_counter()
         report.phases["teardown"] = t2 - t1
@@ -352,6 +419,8 @@ class InPlaceRecovery:
             log.warning("continuing at world size %d until the replacement is ready",
                         len(members))
             raise Regroup(members.index(rank), len(members), report.generation, report)
+        if trainer.checkpoints.sharded:  # FSDP2 cannot move a module's shards to a new group
+            raise Regroup(trainer.info.rank, trainer.info.world_size, report.generation, report)
         self._form_group(trainer.info.rank, trainer.info.world_size, report.generation)
         report.generation = self.generation  # a later one if the replacement died too
         t3 = time.perf_counter()
@@ -480,6 +549,7 @@ class InPlaceRecovery:
         generation, store = self._announce_departure(trainer, view, leaving, members[0])
         if generation == 0:  # another process announced these departures: not expected
             return
+        self._checkpoint_before_regroup(trainer)
         step = trainer.state.step
         self._changed(trainer, "preempted")
         if trainer.info.rank not in members:
@@ -536,6 +606,7 @@ class InPlaceRecovery:
         if generation == 0:
             raise StepRedo("no node joins")
         step = trainer.state.step
+        self._checkpoint_before_regroup(trainer)
         self._changed(trainer, "joined")
         if trainer.info.rank == 0:
             log.warning("membership: node(s) %s join after step %d; generation %d goes on at "
@@ -561,6 +632,14 @@ class InPlaceRecovery:
                                         {r["node"]: r["store"] for r in requests.values()
                                          if r.get("store")})
         return [generation, new.world_size, sorted(joining)]
+
+    def _checkpoint_before_regroup(self, trainer: Recoverable) -> None:
+        """Sharded state at a step boundary where the world size changes: no peer copy fits the
+        new shards, so every rank commits the step first (collective, the old group); the new
+        group loads it (DCP reshards) and redoes nothing."""
+        if trainer.checkpoints.sharded:
+            trainer.checkpoints.save(trainer.state.step)
+            trainer.checkpoints.wait()
 
     def _regroup(self, trainer: Recoverable, rank: int, world_size: int, generation: int,
                  report: RecoveryReport) -> NoReturn:
@@ -592,7 +671,7 @@ class InPlaceRecovery:
                 return None
             time.sleep(_POLL_S)
 
-    def _ask_restart(self) -> None:
+    def ask_restart(self) -> None:
         """No agent replaces anyone in place in this attempt any more: torch's restart path."""
         with contextlib.suppress(RuntimeError, dist.DistError):
             self.store.set(self.key("restart"), json.dumps({"restart": True}))
@@ -673,6 +752,7 @@ class InPlaceRecovery:
         if flag.item() == 0:
             return
         generation, self.grow_generation = self.grow_generation, None
+        self._checkpoint_before_regroup(trainer)
         rank, world_size = self.home or (trainer.info.rank, trainer.info.world_size)
         log.warning("the replacement is ready: back to world size %d after step %d",
                     world_size, trainer.state.step)
@@ -764,6 +844,115 @@ class GenerationWatch:
         self._thread.join(timeout=THREAD_STORE_TIMEOUT_S + 1)
 
 
+def _wire(trainer: Recoverable) -> torch.device:
+    """Where point-to-point payloads travel: nccl moves device tensors only; gloo host ones."""
+    return trainer.info.device if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def _gather(trainer: Recoverable, mine: dict[str, Any]) -> list[dict[str, Any]]:
+    """``mine`` (with the task's fingerprint) from every member of the new group.
+
+    Raises:
+        ConfigError: the joiner built another task than the survivors."""
+    everyone: list[Any] = [None] * trainer.info.world_size
+    dist.all_gather_object(everyone, {**mine, "fingerprint": trainer.fingerprint})
+    if len({s["fingerprint"] for s in everyone}) > 1:
+        raise ConfigError("the replacement built another task than the survivors: "
+                          + "; ".join(f"rank {r}: {s['fingerprint']}"
+                                      for r, s in enumerate(everyone)))
+    return everyone
+
+
+def _from_checkpoint(trainer: Recoverable, joining: bool) -> None:
+    """Every member loads the newest checkpoint (collective); without one, torch's restart
+    path (a rebuilt sharded model holds no trained weights).
+
+    Raises:
+        RuntimeError: there is no checkpoint and the state is not held by any member."""
+    if not trainer.resume() and trainer.checkpoints.sharded:
+        trainer.recovery.ask_restart()
+        raise RuntimeError("in-place recovery: no peer copy and no checkpoint holds the "
+                           "sharded state; restarting every worker")
+    trainer.after_done = trainer.state.step
+    trainer.rewrap()
+    trainer.session.callbacks.on_recovered(trainer.state.step, joining,
+                                           trainer.sampler.last_step)
+
+
+def _rejoin_sharded(trainer: Recoverable, joining: bool, report: RecoveryReport | None) -> None:
+    """:func:`rejoin` under FSDP: every member rolls back to the peer copies' step, a
+    replacement with the copy its successor held (``recovery/peer_copies.py``); when the copies
+    do not cover every rank, to the newest checkpoint. Collective."""
+    rank, world_size = trainer.info.rank, trainer.info.world_size
+    copies, recovery = trainer.recovery.copies, trainer.recovery
+    live, recovery.live = recovery.live, None
+    everyone = _gather(trainer, {**copies.summary(), "joining": joining,
+                                 "live": None if live is None else
+                                 [live.step, live.after, live.world_size]})
+    replicas = plan_replicas(everyone, trainer.cfg.distributed.fsdp.replicas)
+    if replicas is not None:
+        _from_replicas(trainer, live, *replicas, joining, report)
+        return
+    chosen = plan(everyone)
+    if isinstance(chosen, str):
+        log.warning("in-place recovery under FSDP: %s; every rank loads the newest checkpoint",
+                    chosen)
+        _from_checkpoint(trainer, joining)
+        if report is not None:
+            report.redone = max(report.step - trainer.state.step, 0)
+        return
+    step, sources = chosen
+    wire = _wire(trainer)
+    received = hand_over(copies, step, sources, rank, world_size, wire)
+    if received is not None:
+        copies.adopt(received)  # type: ignore[union-attr]  # plan() saw copies on every rank
+    own = copies.own
+    assert own is not None
+    holder = sources.get(rank, rank)
+    trainer.checkpoints.load_local_copy(
+        unpack(own.payload), f"rank {holder}'s copy of rank {rank}'s state (step {step})",
+        keep=() if joining else ("goodput",))
+    copies.reshare(rank, world_size, wire)  # type: ignore[union-attr]
+    trainer.after_done = step
+    if report is not None:
+        report.source, report.received = holder, received is not None
+        report.redone = max(report.step - step, 0)
+    trainer.rewrap()
+    trainer.session.callbacks.on_recovered(step, joining, trainer.sampler.last_step)
+    log.info("rank %d %s step %d (peer copies; replacements %s)", rank,
+             "received the state of" if received is not None else "rolled back to", step,
+             sorted(sources) or "none")
+
+
+def _from_replicas(trainer: Recoverable, live: Live | None, step: int, after: int,
+                   sources: dict[int, int], joining: bool, report: RecoveryReport | None) -> None:
+    """HSDP: each replacement gets the live state of a surviving replica of its shard, every
+    survivor reloads its own; nothing is redone. The peer copies are refreshed at once (the
+    replacement has none)."""
+    rank, world_size, wire = trainer.info.rank, trainer.info.world_size, _wire(trainer)
+    state = None if live is None else live.state
+    for receiver, holder in sorted(sources.items()):
+        if rank == holder:
+            send(pack(state), receiver, wire)
+        elif rank == receiver:
+            state = unpack(recv(holder, wire))
+    assert state is not None
+    holder = sources.get(rank, rank)
+    trainer.checkpoints.load_local_copy(state, f"rank {holder}'s state of step {step} (HSDP "
+                                        "replica)", keep=() if joining else ("goodput",))
+    copies = trainer.recovery.copies
+    if isinstance(copies, PeerCopies):
+        copies.refresh(trainer.checkpoints.local_copy(), step, rank, world_size, wire)
+    trainer.after_done = after
+    if report is not None:
+        report.source, report.received = holder, rank in sources
+    trainer.rewrap()
+    trainer.session.callbacks.on_recovered(step, joining, trainer.sampler.last_step)
+    log.info("rank %d %s step %d; replacement(s) %s received theirs from replica(s) %s", rank,
+             "received the state of" if rank in sources else "goes on at", step, sorted(sources),
+             [sources[r] for r in sorted(sources)])
+
+
 def rejoin(trainer: Recoverable, joining: bool, report: RecoveryReport | None = None) -> None:
     """All members of a new group (the survivors and the joiner) agree on the state to go on
     from and install it (module docstring, step 3-4). Collective.
@@ -771,43 +960,30 @@ def rejoin(trainer: Recoverable, joining: bool, report: RecoveryReport | None = 
     Raises:
         ConfigError: the joiner built another task than the survivors (fingerprints differ).
     """
-    rank, world_size = trainer.info.rank, trainer.info.world_size
-    mine = {"step": trainer.state.step, "after": trainer.after_done, "joining": joining,
-            "fingerprint": trainer.fingerprint}
-    everyone: list[Any] = [None] * world_size
-    dist.all_gather_object(everyone, mine)
-    prints = {s["fingerprint"] for s in everyone}
-    if len(prints) > 1:
-        raise ConfigError("the replacement built another task than the survivors: "
-                          + "; ".join(f"rank {r}: {s['fingerprint']}"
-                                      for r, s in enumerate(everyone)))
+    if trainer.checkpoints.sharded:
+        _rejoin_sharded(trainer, joining, report)
+        return
+    rank = trainer.info.rank
+    everyone = _gather(trainer, {"step": trainer.state.step, "after": trainer.after_done,
+                                 "joining": joining})
     candidates = [r for r, s in enumerate(everyone) if not s["joining"]]
     if not candidates:  # every member is a replacement: the checkpoint is the fallback
         log.warning("in-place recovery: no survivor holds the state; resuming from the newest "
                     "checkpoint")
-        trainer.resume()
-        trainer.after_done = trainer.state.step
-        trainer.rewrap()
-        trainer.session.callbacks.on_recovered(trainer.state.step, joining,
-                                               trainer.sampler.last_step)
+        _from_checkpoint(trainer, joining)
         return
     src = max(candidates, key=lambda r: (everyone[r]["step"], everyone[r]["after"], -r))
     best = everyone[src]
     receivers = [r for r, s in enumerate(everyone)
                  if s["joining"] or (s["step"], s["after"]) != (best["step"], best["after"])]
-    # nccl moves device tensors only; gloo host tensors
-    wire = trainer.info.device if dist.get_backend() == "nccl" else torch.device("cpu")
+    wire = _wire(trainer)
     if rank == src and receivers:
-        payload = _pack(trainer.checkpoints.state_dict()).to(wire)
+        payload = pack(trainer.checkpoints.state_dict())
         for r in receivers:
-            dist.send(torch.tensor([payload.numel()], dtype=torch.int64, device=wire), dst=r)
-            dist.send(payload, dst=r)
+            send(payload, r, wire)
     elif rank in receivers:
-        size = torch.zeros(1, dtype=torch.int64, device=wire)
-        dist.recv(size, src=src)
-        payload = torch.empty(int(size.item()), dtype=torch.uint8, device=wire)
-        dist.recv(payload, src=src)
-        trainer.checkpoints.load_from_peer(_unpack(payload, trainer.info.device), src)
+        raw = unpack(recv(src, wire), trainer.info.device)
+        trainer.checkpoints.load_from_peer(raw, src)
     trainer.after_done = best["after"]
     if report is not None:
         report.source, report.received = src, rank in receivers
@@ -816,14 +992,3 @@ def rejoin(trainer: Recoverable, joining: bool, report: RecoveryReport | None = 
                                            trainer.sampler.last_step)
     log.info("rank %d %s step %d from rank %d", rank,
              "received the state of" if rank in receivers else "goes on at", best["step"], src)
-
-
-def _pack(state: dict[str, Any]) -> torch.Tensor:
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    return torch.frombuffer(bytearray(buf.getbuffer()), dtype=torch.uint8)
-
-
-def _unpack(payload: torch.Tensor, device: torch.device) -> dict[str, Any]:
-    data = io.BytesIO(payload.cpu().numpy().tobytes())
-    return torch.load(data, weights_only=True, map_location=device)

@@ -114,7 +114,8 @@ def build_trainer(cfg: Config, info: DistInfo, metrics: RankMetrics | None = Non
         _check_same_task(cfg, built)
     parallelism = _parallelism(cfg, info, bundle)
     model = bundle.model.to(info.device)
-    net = model if joining else parallelism.wrap(model)
+    # a replacement's DDP is made with the group's (rejoin); shards before the optimizer exists
+    net = model if joining and not parallelism.sharded else parallelism.wrap(model)
     loader = _loader(cfg, info, bundle)
     sampler = loader.elastic_sampler
     total = sampler.steps_per_epoch() * cfg.training.max_epochs
@@ -142,7 +143,8 @@ def build_trainer(cfg: Config, info: DistInfo, metrics: RankMetrics | None = Non
     session.fetched = loader.take_fetched  # the trace records what the loader fetched
     trainer = Trainer(cfg=cfg, info=info, bundle=bundle, model=model, optimizer=optimizer,
                       scheduler=scheduler, loader=loader, engine=engine, session=session,
-                      total_steps=total, preempt=preempt, fingerprint=built)
+                      total_steps=total, preempt=preempt, fingerprint=built,
+                      parallelism=parallelism)
     session.save = trainer.save
     trainer.rewrap = lambda: _rewrap(cfg, info, trainer, parallelism)
     return trainer
@@ -178,8 +180,9 @@ def checkpoint_layout(cfg: Config) -> str:
 
 def _rewrap(cfg: Config, info: DistInfo, trainer: Trainer, parallelism: Parallelism) -> None:
     """After the process group was re-formed (in-place recovery): a new DDP over the same
-    module on the new group, and the step vote and straggler exchange that go with it."""
-    net = parallelism.wrap(trainer.model)
+    module on the new group (a sharded module was built on it), and the step vote and
+    straggler exchange that go with it."""
+    net = trainer.model if parallelism.sharded else parallelism.wrap(trainer.model)
     session = trainer.session
     trainer.engine.rebind(net)
     session.consensus = _consensus(cfg, info, net, trainer.optimizer, trainer.preempt)

@@ -31,6 +31,7 @@ from ..config_base import ConfigError
 from ..data.loader import ElasticDataLoader
 from ..data.sampler import ElasticSampler, shard_indices
 from ..dist import DistInfo, all_reduce_sums, broadcast_object, max_over_ranks
+from ..parallel.base import Parallelism, SingleProcess
 from ..preempt import PreemptionFlag
 from ..recovery.inplace import InPlaceRecovery, NoRecovery, RecoveryReport, StepRedo
 from ..tasks.base import TaskBundle, metric_sums
@@ -77,6 +78,7 @@ class Trainer:
     fingerprint: str = ""  # the task's build (tasks.base.task_fingerprint)
     recovery: InPlaceRecovery | NoRecovery = field(default_factory=NoRecovery)
     rewrap: Callable[[], None] = lambda: None  # a new DDP (and vote) on the current group
+    parallelism: Parallelism = field(default_factory=SingleProcess)
     after_done: int = 0  # the last step whose evaluation / checkpoint work is done
     _best_pending: bool = False
     _recovering: RecoveryReport | None = None
@@ -178,9 +180,10 @@ class Trainer:
         """The first step after an in-place recovery is committed: report the recovery."""
         report, self._recovering = self._recovering, None
         report.phases["first step"] = time.perf_counter() - self._t_recovered
-        log.warning("in-place recovery %d done: step %d committed %.3f s after %s (%s)",
+        log.warning("in-place recovery %d done: step %d committed %.3f s after %s (%s)%s",
                     report.generation, self.state.step, report.seconds, report.cause,
-                    ", ".join(f"{k} {v:.3f} s" for k, v in report.phases.items()))
+                    ", ".join(f"{k} {v:.3f} s" for k, v in report.phases.items()),
+                    f"; {report.redone} committed step(s) redone" if report.redone else "")
         self.session.callbacks.on_recovery_report(report)
 
     def _steps(self) -> Any:
@@ -213,6 +216,10 @@ class Trainer:
                and not self.session.consensus.vetoed_pending())  # rank 0's clock: look only
         if due or (self._best_pending and not epoch_save):
             self.save(step_checkpoint=due)
+        # sharded: this step's state in a peer's memory too (not at an epoch's last step: the
+        # epoch's end, with its trace record, would run twice after a roll-back to it)
+        if not (self.state.bad_in_row or end_of_epoch):
+            self.recovery.keep_copy(self)
         self.after_done = self.state.step
         return False
 
@@ -221,6 +228,7 @@ class Trainer:
         epoch's end): a pending best checkpoint, a checkpoint by steps, a step or epoch limit."""
         step = self.state.step
         return (self._best_pending or self.checkpoints.due_by_steps(step)
+                or (self.recovery.copy_due(step) and self.sampler.steps_left_in_epoch() > 0)
                 or self.stop.limit_reached(step, self.sampler.epoch) is not None)
 
     def _end_epoch(self) -> None:
