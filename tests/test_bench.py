@@ -2,7 +2,7 @@
 
 import pytest
 
-from bench import checkpoint_stall, metrics_overhead, overhead, plot, recovery
+from bench import checkpoint_stall, metrics_overhead, overhead, peer_copies, plot, recovery
 from bench.common import REPO
 
 from .needs import TEST_EXTRAS, require_modules
@@ -13,6 +13,20 @@ def test_checkpoint_stall_smoke(tmp_path, capsys):
                                     "--json", str(tmp_path / "out.json")])
     assert row["size_mb"] == 4 and row["sync_s"] > 0 and row["async_stall_s"] > 0
     assert "async stall" in capsys.readouterr().out and (tmp_path / "out.json").is_file()
+
+
+@pytest.mark.slow
+def test_peer_copies_smoke(tmp_path, capsys):
+    """Two ranks: every figure measured, the ratios derived from them."""
+    out = peer_copies.main(["--world-sizes", "2", "--width", "64", "--blocks", "2",
+                            "--repeats", "2", "--every", "1", "10",
+                            "--json", str(tmp_path / "out.json")])
+    r = out["results"]["2"]
+    assert len(r["raw"]["refresh"]) == 2 and r["refresh_s"]["median"] > 0
+    assert r["copy_bytes_per_rank"] > r["state_bytes"] / 2  # half the state, and the rest
+    one, ten = r["by_cadence"]["1"]["throughput_ratio"], r["by_cadence"]["10"]["throughput_ratio"]
+    assert 0 < one < ten < 1
+    assert "K=10" in capsys.readouterr().out and (tmp_path / "out.json").is_file()
 
 
 @pytest.mark.slow

@@ -157,13 +157,14 @@ def load_shards(directory: str | Path, model: nn.Module,
 
 
 def local_shards(state: Any) -> Any:
-    """``state`` (:func:`sharded_state`) with each DTensor replaced by a CPU copy of this rank's
-    local shard (plain tensors copied to the CPU too): what an in-memory copy of this rank's
-    part holds, picklable with ``torch.save`` and loadable with ``weights_only=True``."""
+    """``state`` (:func:`sharded_state`) with each DTensor replaced by this rank's local shard,
+    on the CPU (plain tensors too): what an in-memory copy of this rank's part holds, picklable
+    with ``torch.save`` and loadable with ``weights_only=True``. A CPU tensor is not copied (it
+    is the parameter's own storage): serialise it before the model changes."""
     if isinstance(state, DTensor):
-        return state.to_local().detach().to("cpu", copy=True)
+        return state.to_local().detach().cpu()
     if isinstance(state, torch.Tensor):
-        return state.detach().to("cpu", copy=True)
+        return state.detach().cpu()
     if isinstance(state, dict):
         return {k: local_shards(v) for k, v in state.items()}
     if isinstance(state, (list, tuple)):

@@ -434,7 +434,8 @@ class CheckpointManager:
 
     def local_copy(self) -> dict[str, Any]:
         """This rank's part of the state, on the CPU: its local model and optimizer shards
-        (:func:`~elastic_runner.checkpoint.dcp_format.local_shards`) and the rest (sampler,
+        (:func:`~elastic_runner.checkpoint.dcp_format.local_shards`: on a CPU device the
+        parameters' own storage, so serialise it before the next step) and the rest (sampler,
         schedule, counters, RNG). What a peer keeps for an in-place recovery under FSDP
         (``recovery/peer_copies.py``); sharded layout only, not collective."""
         sharded = dcp_format.sharded_state(self.state["model"], self.state["optimizer"])

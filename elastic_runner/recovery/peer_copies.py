@@ -211,10 +211,11 @@ def recv(src: int, wire: torch.device) -> torch.Tensor:
 
 
 def pack(state: dict[str, Any]) -> torch.Tensor:
-    """``state`` as ``torch.save`` bytes in a CPU ``uint8`` tensor."""
+    """``state`` as ``torch.save`` bytes in a CPU ``uint8`` tensor (over the buffer's memory:
+    no second copy)."""
     buf = io.BytesIO()
     torch.save(state, buf)
-    return torch.frombuffer(bytearray(buf.getbuffer()), dtype=torch.uint8)
+    return torch.frombuffer(buf.getbuffer(), dtype=torch.uint8)
 
 
 def unpack(payload: torch.Tensor, device: torch.device | str = "cpu") -> dict[str, Any]:
