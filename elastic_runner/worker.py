@@ -32,7 +32,14 @@ from .observe.health import MetricsServer
 from .observe.metrics import AGENT_ENV, RankMetrics
 from .preempt import Preempted
 from .recovery.heartbeat import Heartbeat
-from .recovery.inplace import SPARE_ENV, InPlaceRecovery, NoRecovery, Regroup, rejoin
+from .recovery.inplace import (
+    SPARE_ENV,
+    InPlaceRecovery,
+    JobFinished,
+    NoRecovery,
+    Regroup,
+    rejoin,
+)
 from .tasks.base import TaskBundle
 from .train.build import build_optimizer, build_task, build_trainer
 from .train.callbacks import JOINING
@@ -96,7 +103,11 @@ def _train(config_path: str, overrides: list[str], resume: bool, entered: float,
         marks = [process_start_time(), entered]
         open_device(int(os.environ.get("LOCAL_RANK", 0)))
         marks.append(time.time())
-        store = recovery.group_store() if recovery.active else None
+        try:
+            store = recovery.group_store() if recovery.active else None
+        except JobFinished as e:  # a replacement ready after the last step
+            log.warning("%s", e)
+            return EXIT_OK
         with recovery.sockets.forming():
             info = init_distributed(cfg.distributed.backend, cfg.distributed.timeout_seconds,
                                     store)
@@ -120,6 +131,7 @@ def _train(config_path: str, overrides: list[str], resume: bool, entered: float,
         if info.rank == 0 and task is None:
             log_startup(marks)
         trainer = fit(cfg, trainer, recovery, metrics, joined=task is not None)
+        recovery.announce_finished(trainer.info.rank)
         linger = cfg.metrics.linger_seconds  # a final scrape sees the ending (not on errors)
     finally:
         if trainer is not None:

@@ -112,6 +112,20 @@ def test_fsdp_in_place_recovery_rolls_back_to_peer_copies_bitwise(launch, tmp_pa
     steps = sorted(e["step"] for e in audit.read_entries(trace) if "indices" in e)
     assert steps == sorted(list(range(1, 41)) * 2)
 
+    # a shard that only rank 1 hashes (the ranks share the sha256 check: every 2nd file by
+    # name) is corrupt: both ranks skip that checkpoint, resume the one before and end bitwise
+    shard = ck / "step-00000040" / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    out = run_to_end(launch, "corrupt", *common, f"checkpoint.dir={ck}").output
+    assert (f"skipping checkpoint {ck / 'step-00000040'}: __0_0.distcp sha256 mismatch "
+            "(corrupt)") in out
+    assert f"resumed from {ck / 'step-00000030'}: step 30," in out
+    got = final_state(ck)
+    assert_same_tensors(want["model"], got["model"])
+    assert_same_optimizer(want["optimizer"], got["optimizer"])
+
 
 def test_fsdp_continue_shrunk_reshards_from_checkpoints_in_place(launch, tmp_path):
     """No spare, ``recovery.continue_shrunk``: rank 1 of 2 SIGKILLed after step 23. Rank 0

@@ -291,3 +291,23 @@ def test_the_generation_watch_cuts_a_collective_only_when_a_peer_cannot_finish_i
         assert watch._must_leave_collective(5)
     finally:
         watch.close()
+
+
+def test_a_replacement_ready_after_the_last_step_leaves_at_once():
+    """The job's training ended (rank 0 announced it) while a replacement waits for the others
+    to join its generation: it leaves with :class:`JobFinished` (exit 0) at once, not after
+    ``join_timeout_s`` with a TimeoutError (which took a restart of the finished job)."""
+    from elastic_runner.recovery.inplace import JobFinished
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=5))
+    replacement = InPlaceRecovery(store, "attempt", 2, detect_timeout_s=1, join_timeout_s=60)
+    InPlaceRecovery(store, "attempt", 1, detect_timeout_s=1,
+                    join_timeout_s=60).announce_finished(rank=0)
+    started = time.monotonic()
+    with pytest.raises(JobFinished, match="waited to join generation 2: nothing to do"):
+        replacement.group_store(rank=1, world_size=2)
+    assert time.monotonic() - started < 30
+    with pytest.raises(TimeoutError):  # without the announcement: the join timeout
+        InPlaceRecovery(store, "other", 2, detect_timeout_s=1,
+                        join_timeout_s=0.2).group_store(rank=1, world_size=2)

@@ -150,6 +150,11 @@ class Regroup(Exception):  # noqa: N818 - control flow: the worker rebuilds its 
         self.report = report
 
 
+class JobFinished(Exception):  # noqa: N818 - the process's normal end
+    """The job's training finished while this process waited to join a group (a replacement
+    that was ready after the last step): nothing is left to do, the process exits 0."""
+
+
 class StepRedo(Exception):  # noqa: N818 - control flow: the loop redoes the step
     """Every rank stopped at a step boundary for a membership change that did not happen (a
     join request refused, or already answered): the discarded step is redone in the same
@@ -215,6 +220,9 @@ class NoRecovery:
         pass
 
     def announce_built(self, rank: int) -> None:
+        pass
+
+    def announce_finished(self, rank: int) -> None:
         pass
 
     def recover(self, error: BaseException, trainer: Recoverable) -> RecoveryReport | None:
@@ -338,7 +346,12 @@ class InPlaceRecovery:
                     ) -> dist.Store:
         """The store of the process group to create: the current generation's, once all
         ``world_size`` members have shown up in it (a newer generation announced meanwhile,
-        e.g. the replacement died while joining, is followed)."""
+        e.g. the replacement died while joining, is followed).
+
+        Raises:
+            TimeoutError: not every member showed up within ``join_timeout_s``.
+            JobFinished: the job's training ended meanwhile (:meth:`announce_finished`).
+        """
         if rank is None:
             rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         assert world_size is not None
@@ -350,6 +363,9 @@ class InPlaceRecovery:
             while not self.store.check(present):
                 if self.store.check([newer]):
                     break
+                if self.store.check([self.key("finished")]):
+                    raise JobFinished(f"the job's training finished while this process waited "
+                                      f"to join generation {self.generation}: nothing to do")
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"in-place recovery: generation {self.generation} did "
                                        f"not form within {self.join_timeout_s:.0f} s "
@@ -366,6 +382,13 @@ class InPlaceRecovery:
         without competing with the workers' start-up (and a task artifact exists)."""
         if rank == 0:
             self.store.set(self.key("built"), "1")
+
+    def announce_finished(self, rank: int) -> None:
+        """Rank 0, once training is over: a replacement still waiting to join leaves with exit
+        code 0 (:class:`JobFinished`) instead of waiting out ``join_timeout_s`` and failing."""
+        if rank == 0:
+            with contextlib.suppress(RuntimeError, dist.DistError):
+                self.store.set(self.key("finished"), "1")
 
     # ------------------------------------------------------------ recovery
 
