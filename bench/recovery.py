@@ -39,7 +39,7 @@ default of ``elastic-runner run`` on one node):
 * ``kill``: one node, 2 workers, digits and char_lm (``--tasks``); rank 1 is SIGKILLed from
   outside (in place: once the warm spare is ready). Total = the kill -> the first optimizer
   step committed after the recovery. In-place phases come from the survivor's recovery line
-  (``inplace.RecoveryReport``): ``notice`` (kill -> the survivor's collective fails),
+  (``rejoin.RecoveryReport``): ``notice`` (kill -> the survivor's collective fails),
   ``detection`` (-> the agent names the failed rank), ``teardown``, ``group`` (new process group
   with the replacement), ``state`` (progress exchanged, the peer's state sent, DDP re-wrapped),
   ``first step``.

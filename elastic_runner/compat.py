@@ -109,6 +109,11 @@ does when one is gone (required: exit code 2 with one line; optional: a warning,
    loads non-tensor values with ``weights_only=True`` where torch's uses ``weights_only=False``.
    Without them sharded checkpoints cannot be loaded: resume, export and the rest fail naming
    the checkpoint.
+12. **DCP on fsspec URLs** (``checkpoint/_fsspec_filesystem.py``: ``FsspecReader(path)``,
+   ``FsspecWriter(path, sync_files=...)``; optional, worker). :func:`dcp_fsspec` returns them to
+   ``checkpoint/dcp_format.py`` for sharded checkpoints on object stores (``s3://``...); torch
+   2.13 exports only the local ``FileSystemReader``/``FileSystemWriter``. Without them a sharded
+   checkpoint on a URL cannot be written or read: the save or load fails naming it.
 
 Check 1 is the only required one: losing it breaks elastic membership changes silently (a hang
 until the rendezvous times out). ``ELASTIC_RUNNER_IGNORE_TORCH_CHECK=1`` turns that error into a
@@ -607,6 +612,30 @@ def dcp_internals() -> tuple[type, Callable[..., Any], Callable[..., Any]]:
             _nested_dict.set_element)
 
 
+def dcp_fsspec() -> tuple[type, type]:
+    """Fix 12: torch's ``(FsspecReader, FsspecWriter)``, DCP on any fsspec URL (object stores),
+    from the private ``torch.distributed.checkpoint._fsspec_filesystem`` in torch 2.13.
+
+    Raises:
+        ImportError, AttributeError: this torch has moved or removed them.
+    """
+    from torch.distributed.checkpoint import _fsspec_filesystem
+
+    return _fsspec_filesystem.FsspecReader, _fsspec_filesystem.FsspecWriter
+
+
+def _check_dcp_fsspec() -> str | None:
+    try:
+        reader, writer = dcp_fsspec()
+    except (ImportError, AttributeError) as e:
+        return first_line(e)
+    if "path" not in inspect.signature(reader.__init__).parameters:
+        return "FsspecReader no longer takes a path"
+    if "sync_files" not in inspect.signature(writer.__init__).parameters:
+        return "FsspecWriter no longer takes sync_files"
+    return None
+
+
 def _check_dcp_internals() -> str | None:
     try:
         _, load, set_element = dcp_internals()
@@ -646,6 +675,10 @@ FIXES = (
          _check_dcp_internals,
          "sharded (DCP) checkpoints cannot be loaded: resume and export fail naming the "
          "checkpoint"),
+    _Fix("sharded checkpoints on object stores (DCP's fsspec reader and writer)", ("worker",),
+         False, _check_dcp_fsspec,
+         "a sharded (DCP) checkpoint on an s3:// (or other fsspec) URL cannot be written or "
+         "read: the save or load fails naming the checkpoint"),
 )
 
 

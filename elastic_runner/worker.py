@@ -32,14 +32,8 @@ from .observe.health import MetricsServer
 from .observe.metrics import AGENT_ENV, RankMetrics
 from .preempt import Preempted
 from .recovery.heartbeat import Heartbeat
-from .recovery.inplace import (
-    SPARE_ENV,
-    InPlaceRecovery,
-    JobFinished,
-    NoRecovery,
-    Regroup,
-    rejoin,
-)
+from .recovery.inplace import SPARE_ENV, InPlaceRecovery, JobFinished, NoRecovery, Regroup
+from .recovery.rejoin import rejoin
 from .tasks.base import TaskBundle
 from .train.build import build_optimizer, build_task, build_trainer
 from .train.callbacks import JOINING

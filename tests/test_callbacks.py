@@ -10,7 +10,7 @@ import torch
 
 from elastic_runner.checkpoint.manager import CheckpointEvent
 from elastic_runner.checkpoint.storage import CheckpointInfo
-from elastic_runner.recovery.inplace import RecoveryReport
+from elastic_runner.recovery.rejoin import RecoveryReport
 from elastic_runner.train.callbacks import Callback, Callbacks, LogEvent, StepEnd
 from elastic_runner.train.stop import StopReason
 

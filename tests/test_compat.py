@@ -363,3 +363,22 @@ def test_a_moved_dcp_internal_is_reported_and_fails_a_sharded_load_naming_it(mon
     with pytest.raises(storage.CheckpointError, match=r"step-00000001: cannot load its DCP "
                                                       r"files: .*_EmptyStateDictLoadPlanner"):
         storage.load_state(path)
+
+
+# --- 12. DCP on fsspec URLs ---
+
+def test_a_moved_dcp_fsspec_class_is_reported_and_fails_a_sharded_save_on_a_url(monkeypatch):
+    from torch.distributed.checkpoint import _fsspec_filesystem
+
+    from elastic_runner.checkpoint import dcp_format
+
+    monkeypatch.delattr(_fsspec_filesystem, "FsspecWriter")
+    monkeypatch.delenv("RANK", raising=False)
+    (warning,) = compat.check_torch("worker")
+    assert "sharded checkpoints on object stores (DCP's fsspec reader and writer) is off " \
+           "(AttributeError" in warning
+    with pytest.raises(OSError, match=r"DCP's fsspec writer is not in this torch "
+                                      r"\(AttributeError: .*compat fix 12"):
+        dcp_format.writer("s3://bucket/run/step-00000001")
+    assert isinstance(dcp_format.writer("/tmp/local"), torch.distributed.checkpoint
+                      .FileSystemWriter)  # local paths do not need it

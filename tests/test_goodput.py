@@ -165,7 +165,7 @@ def test_a_joiner_counts_the_state_transfer_as_recovery():
 
 @pytest.mark.parametrize("spare_start", [5.0, -5.0])
 def test_every_member_a_replacement_resumes_from_the_checkpoint(spare_start):
-    """No survivor holds the state (``inplace.rejoin``): the spares load the newest checkpoint.
+    """No survivor holds the state (``recovery/rejoin.py``): the spares load the newest checkpoint.
     The spare's own time used to be dropped as if it ran beside the training: 16 and 26 s of
     a 60 s run were in no one's account. ``spare_start``: seconds after the checkpoint."""
     clock = Clock()

@@ -207,9 +207,15 @@ STEPS = 24  # digits at world size 2: 19 steps per epoch (global batch 64), 5 in
 
 
 @pytest.mark.slow
-def test_run_sigkilled_resumes_from_s3_with_exact_audit(s3_bucket: S3Bucket, launch, tmp_path):
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_run_sigkilled_resumes_from_s3_with_exact_audit(s3_bucket: S3Bucket, launch, tmp_path,
+                                                        strategy):
+    """Rank 0's checkpoints (DDP) and sharded ones (FSDP2: every rank writes its DCP files to
+    the checkpoint's prefix, rank 0 the manifest last) on S3: a worker SIGKILLed from outside,
+    the restart resumes from the bucket, every sample once."""
     url, fs, trace = f"{s3_bucket.url}/run", s3_bucket.fs(), tmp_path / "trace"
     job = launch(cli("run", DIGITS, "logging.tensorboard_dir=null",
+                     f"distributed.strategy={strategy}",
                      "early_stopping.enabled=false", f"training.max_steps={STEPS}",
                      "training.max_epochs=1000", "checkpoint.every_steps=5",
                      "recovery.mode=restart", f"checkpoint.dir={url}",
@@ -249,3 +255,7 @@ def test_run_sigkilled_resumes_from_s3_with_exact_audit(s3_bucket: S3Bucket, lau
     rows = [ln.split() for ln in listing.stdout.splitlines()[1:]]
     assert [r[0] for r in rows if r[0].startswith("step-")] == [name(s) for s in steps]
     assert all(r[-1] == "valid" for r in rows), listing.stdout
+    if strategy == "fsdp":  # both ranks' shards, listed and hashed in the manifest
+        manifest = json.loads(fs.cat_file(s3_bucket.key(f"run/{name(STEPS)}/manifest.json")))
+        assert sorted(manifest["files"]) == [".metadata", "__0_0.distcp", "__1_0.distcp",
+                                             "state.pt"]

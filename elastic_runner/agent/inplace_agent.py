@@ -518,7 +518,7 @@ class InPlaceAgent(LocalElasticAgent):
             return False
         others = [code for lr, code in codes.items() if lr not in failed]
         # several nodes: the survivors may all be elsewhere (if there are none, the
-        # replacements find no peer to copy and resume from the checkpoint: inplace.rejoin)
+        # replacements find no peer to copy and resume from the checkpoint: recovery/rejoin.py)
         survivors = bool(others) or self._rs.multi_node
         # a failure while shrunk takes the restart path
         return (survivors and all(code is None for code in others)

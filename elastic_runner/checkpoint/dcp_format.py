@@ -23,6 +23,7 @@ from __future__ import annotations
 import io
 import pickle
 import re
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +42,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from ..compat import dcp_internals
+from ..compat import dcp_fsspec, dcp_internals
 
 METADATA = ".metadata"
 SHARD_FILE = re.compile(r"^__(?P<rank>\d{1,6})_(?P<n>\d{1,6})\.distcp$")
@@ -89,22 +90,78 @@ def read_metadata(path: str | Path) -> Metadata:
     Raises:
         pickle.UnpicklingError: it names any other global; OSError: unreadable.
     """
-    with open(Path(path) / METADATA, "rb") as f:
-        metadata = _MetadataUnpickler(f).load()
+    if is_url(path):
+        import fsspec
+
+        with fsspec.open(f"{str(path).rstrip('/')}/{METADATA}", "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+    else:
+        with open(Path(path) / METADATA, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
     if not isinstance(metadata, Metadata):
         raise pickle.UnpicklingError(f"{METADATA} holds a {type(metadata).__name__}, not DCP "
                                      "Metadata")
     return metadata
 
 
-class SafeReader(dcp.FileSystemReader):
-    """DCP's filesystem reader with :func:`read_metadata`'s restricted unpickler."""
+class _SafeMetadata:
+    """``read_metadata`` with :func:`read_metadata`'s restricted unpickler."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        metadata = read_metadata(self.path)
+        metadata = read_metadata(self.where)  # type: ignore[attr-defined]
         metadata.storage_meta = metadata.storage_meta or dcp.metadata.StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+        metadata.storage_meta.load_id = self.load_id  # type: ignore[attr-defined]
         return metadata
+
+
+class SafeReader(_SafeMetadata, dcp.FileSystemReader):
+    """DCP's filesystem reader with :func:`read_metadata`'s restricted unpickler."""
+
+    def __init__(self, path: str | Path) -> None:
+        super().__init__(path)
+        self.where = str(path)
+
+
+@cache
+def _safe_fsspec_reader() -> type:
+    """DCP's fsspec reader (compat fix 12) with the restricted unpickler."""
+    return type("SafeFsspecReader", (_SafeMetadata, _fsspec(0)), {})
+
+
+def _fsspec(which: int) -> type:
+    """``dcp_fsspec()[which]``.
+
+    Raises:
+        OSError: this torch moved it (compat fix 12): named, with what is affected."""
+    try:
+        return dcp_fsspec()[which]
+    except (ImportError, AttributeError) as e:
+        raise OSError(f"DCP's fsspec {('reader', 'writer')[which]} is not in this torch "
+                      f"({type(e).__name__}: {e}); sharded checkpoints on URLs need it "
+                      "(compat fix 12)") from e
+
+
+def is_url(path: str | Path) -> bool:
+    """Whether ``path`` is a URL (``s3://...``) rather than a local path."""
+    return "://" in str(path) and not str(path).startswith("file://")
+
+
+def reader(path: str | Path) -> dcp.StorageReader:
+    """A reader of the checkpoint at ``path`` (local or fsspec URL) that unpickles only DCP's
+    metadata classes."""
+    if not is_url(path):
+        return SafeReader(path)
+    safe = _safe_fsspec_reader()(str(path))
+    safe.where = str(path)
+    return safe
+
+
+def writer(path: str | Path) -> dcp.StorageWriter:
+    """DCP's writer of ``path`` (local: ``FileSystemWriter``; a URL: ``FsspecWriter``, compat fix
+    12), files synced before the commit."""
+    if not is_url(path):
+        return dcp.FileSystemWriter(str(path), sync_files=True)
+    return _fsspec(1)(str(path), sync_files=True)
 
 
 class _SafeBytes:
@@ -138,8 +195,7 @@ def save_shards(directory: str | Path, state: dict[str, Any],
     ``directory`` (collective over ``group``, default: the default group: every rank calls it
     with the same directory; files are fsynced). DCP's planner writes each sharded tensor's
     local shard on its rank and spreads replicated tensors over the ranks."""
-    return dcp.save(state, storage_writer=dcp.FileSystemWriter(str(directory), sync_files=True),
-                    process_group=group)
+    return dcp.save(state, storage_writer=writer(directory), process_group=group)
 
 
 def load_shards(directory: str | Path, model: nn.Module,
@@ -148,7 +204,7 @@ def load_shards(directory: str | Path, model: nn.Module,
     current group (collective)."""
     state = sharded_state(model, optimizer) if optimizer is not None else {
         "model": get_state_dict(model, [])[0]}
-    dcp.load(state, storage_reader=SafeReader(str(directory)), planner=SafeLoadPlanner())
+    dcp.load(state, storage_reader=reader(directory), planner=SafeLoadPlanner())
     if optimizer is None:
         set_state_dict(model, [], model_state_dict=state["model"], optim_state_dict={})
     else:
@@ -227,7 +283,7 @@ def load_full(directory: str | Path) -> dict[str, Any]:
     state: dict[str, Any] = {}
     # dcp.load copies the keys it is given into a new dict: the empty planner's rebuilt state
     # must land in ours, as torch's dcp_to_torch_save does
-    load_state_dict(state, storage_reader=SafeReader(str(directory)), planner=planner,
+    load_state_dict(state, storage_reader=reader(directory), planner=planner,
                     no_dist=True)
     return state
 

@@ -27,7 +27,6 @@ import pickle
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -247,7 +246,7 @@ class CheckpointManager:
         if self.rank == 0:
             self.claim()
             self._writer.wait()  # the previous commit's prune runs before this staging exists
-            staging = str(ckpt.staging_dir(self.directory, names))
+            staging = ckpt.staging_dir(self.directory, names, self.fence)
             meta = {"step": step, **self.meta()}
         staging = broadcast_object(staging)
         state = {"sharded": dcp_format.sharded_state(self.state["model"], self.state["optimizer"]),
@@ -269,15 +268,15 @@ class CheckpointManager:
         its hashes arrive makes the gather fail on rank 0: nothing is published."""
         t0 = time.perf_counter()
         dcp_format.save_shards(staging, state["sharded"], self._group)
-        mine = [f.name for f in Path(staging).iterdir()
-                if f.name.startswith(f"__{self.rank}_") and f.name.endswith(".distcp")]
+        mine = [n for n in ckpt.file_names(staging)
+                if n.startswith(f"__{self.rank}_") and n.endswith(".distcp")]
         if self.rank == 0:
             mine.append(dcp_format.METADATA)
         gathered = all_gather_object(ckpt.hash_files(staging, mine), self._group)
         if self.rank != 0:
             return
         shard_files = {k: v for part in gathered for k, v in part.items()}
-        paths = ckpt.commit_sharded(self.directory, names, Path(staging), shard_files,
+        paths = ckpt.commit_sharded(self.directory, names, staging, shard_files,
                                     state["rest"], meta, self.fence)
         self._committed(paths, meta["step"], t0,
                         f"sharded checkpoint ({len(shard_files) + 1} files)")

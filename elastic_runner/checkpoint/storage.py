@@ -24,6 +24,8 @@ stray ``.tmp-*`` entries are ignored and removed by the next prune.
 Commit protocol, URLs (``s3://``, ``gs://``, ... through fsspec): object stores have no atomic
 rename, so files are written in place and the manifest is written last; a checkpoint without a
 manifest, or whose files do not match it, is invalid. Rewriting a name deletes its manifest first.
+A sharded checkpoint's ranks write their DCP files into its prefix the same way
+(:func:`staging_dir`, :func:`commit_sharded`).
 
 Either way readers trust only checkpoints whose manifest verifies (sizes always, sha256 before
 loading). Loading uses ``torch.load(..., weights_only=True)``: no arbitrary unpickling.
@@ -221,22 +223,38 @@ def _publish_local(directory: Path, staged: list[Path], names: list[str],
     return finals
 
 
-def staging_dir(directory: str | Path, names: list[str]) -> Path:
-    """A fresh, empty staging directory for ``names`` in the local ``directory`` (this process's
-    pid in its name: a prune by this process spares it, one by another removes it).
+def staging_dir(directory: str | Path, names: list[str], fence: Fence | NoFence = UNFENCED
+                ) -> str:
+    """Where every rank writes its DCP files of a sharded checkpoint of ``names``: in a local
+    ``directory`` a fresh, empty staging directory (this process's pid in its name: a prune by
+    this process spares it, one by another removes it); on an object store the first name's
+    own prefix, emptied (published by its manifest, written last: :func:`commit_sharded`).
 
     Raises:
-        ValueError: ``directory`` is a URL (sharded checkpoints need a shared filesystem).
+        FencedOut: on an object store, a newer group claimed ``directory``.
     """
     fs, root = _resolve(directory)
     if not _is_local(fs):
-        raise ValueError(f"checkpoint.dir {directory}: sharded (DCP) checkpoints need a local or "
-                         "shared filesystem path; object stores take checkpoint.format: rank0")
+        final = f"{root}/{names[0]}"
+        fence.check(", ".join(names))  # fail early: a stale writer overwrites nothing
+        fs.invalidate_cache(final)
+        if fs.exists(final):  # no manifest before the commit: nothing trusts it meanwhile
+            fs.rm(final, recursive=True)
+        return _display(fs, final)
     tmp = Path(root) / f".tmp-{names[0]}-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    return tmp
+    return str(tmp)
+
+
+def file_names(directory: str | Path) -> list[str]:
+    """The names of the files directly in ``directory`` (local or URL), fresh (not cached)."""
+    fs, root = _resolve(directory)
+    fs.invalidate_cache(root)
+    if not fs.exists(root):
+        return []
+    return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(root, detail=False))
 
 
 def hash_files(directory: str | Path, names: list[str]) -> dict[str, Any]:
@@ -246,7 +264,7 @@ def hash_files(directory: str | Path, names: list[str]) -> dict[str, Any]:
             for n in names}
 
 
-def commit_sharded(directory: str | Path, names: list[str], staging: Path,
+def commit_sharded(directory: str | Path, names: list[str], staging: str | Path,
                    shard_files: dict[str, Any], state: dict[str, Any], meta: dict[str, Any],
                    fence: Fence | NoFence = UNFENCED) -> list[str]:
     """Complete and publish a sharded checkpoint whose DCP files every rank wrote into
@@ -259,13 +277,18 @@ def commit_sharded(directory: str | Path, names: list[str], staging: Path,
         FencedOut: a newer group claimed ``directory``; nothing was published.
     """
     meta = {**meta, "fence": fence.token}
-    present = {p.name for p in staging.iterdir()}
+    present = set(file_names(staging))
     unknown = sorted(present - set(shard_files))
     missing = sorted(set(shard_files) - present)
+    fs, _ = _resolve(directory)
     if unknown or missing:
-        shutil.rmtree(staging, ignore_errors=True)
+        fs.rm(_resolve(staging)[1], recursive=True)
         raise CheckpointError(f"sharded checkpoint {names[0]}: files not accounted for "
                               f"(unhashed: {unknown[:4]}, missing: {missing[:4]})")
+    if not _is_local(fs):
+        return _commit_sharded_object_store(fs, _resolve(staging)[1], names, shard_files, state,
+                                            meta, fence)
+    staging = Path(staging)
     try:
         with open(staging / STATE_FILE, "wb") as f:
             files = {**shard_files, STATE_FILE: _save_hashed(f, state)}
@@ -288,6 +311,27 @@ def commit_sharded(directory: str | Path, names: list[str], staging: Path,
         fence.check(", ".join(names))  # a newer group's prune removed our staging
         raise
     return [str(p) for p in _publish_local(staging.parent, staged, names, fence)]
+
+
+def _commit_sharded_object_store(fs: fsspec.AbstractFileSystem, final: str, names: list[str],
+                                 shard_files: dict[str, Any], state: dict[str, Any],
+                                 meta: dict[str, Any], fence: Fence | NoFence) -> list[str]:
+    """Object store: the DCP files are in the first name's prefix already; write ``state.pt``,
+    copy the files to the other names' prefixes, then each manifest last, under the fence."""
+    with fs.open(f"{final}/{STATE_FILE}", "wb") as f:
+        files = {**shard_files, STATE_FILE: _save_hashed(f, state)}
+    parent = final.rsplit("/", 1)[0]
+    finals = [final, *(f"{parent}/{name}" for name in names[1:])]
+    for other in finals[1:]:
+        fs.invalidate_cache(other)
+        if fs.exists(other):
+            fs.rm(other, recursive=True)
+        for fname in files:
+            fs.copy(f"{final}/{fname}", f"{other}/{fname}")
+    with fence.guard(", ".join(names)):
+        for path in finals:
+            fs.pipe_file(f"{path}/{MANIFEST}", _manifest(meta, files))
+    return [_display(fs, p) for p in finals]
 
 
 def is_sharded(path: str | Path) -> bool:
@@ -514,7 +558,8 @@ def load_state(path: str | Path, map_location: str | torch.device = "cpu",
     raw = _load_state_file(path, map_location)
     if full and not str(path).endswith(".pt") and is_sharded(path):
         try:
-            raw.update(dcp_format.load_full(_resolve(path)[1]))
+            fs, p = _resolve(path)
+            raw.update(dcp_format.load_full(p if _is_local(fs) else str(path)))
         except (Exception, CheckpointException) as e:  # DCP's is a BaseException
             raise CheckpointError(f"checkpoint {path}: cannot load its DCP files: "
                                   f"{dcp_format.problem(e)}") from e

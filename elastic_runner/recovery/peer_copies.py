@@ -1,7 +1,7 @@
 """In-memory copies of each rank's shards on a peer: in-place recovery under FSDP.
 
 Under FSDP2 no rank holds the whole state, so the DDP way of in-place recovery (a survivor sends
-its state to the replacement, ``inplace.rejoin``) has nothing to send for the dead rank's shard.
+its state to the replacement, ``recovery/rejoin.py``) has nothing to send for the dead rank's shard.
 As in Gemini (Wang et al., SOSP'23: checkpoints in the host memory of peers, placed so that a
 lost machine's copy survives elsewhere), every ``recovery.peer_copy_every_steps`` steps each rank
 

@@ -102,7 +102,7 @@ def build_trainer(cfg: Config, info: DistInfo, metrics: RankMetrics | None = Non
     """Build everything one rank trains with; ``metrics`` (default: recording only) receives
     the rank's series. ``task``: :func:`build_task`'s result when already built (a warm
     spare); ``joining``: this process replaces a failed worker in a running group, whose
-    members check the build and wrap the model together (``inplace.rejoin``).
+    members check the build and wrap the model together (``recovery/rejoin.py``).
 
     Raises:
         ConfigError: fp16 without CUDA; errors of the task's build.
@@ -162,19 +162,13 @@ def checkpoint_layout(cfg: Config) -> str:
     """``checkpoint.format`` resolved: ``dcp`` or ``rank0``.
 
     Raises:
-        ConfigError: ``rank0`` with FSDP (no rank holds the whole state), or ``dcp`` on an
-            object store.
+        ConfigError: ``rank0`` with FSDP (no rank holds the whole state).
     """
     c, fsdp = cfg.checkpoint, cfg.distributed.strategy == "fsdp"
     layout = ("dcp" if fsdp else "rank0") if c.format == "auto" else c.format
     if layout == "rank0" and fsdp:
         raise ConfigError("checkpoint.format: 'rank0' with distributed.strategy: 'fsdp': no rank "
                           "holds the whole sharded state; use 'dcp' or 'auto'")
-    if layout == "dcp" and "://" in c.dir and not c.dir.startswith("file://"):
-        raise ConfigError(f"checkpoint.format: 'dcp' with checkpoint.dir {c.dir}: sharded "
-                          "checkpoints need a local or shared filesystem path for now; use an "
-                          "NFS/Lustre path, or checkpoint.format: 'rank0' with distributed."
-                          "strategy: 'ddp' for object stores")
     return layout
 
 

@@ -141,7 +141,7 @@ class Callback:
 
     def on_recovery_report(self, report: Any) -> None:
         """The first step after an in-place recovery is committed; ``report``:
-        :class:`~elastic_runner.recovery.inplace.RecoveryReport` with every phase's seconds."""
+        :class:`~elastic_runner.recovery.rejoin.RecoveryReport` with every phase's seconds."""
 
     def on_membership_change(self, reason: str) -> None:
         """The group changed its nodes in place (``reason``: ``preempted`` or ``lost``, see

@@ -33,7 +33,8 @@ from ..data.sampler import ElasticSampler, shard_indices
 from ..dist import DistInfo, all_reduce_sums, broadcast_object, max_over_ranks
 from ..parallel.base import Parallelism, SingleProcess
 from ..preempt import PreemptionFlag
-from ..recovery.inplace import InPlaceRecovery, NoRecovery, RecoveryReport, StepRedo
+from ..recovery.inplace import InPlaceRecovery, NoRecovery, StepRedo
+from ..recovery.rejoin import RecoveryReport
 from ..tasks.base import TaskBundle, metric_sums
 from .engine import StepEngine, precision_dtype
 from .faults import planted_metric
@@ -119,7 +120,7 @@ class Trainer:
 
     def fit(self, joined: bool = False) -> dict[str, Any]:
         """Train until a stop; ``joined``: this process replaced a failed worker
-        (``inplace.rejoin`` has opened the reporting at the group's step)."""
+        (``recovery/rejoin.py`` has opened the reporting at the group's step)."""
         if self.stop.reason is StopReason.FAILED:
             raise TrainingFailed(self.stop.message)
         if self.stop.stopped:

@@ -1,0 +1,273 @@
+"""After a process group was re-formed in place: the members agree on the state to go on from
+and install it (``rejoin``; step 3-4 of the protocol in :mod:`elastic_runner.recovery.inplace`).
+
+Replicas (DDP): the member furthest along sends its state to the replacement and to any member
+behind it. Sharded state (FSDP2): under HSDP a surviving replica of the dead rank's shard sends
+its live state; otherwise every member rolls back to the peer copies
+(:mod:`elastic_runner.recovery.peer_copies`); when neither covers every rank, every member loads
+the newest checkpoint, still in its process.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from ..config_base import ConfigError
+from .peer_copies import (
+    NoCopies,
+    PeerCopies,
+    hand_over,
+    pack,
+    plan,
+    plan_replicas,
+    recv,
+    send,
+    unpack,
+)
+
+if TYPE_CHECKING:
+    from ..checkpoint.manager import CheckpointManager
+    from ..config import Config
+    from ..data.sampler import ElasticSampler
+    from ..dist import DistInfo
+    from ..preempt import PreemptionFlag
+    from ..train.session import TrainingSession
+    from ..train.state import TrainState
+
+log = logging.getLogger(__name__)
+
+
+class RecoveryHooks(Protocol):
+    """What a rejoin uses of the process's recovery (``inplace.InPlaceRecovery``): the peer
+    copies, a survivor's live state, and torch's restart path."""
+
+    copies: PeerCopies | NoCopies
+    live: Live | None
+
+    def ask_restart(self) -> None: ...
+
+
+class Recoverable(Protocol):
+    """What in-place recovery uses of one rank's trainer (the built-in
+    :class:`~elastic_runner.train.loop.Trainer` is one): its config and rank, its session,
+    state, sampler and checkpoints, its preemption flag, the task's fingerprint, the last step
+    whose post-step work is done, and the two calls that go on in a new group (``rewrap``: a
+    new DDP on it; ``resume``: from the newest checkpoint when no peer holds the state)."""
+
+    cfg: Config
+    info: DistInfo
+    session: TrainingSession
+    preempt: PreemptionFlag
+    fingerprint: str
+    after_done: int
+    rewrap: Callable[[], None]
+    recovery: RecoveryHooks
+
+    @property
+    def state(self) -> TrainState: ...
+
+    @property
+    def sampler(self) -> ElasticSampler: ...
+
+    @property
+    def checkpoints(self) -> CheckpointManager: ...
+
+    def resume(self) -> bool: ...
+
+
+@dataclass
+class RecoveryReport:
+    """One in-place recovery as this rank saw it. ``phases`` (seconds): ``detection`` (the
+    failed collective -> the agent named the failed rank), ``teardown`` (old group destroyed),
+    ``group`` (new group formed, including waiting for the replacement), ``state`` (progress
+    exchanged, state sent to the joiner, DDP re-wrapped), ``first step`` (-> the next committed
+    step; filled in by the trainer). ``cause``: what started it, for the log line."""
+
+    generation: int
+    failed_ranks: list[int]
+    step: int
+    phases: dict[str, float] = field(default_factory=dict)
+    cause: str = "the failure"
+    source: int = 0
+    received: bool = False
+    redone: int = 0  # committed steps rolled back (sharded: to the peer copies' step)
+
+    @property
+    def seconds(self) -> float:
+        return sum(self.phases.values())
+
+
+@dataclass
+class Live:
+    """A survivor's sharded state as a failure left it (committed ``step``, post-step work done
+    up to ``after``), on the CPU: under HSDP the replicas of a dead rank's shard hold exactly
+    what it held, so the group goes on from here, nothing redone."""
+
+    step: int
+    after: int
+    world_size: int
+    state: dict[str, Any]
+
+    @classmethod
+    def of(cls, trainer: Recoverable) -> Live | None:
+        """``trainer``'s state, under HSDP only (``distributed.fsdp.replicas`` > 1)."""
+        if trainer.cfg.distributed.fsdp.replicas == 1:
+            return None
+        return cls(trainer.state.step, trainer.after_done, trainer.info.world_size,
+                   trainer.checkpoints.local_copy())
+
+
+def wire_device(trainer: Recoverable) -> torch.device:
+    """Where point-to-point payloads travel: nccl moves device tensors only; gloo host ones."""
+    return trainer.info.device if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def gather(trainer: Recoverable, mine: dict[str, Any]) -> list[dict[str, Any]]:
+    """``mine`` (with the task's fingerprint) from every member of the new group.
+
+    Raises:
+        ConfigError: the joiner built another task than the survivors."""
+    everyone: list[Any] = [None] * trainer.info.world_size
+    dist.all_gather_object(everyone, {**mine, "fingerprint": trainer.fingerprint})
+    if len({s["fingerprint"] for s in everyone}) > 1:
+        raise ConfigError("the replacement built another task than the survivors: "
+                          + "; ".join(f"rank {r}: {s['fingerprint']}"
+                                      for r, s in enumerate(everyone)))
+    return everyone
+
+
+def from_checkpoint(trainer: Recoverable, joining: bool) -> None:
+    """Every member loads the newest checkpoint (collective); without one, torch's restart
+    path (a rebuilt sharded model holds no trained weights).
+
+    Raises:
+        RuntimeError: there is no checkpoint and the state is not held by any member."""
+    if not trainer.resume() and trainer.checkpoints.sharded:
+        trainer.recovery.ask_restart()
+        raise RuntimeError("in-place recovery: no peer copy and no checkpoint holds the "
+                           "sharded state; restarting every worker")
+    trainer.after_done = trainer.state.step
+    trainer.rewrap()
+    trainer.session.callbacks.on_recovered(trainer.state.step, joining,
+                                           trainer.sampler.last_step)
+
+
+def _rejoin_sharded(trainer: Recoverable, joining: bool, report: RecoveryReport | None) -> None:
+    """:func:`rejoin` under FSDP: every member rolls back to the peer copies' step, a
+    replacement with the copy its successor held (``recovery/peer_copies.py``); when the copies
+    do not cover every rank, to the newest checkpoint. Collective."""
+    rank, world_size = trainer.info.rank, trainer.info.world_size
+    copies, recovery = trainer.recovery.copies, trainer.recovery
+    live, recovery.live = recovery.live, None
+    everyone = gather(trainer, {**copies.summary(), "joining": joining,
+                                 "live": None if live is None else
+                                 [live.step, live.after, live.world_size]})
+    replicas = plan_replicas(everyone, trainer.cfg.distributed.fsdp.replicas)
+    if replicas is not None:
+        _from_replicas(trainer, live, *replicas, joining, report)
+        return
+    chosen = plan(everyone)
+    if isinstance(chosen, str):
+        log.warning("in-place recovery under FSDP: %s; every rank loads the newest checkpoint",
+                    chosen)
+        from_checkpoint(trainer, joining)
+        if report is not None:
+            report.redone = max(report.step - trainer.state.step, 0)
+        return
+    step, sources = chosen
+    wire = wire_device(trainer)
+    received = hand_over(copies, step, sources, rank, world_size, wire)
+    if received is not None:
+        copies.adopt(received)  # type: ignore[union-attr]  # plan() saw copies on every rank
+    own = copies.own
+    assert own is not None
+    holder = sources.get(rank, rank)
+    trainer.checkpoints.load_local_copy(
+        unpack(own.payload), f"rank {holder}'s copy of rank {rank}'s state (step {step})",
+        keep=() if joining else ("goodput",))
+    copies.reshare(rank, world_size, wire)  # type: ignore[union-attr]
+    trainer.after_done = step
+    if report is not None:
+        report.source, report.received = holder, received is not None
+        report.redone = max(report.step - step, 0)
+    trainer.rewrap()
+    trainer.session.callbacks.on_recovered(step, joining, trainer.sampler.last_step)
+    log.info("rank %d %s step %d (peer copies; replacements %s)", rank,
+             "received the state of" if received is not None else "rolled back to", step,
+             sorted(sources) or "none")
+
+
+def _from_replicas(trainer: Recoverable, live: Live | None, step: int, after: int,
+                   sources: dict[int, int], joining: bool, report: RecoveryReport | None) -> None:
+    """HSDP: each replacement gets the live state of a surviving replica of its shard, every
+    survivor reloads its own; nothing is redone. The peer copies are refreshed at once (the
+    replacement has none)."""
+    rank, world_size, wire = trainer.info.rank, trainer.info.world_size, wire_device(trainer)
+    state = None if live is None else live.state
+    for receiver, holder in sorted(sources.items()):
+        if rank == holder:
+            send(pack(state), receiver, wire)
+        elif rank == receiver:
+            state = unpack(recv(holder, wire))
+    assert state is not None
+    holder = sources.get(rank, rank)
+    trainer.checkpoints.load_local_copy(state, f"rank {holder}'s state of step {step} (HSDP "
+                                        "replica)", keep=() if joining else ("goodput",))
+    copies = trainer.recovery.copies
+    if isinstance(copies, PeerCopies):
+        copies.refresh(trainer.checkpoints.local_copy(), step, rank, world_size, wire)
+    trainer.after_done = after
+    if report is not None:
+        report.source, report.received = holder, rank in sources
+    trainer.rewrap()
+    trainer.session.callbacks.on_recovered(step, joining, trainer.sampler.last_step)
+    log.info("rank %d %s step %d; replacement(s) %s received theirs from replica(s) %s", rank,
+             "received the state of" if rank in sources else "goes on at", step, sorted(sources),
+             [sources[r] for r in sorted(sources)])
+
+
+def rejoin(trainer: Recoverable, joining: bool, report: RecoveryReport | None = None) -> None:
+    """All members of a new group (the survivors and the joiner) agree on the state to go on
+    from and install it (module docstring, step 3-4). Collective.
+
+    Raises:
+        ConfigError: the joiner built another task than the survivors (fingerprints differ).
+    """
+    if trainer.checkpoints.sharded:
+        _rejoin_sharded(trainer, joining, report)
+        return
+    rank = trainer.info.rank
+    everyone = gather(trainer, {"step": trainer.state.step, "after": trainer.after_done,
+                                 "joining": joining})
+    candidates = [r for r, s in enumerate(everyone) if not s["joining"]]
+    if not candidates:  # every member is a replacement: the checkpoint is the fallback
+        log.warning("in-place recovery: no survivor holds the state; resuming from the newest "
+                    "checkpoint")
+        from_checkpoint(trainer, joining)
+        return
+    src = max(candidates, key=lambda r: (everyone[r]["step"], everyone[r]["after"], -r))
+    best = everyone[src]
+    receivers = [r for r, s in enumerate(everyone)
+                 if s["joining"] or (s["step"], s["after"]) != (best["step"], best["after"])]
+    wire = wire_device(trainer)
+    if rank == src and receivers:
+        payload = pack(trainer.checkpoints.state_dict())
+        for r in receivers:
+            send(payload, r, wire)
+    elif rank in receivers:
+        raw = unpack(recv(src, wire), trainer.info.device)
+        trainer.checkpoints.load_from_peer(raw, src)
+    trainer.after_done = best["after"]
+    if report is not None:
+        report.source, report.received = src, rank in receivers
+    trainer.rewrap()
+    trainer.session.callbacks.on_recovered(trainer.state.step, joining,
+                                           trainer.sampler.last_step)
+    log.info("rank %d %s step %d from rank %d", rank,
+             "received the state of" if rank in receivers else "goes on at", best["step"], src)
