@@ -33,7 +33,7 @@ OUTSIDE_KILLS = 10
 _REPLACED = re.compile(r"rank\(s\) \[(\d+)\] exited with code\(s\) \[(-?\d+)\]: replaced in "
                        r"place by (\w+) spare\(s\) pid\(s\) \[(\d+)\] \(generation (\d+)")
 _DONE = re.compile(r"in-place recovery (\d+) done: step (\d+) committed ([\d.]+) s")
-_WENT_ON = re.compile(r"\[rank0\] INFO elastic_runner\.recovery\.inplace: rank 0 (?:goes on at|received the "
+_WENT_ON = re.compile(r"\[rank0\] INFO elastic_runner\.recovery\.rejoin: rank 0 (?:goes on at|received the "
                       r"state of) step (\d+)")
 
 
