@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .common import run_logged, spread
+from .common import run_logged, slowest_over_ranks, spread
 
 VARIANTS = ("ddp-rank0", "ddp-dcp", "fsdp", "fsdp-dcp-async")
 RESULT = "checkpoint-scaling-result "
@@ -88,7 +88,7 @@ def _worker(args: argparse.Namespace) -> None:
                     storage_writer=dcp.FileSystemWriter(str(root / f"dcp-async-{i}")))
                 stall = time.perf_counter() - t0
                 future.result()
-                out["stall"].append(_slowest(stall))
+                out["stall"].append(slowest_over_ranks(stall))
             dist.destroy_process_group(group)
             continue
         layout = "rank0" if args.variant == "ddp-rank0" else "dcp"
@@ -102,22 +102,12 @@ def _worker(args: argparse.Namespace) -> None:
             m.wait()
             dist.barrier()  # every rank's part and rank 0's commit are done
             total = time.perf_counter() - t0
-            out[mode].append(_slowest(stall) if async_save else total)
+            out[mode].append(slowest_over_ranks(stall) if async_save else total)
         m.close()
     if rank == 0:
         print(RESULT + json.dumps(out), flush=True)
     dist.barrier()
     dist.destroy_process_group()
-
-
-def _slowest(seconds: float) -> float:
-    """The largest ``seconds`` over the ranks (what the whole step waits for)."""
-    import torch
-    import torch.distributed as dist
-
-    t = torch.tensor([seconds], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
 
 
 def run_one(world: int, variant: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:

@@ -80,6 +80,17 @@ def spread(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
+def slowest_over_ranks(seconds: float) -> float:
+    """The largest ``seconds`` over the ranks of the process group (what the whole step waits
+    for); collective."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
 @contextlib.contextmanager
 def etcd_server() -> Iterator[str]:
     """An ``etcd --enable-v2`` on free loopback ports in a temporary directory; its endpoint."""

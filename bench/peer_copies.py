@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .common import run_logged, spread
+from .common import run_logged, slowest_over_ranks, spread
 
 RESULT = "peer-copies-result "
 
@@ -72,31 +72,22 @@ def _worker(args: argparse.Namespace) -> None:
         dist.barrier()
         t0 = time.perf_counter()
         step()
-        out["step"].append(_slowest(time.perf_counter() - t0))
+        out["step"].append(slowest_over_ranks(time.perf_counter() - t0))
         dist.barrier()
         t0 = time.perf_counter()
         copies.refresh(manager.local_copy(), i + 1, rank, world, cpu)
-        out["refresh"].append(_slowest(time.perf_counter() - t0))
+        out["refresh"].append(slowest_over_ranks(time.perf_counter() - t0))
         dist.barrier()
         t0 = time.perf_counter()
         assert copies.own is not None
         manager.load_local_copy(unpack(copies.own.payload), "the copy")
-        out["restore"].append(_slowest(time.perf_counter() - t0))
+        out["restore"].append(slowest_over_ranks(time.perf_counter() - t0))
     out["copy_bytes"] = int(copies.own.payload.numel()) if copies.own else 0
     if rank == 0:
         print(RESULT + json.dumps(out), flush=True)
     manager.close()
     dist.barrier()
     dist.destroy_process_group()
-
-
-def _slowest(seconds: float) -> float:
-    import torch
-    import torch.distributed as dist
-
-    t = torch.tensor([seconds], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
 
 
 def run_one(world: int, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
