@@ -42,7 +42,9 @@ cause, so that the invariant holds (:meth:`Goodput.load_state_dict`):
 * a live state (a peer's, or this process's previous trainer's on a regroup; anything loaded
   outside the ``loading`` phase that ``session.resume`` announces): ``saved_at`` -> now is
   ``recovery`` (the state transfer), and the process's spans before are dropped (a spare's
-  start-up and stand-by ran beside the training).
+  start-up and stand-by ran beside the training). Under FSDP every rank rolls back to a peer
+  copy (``recovery/peer_copies.py``), whose account is a snapshot of the copy's step: the steps
+  undone since then count as ``recovery`` too.
 
 A gap that comes out negative (the writer's clock ahead of this node's: checkpoints move
 between nodes) counts 0 and moves the job start back by as much, so the causes stay >= 0 and

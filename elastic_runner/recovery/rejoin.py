@@ -188,9 +188,9 @@ def _rejoin_sharded(trainer: Recoverable, joining: bool, report: RecoveryReport 
     own = copies.own
     assert own is not None
     holder = sources.get(rank, rank)
+    # the goodput account too: the undone steps must not stay productive (observe/goodput.py)
     trainer.checkpoints.load_local_copy(
-        unpack(own.payload), f"rank {holder}'s copy of rank {rank}'s state (step {step})",
-        keep=() if joining else ("goodput",))
+        unpack(own.payload), f"rank {holder}'s copy of rank {rank}'s state (step {step})")
     copies.reshare(rank, world_size, wire)  # type: ignore[union-attr]
     trainer.after_done = step
     if report is not None:
