@@ -422,6 +422,8 @@ def test_the_plan_of_a_recovery_from_peer_copies():
     assert "different steps" in plan([member(20, 20), member(24, 24), *one[1:3]])
     assert "another world size" in plan([member(20, 20, world=2), *one[1:]])
     assert plan([member(None, None, True, 0)] * 2) == "no survivor holds a copy"
+    assert plan([member(None, None, world=0), member(None, None, True, 0)]) == (
+        "no peer copy was taken yet (recovery.peer_copy_every_steps; 0: none)")
 
 
 def test_the_plan_of_an_hsdp_recovery_from_replicas():

@@ -118,6 +118,8 @@ def plan(everyone: list[dict[str, Any]]) -> tuple[int, dict[int, int]] | str:
     survivors = [r for r, s in enumerate(everyone) if not s["joining"]]
     if not survivors:
         return "no survivor holds a copy"
+    if all(everyone[r]["own"] is None for r in survivors):
+        return "no peer copy was taken yet (recovery.peer_copy_every_steps; 0: none)"
     if any(everyone[r]["world_size"] != world_size for r in survivors):
         return f"the copies were taken at another world size than {world_size}"
     steps = {everyone[r]["own"] for r in survivors}
