@@ -27,6 +27,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+import fsspec
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -90,14 +91,8 @@ def read_metadata(path: str | Path) -> Metadata:
     Raises:
         pickle.UnpicklingError: it names any other global; OSError: unreadable.
     """
-    if is_url(path):
-        import fsspec
-
-        with fsspec.open(f"{str(path).rstrip('/')}/{METADATA}", "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
-    else:
-        with open(Path(path) / METADATA, "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
+    with fsspec.open(f"{str(path).rstrip('/')}/{METADATA}", "rb") as f:  # a path or a URL
+        metadata = _MetadataUnpickler(f).load()
     if not isinstance(metadata, Metadata):
         raise pickle.UnpicklingError(f"{METADATA} holds a {type(metadata).__name__}, not DCP "
                                      "Metadata")
@@ -105,7 +100,12 @@ def read_metadata(path: str | Path) -> Metadata:
 
 
 class _SafeMetadata:
-    """``read_metadata`` with :func:`read_metadata`'s restricted unpickler."""
+    """``read_metadata`` with :func:`read_metadata`'s restricted unpickler (before a DCP reader
+    class: the checkpoint's path or URL as given, which fsspec's reader strips)."""
+
+    def __init__(self, path: str | Path) -> None:
+        super().__init__(path)  # type: ignore[call-arg]
+        self.where = str(path)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         metadata = read_metadata(self.where)  # type: ignore[attr-defined]
@@ -116,10 +116,6 @@ class _SafeMetadata:
 
 class SafeReader(_SafeMetadata, dcp.FileSystemReader):
     """DCP's filesystem reader with :func:`read_metadata`'s restricted unpickler."""
-
-    def __init__(self, path: str | Path) -> None:
-        super().__init__(path)
-        self.where = str(path)
 
 
 @cache
@@ -149,11 +145,7 @@ def is_url(path: str | Path) -> bool:
 def reader(path: str | Path) -> dcp.StorageReader:
     """A reader of the checkpoint at ``path`` (local or fsspec URL) that unpickles only DCP's
     metadata classes."""
-    if not is_url(path):
-        return SafeReader(path)
-    safe = _safe_fsspec_reader()(str(path))
-    safe.where = str(path)
-    return safe
+    return SafeReader(path) if not is_url(path) else _safe_fsspec_reader()(str(path))
 
 
 def writer(path: str | Path) -> dcp.StorageWriter:

@@ -440,11 +440,9 @@ class CheckpointManager:
         sharded = dcp_format.sharded_state(self.state["model"], self.state["optimizer"])
         return {"shards": dcp_format.local_shards(sharded), "rest": self._rest()}
 
-    def load_local_copy(self, raw: dict[str, Any], source: str, keep: tuple[str, ...] = ()
-                        ) -> None:
+    def load_local_copy(self, raw: dict[str, Any], source: str) -> None:
         """Load :meth:`local_copy`'s ``raw`` (taken on this rank's position of a mesh of the
-        same shape) into ``state``; the keys in ``keep`` stay as they are (a survivor's live
-        goodput account). Not collective.
+        same shape) into ``state``. Not collective.
 
         Raises:
             CheckpointError: a missing key, or shards that do not fit (named)."""
@@ -457,7 +455,7 @@ class CheckpointManager:
         except ValueError as e:
             raise ckpt.CheckpointError(f"{source}: {e}") from e
         for key, obj in self.state.items():
-            if key not in dcp_format.SHARDED_KEYS and key not in keep:
+            if key not in dcp_format.SHARDED_KEYS:
                 obj.load_state_dict(raw["rest"][key])
 
     def rollback(self, map_location: str | torch.device = "cpu") -> bool:

@@ -113,6 +113,14 @@ def _display(fs: fsspec.AbstractFileSystem, path: str) -> str:
     return path if _is_local(fs) else fs.unstrip_protocol(path)
 
 
+def _clear(fs: fsspec.AbstractFileSystem, path: str) -> None:
+    """Remove ``path`` and everything under it if it exists, looking past the listing cache
+    (another process may have written it since this one listed)."""
+    fs.invalidate_cache(path)
+    if fs.exists(path):
+        fs.rm(path, recursive=True)
+
+
 def _ls(fs: fsspec.AbstractFileSystem, path: str) -> list[dict[str, Any]]:
     """``fs.ls(path, detail=True)`` past the listing cache: object-store clients (s3fs, gcsfs)
     cache listings per process and never expire them, so other processes' commits and deletions
@@ -237,9 +245,7 @@ def staging_dir(directory: str | Path, names: list[str], fence: Fence | NoFence 
     if not _is_local(fs):
         final = f"{root}/{names[0]}"
         fence.check(", ".join(names))  # fail early: a stale writer overwrites nothing
-        fs.invalidate_cache(final)
-        if fs.exists(final):  # no manifest before the commit: nothing trusts it meanwhile
-            fs.rm(final, recursive=True)
+        _clear(fs, final)  # no manifest before the commit: nothing trusts it meanwhile
         return _display(fs, final)
     tmp = Path(root) / f".tmp-{names[0]}-{os.getpid()}"
     if tmp.exists():
@@ -251,10 +257,9 @@ def staging_dir(directory: str | Path, names: list[str], fence: Fence | NoFence 
 def file_names(directory: str | Path) -> list[str]:
     """The names of the files directly in ``directory`` (local or URL), fresh (not cached)."""
     fs, root = _resolve(directory)
-    fs.invalidate_cache(root)
     if not fs.exists(root):
         return []
-    return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(root, detail=False))
+    return sorted(e["name"].rstrip("/").rsplit("/", 1)[-1] for e in _ls(fs, root))
 
 
 def hash_files(directory: str | Path, names: list[str]) -> dict[str, Any]:
@@ -323,9 +328,7 @@ def _commit_sharded_object_store(fs: fsspec.AbstractFileSystem, final: str, name
     parent = final.rsplit("/", 1)[0]
     finals = [final, *(f"{parent}/{name}" for name in names[1:])]
     for other in finals[1:]:
-        fs.invalidate_cache(other)
-        if fs.exists(other):
-            fs.rm(other, recursive=True)
+        _clear(fs, other)
         for fname in files:
             fs.copy(f"{final}/{fname}", f"{other}/{fname}")
     with fence.guard(", ".join(names)):
@@ -380,9 +383,7 @@ def _write_object_store(fs: fsspec.AbstractFileSystem, root: str, names: list[st
     finals = [f"{root}/{name}" for name in names]
     fence.check(", ".join(names))  # fail early: a stale writer overwrites nothing
     for final in finals:  # invalidate before overwriting: no manifest, no trust
-        fs.invalidate_cache(final)  # another process may have written it since we listed
-        if fs.exists(final):
-            fs.rm(final, recursive=True)
+        _clear(fs, final)
         fs.makedirs(final, exist_ok=True)
     with fs.open(f"{finals[0]}/{STATE_FILE}", "wb") as f:
         files = {STATE_FILE: _save_hashed(f, state)}

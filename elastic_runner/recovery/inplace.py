@@ -339,13 +339,7 @@ class InPlaceRecovery:
         trainer.session.callbacks.on_phase("recovering", "in-place recovery", True)
         t1 = time.perf_counter()
         report.phases["detection"] = t1 - t0
-        # peers that wait on this rank in the old group's collective fail now, as if it had
-        # died, instead of at the collective timeout (gloo cannot abort: recovery/group_sockets.py)
-        self.sockets.cut()
-        if trainer.checkpoints.sharded:  # a sharded save in flight failed with the peer
-            trainer.checkpoints.abandon()
-            self.live = Live.of(trainer)
-        dist.destroy_process_group()
+        self._leave_group(trainer)
         t2 = time.perf_counter()
         report.phases["teardown"] = t2 - t1
         members = announced.get("members")
@@ -372,6 +366,17 @@ class InPlaceRecovery:
             return self.recover(e, trainer)
         report.phases["state"] = time.perf_counter() - t3
         return report
+
+    def _leave_group(self, trainer: Recoverable) -> None:
+        """Destroy the failed group. Its connections are cut first, so peers that wait on this
+        rank in its collective fail now, as if it had died, instead of at the collective timeout
+        (gloo cannot abort: recovery/group_sockets.py). Sharded state: the save in flight
+        (which failed with the peer) is abandoned, and under HSDP the live state kept."""
+        self.sockets.cut()
+        if trainer.checkpoints.sharded:
+            trainer.checkpoints.abandon()
+            self.live = Live.of(trainer)
+        dist.destroy_process_group()
 
     def _next_announcement(self) -> dict[str, Any] | None:
         """The next generation's announcement (or the restart path's), within

@@ -25,6 +25,7 @@ from __future__ import annotations
 import io
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -167,18 +168,18 @@ def plan_replicas(everyone: list[dict[str, Any]], replicas: int
     return step, after, sources
 
 
-def hand_over(copies: PeerCopies | NoCopies, step: int, sources: dict[int, int], rank: int,
-              world_size: int, wire: torch.device) -> Copy | None:
-    """Each holder in ``sources`` (:func:`plan`'s) sends its held copy of ``step`` to the
-    replacement it names; returns the copy this rank received (None if it received none).
-    Point to point between the members named."""
+def hand_over(payload: Callable[[], torch.Tensor], sources: dict[int, int], rank: int,
+              wire: torch.device) -> torch.Tensor | None:
+    """Each holder in ``sources`` (``{replacement: holder}``, from :func:`plan` or
+    :func:`plan_replicas`) sends ``payload()`` (asked of holders only) to the replacement it
+    names; returns what this rank received (None if it received nothing). Point to point
+    between the members named."""
     received = None
     for receiver, holder in sorted(sources.items()):
         if rank == holder:
-            assert copies.held is not None
-            send(copies.held.payload, receiver, wire)
+            send(payload(), receiver, wire)
         elif rank == receiver:
-            received = Copy(step, world_size, recv(holder, wire))
+            received = recv(holder, wire)
     return received
 
 

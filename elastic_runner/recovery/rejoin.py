@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from ..config_base import ConfigError
 from .peer_copies import (
+    Copy,
     NoCopies,
     PeerCopies,
     hand_over,
@@ -182,9 +183,10 @@ def _rejoin_sharded(trainer: Recoverable, joining: bool, report: RecoveryReport 
         return
     step, sources = chosen
     wire = wire_device(trainer)
-    received = hand_over(copies, step, sources, rank, world_size, wire)
-    if received is not None:
-        copies.adopt(received)  # type: ignore[union-attr]  # plan() saw copies on every rank
+    received = hand_over(lambda: copies.held.payload,  # type: ignore[union-attr]
+                         sources, rank, wire)
+    if received is not None:  # plan() saw copies on every rank
+        copies.adopt(Copy(step, world_size, received))  # type: ignore[union-attr]
     own = copies.own
     assert own is not None
     holder = sources.get(rank, rank)
@@ -209,16 +211,16 @@ def _from_replicas(trainer: Recoverable, live: Live | None, step: int, after: in
     survivor reloads its own; nothing is redone. The peer copies are refreshed at once (the
     replacement has none)."""
     rank, world_size, wire = trainer.info.rank, trainer.info.world_size, wire_device(trainer)
-    state = None if live is None else live.state
-    for receiver, holder in sorted(sources.items()):
-        if rank == holder:
-            send(pack(state), receiver, wire)
-        elif rank == receiver:
-            state = unpack(recv(holder, wire))
-    assert state is not None
+    received = hand_over(lambda: pack(live.state), sources, rank, wire)  # type: ignore[union-attr]
+    if received is not None:
+        state = unpack(received)
+    else:
+        assert live is not None  # plan_replicas() saw every survivor's live state
+        state = live.state
     holder = sources.get(rank, rank)
+    # a survivor's own goodput account, as the failure left it: the time since is recovery
     trainer.checkpoints.load_local_copy(state, f"rank {holder}'s state of step {step} (HSDP "
-                                        "replica)", keep=() if joining else ("goodput",))
+                                        "replica)")
     copies = trainer.recovery.copies
     if isinstance(copies, PeerCopies):
         copies.refresh(trainer.checkpoints.local_copy(), step, rank, world_size, wire)
