@@ -734,7 +734,7 @@ def final_model(ck: Path) -> tuple[int, dict[str, torch.Tensor]]:
 def compare(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[str, Any]:
     same_keys = a.keys() == b.keys()
     diffs = [(a[k].double() - b[k].double()).abs().max().item() for k in a if k in b]
-    return {"bitwise": same_keys and all(torch.equal(a[k], b[k]) for k in a),
+    return {"bitwise": bool(a) and same_keys and all(torch.equal(a[k], b[k]) for k in a),
             "max_abs_diff": max(diffs, default=float("nan")), "tensors": len(a)}
 
 

@@ -308,6 +308,8 @@ def _print_epoch(r: EpochReport) -> None:
                          ("unexpected", r.unexpected)):
         if items:
             print(f"      {label}: {items[:20]}{' ...' if len(items) > 20 else ''}")
+    if r.wrong_tail:
+        print(f"      dropped tail: {r.wrong_tail}")
     if r.repaired:
         print(f"      repaired: {r.repaired} entries written from the sampler for ranks that "
               "died before writing them")

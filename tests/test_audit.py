@@ -47,6 +47,44 @@ def test_complete_epoch_is_ok_and_counts_tail(tmp_path):
     assert (r.expected, r.seen_once, r.dropped) == (12, 12, 1)
 
 
+def test_an_epoch_cut_short_that_records_its_rest_as_dropped_fails(tmp_path, capsys):
+    """The epoch-end record is the sampler's word: 13 samples, 2 steps of 4 trained, 5 recorded
+    as dropped. Every index is accounted for, but one global batch of 4 leaves a tail of 1."""
+    write_epoch(tmp_path, 0, [1, 2], n=13, dropped=range(8, 13))
+    (r,) = audit(tmp_path)
+    assert not r.missing and not r.duplicated and not r.unexpected
+    assert not r.ok and r.global_batches == [4]
+    assert r.wrong_tail == ("5 samples recorded as dropped; one global batch of 4 over 13 "
+                            "samples leaves 1")
+    assert cli_main(["audit", str(tmp_path)]) == 1
+    assert "dropped tail: 5 samples recorded as dropped" in capsys.readouterr().out
+
+
+def test_a_global_batch_that_changed_leaves_a_tail_shorter_than_the_last_step(tmp_path):
+    write_epoch(tmp_path, 0, [1, 2], world_size=2, n=20, dropped=[])  # 2 steps of 4: 0..7
+    t = SampleTrace(tmp_path, 0)  # the world size fell to 1 at step 3: steps of 2 samples
+    for step, idx in ((3, [8, 9]), (4, [10, 11]), (5, [12, 13]), (6, [14, 15]), (7, [16, 17])):
+        t.record_step(0, step, 1, 0.5, idx)
+    t.close()
+    (r,) = audit(tmp_path)
+    assert r.global_batches == [4, 2] and r.missing == [18, 19] and not r.ok
+    # the same steps with 18, 19 as the tail: 2 is not shorter than the last global batch
+    write_epoch(tmp_path / "b", 0, [1, 2], world_size=2, n=20, dropped=[18, 19])
+    t = SampleTrace(tmp_path / "b", 0)
+    for step in range(3, 8):
+        t.record_step(0, step, 1, 0.5, [2 * step + 2, 2 * step + 3])
+    t.close()
+    (r,) = audit(tmp_path / "b")
+    assert not r.missing and "not fewer than the last step's global batch (2)" in r.wrong_tail
+    write_epoch(tmp_path / "c", 0, [1, 2], world_size=2, n=19, dropped=[18])
+    t = SampleTrace(tmp_path / "c", 0)
+    for step in range(3, 8):
+        t.record_step(0, step, 1, 0.5, [2 * step + 2, 2 * step + 3])
+    t.close()
+    (r,) = audit(tmp_path / "c")
+    assert r.ok, r
+
+
 def test_duplicates_and_missing_are_reported(tmp_path):
     write_epoch(tmp_path, 0, [1, 2], n=10)  # indices 0..7 seen, 8 and 9 missing
     t = SampleTrace(tmp_path, 0)

@@ -16,7 +16,7 @@ from elastic_runner.checkpoint.manager import CheckpointEvent, CheckpointManager
 from elastic_runner.data.sampler import ElasticSampler
 from elastic_runner.train.state import TrainState
 
-from .ft_helpers import assert_bitwise
+from .evidence import assert_same_tensors
 
 
 class Recorder:
@@ -62,7 +62,7 @@ def snapshot(state: dict) -> dict:
 
 def assert_same(state: dict, snap: dict) -> None:
     now = snapshot(state)
-    assert_bitwise(now["model"], snap["model"])
+    assert_same_tensors(now["model"], snap["model"])
     for a, b in zip(now["momentum"], snap["momentum"], strict=True):
         assert torch.equal(a, b)
     assert now["sampler"] == snap["sampler"]
@@ -232,7 +232,7 @@ def test_model_of_another_shape_is_a_checkpoint_error_naming_the_tensors(tmp_pat
     msg = str(e.value)
     assert "shape mismatch (1): weight: checkpoint (3, 4) vs model (3, 5)" in msg
     assert "bias" not in msg  # same shape: not named
-    assert_bitwise(other["model"].state_dict(), before)  # nothing was loaded
+    assert_same_tensors(other["model"].state_dict(), before)  # nothing was loaded
 
 
 def test_rollback_reloads_the_newest_checkpoint(tmp_path):

@@ -14,7 +14,8 @@ from torch import nn
 from elastic_runner.data.loader import elastic_dataloader
 from elastic_runner.train.engine import StepEngine, batch_loss, precision_dtype, to_device
 
-from .ft_helpers import CPU, assert_bitwise, build_session, regression_data, weights
+from .evidence import assert_same_tensors
+from .ft_helpers import CPU, build_session, regression_data, weights
 
 META = torch.device("meta")
 
@@ -139,7 +140,7 @@ def test_accumulation_of_two_micro_batches_equals_one_micro_batch_of_twice_the_s
 def test_non_finite_loss_skips_the_update(tmp_path):
     before, after, loss, session = one_step(tmp_path, "nan", micro_batch=8, accum=2,
                                             poison=True)
-    assert_bitwise(after, before)
+    assert_same_tensors(after, before)
     assert not torch.isfinite(loss)
     assert (session.state.bad_steps, session.state.bad_in_row) == (1, 1)
 

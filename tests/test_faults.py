@@ -13,9 +13,10 @@ import pytest
 from elastic_runner.checkpoint import storage as ckpt
 from elastic_runner.data import audit
 
+from .evidence import DIGITS_GLOBAL_BATCH, DIGITS_TRAIN, assert_exact_audit, assert_same_tensors
 from .procs import CONFIGS, cli, wait_until
 from .test_outside_faults import trainers
-from .test_train_torchrun import assert_same_tensors, final_state, rank_summaries
+from .test_train_torchrun import final_state, rank_summaries
 
 pytestmark = pytest.mark.slow
 
@@ -84,8 +85,10 @@ def test_sigterm_to_a_worker_checkpoints_that_step_and_loses_nothing(launch, tmp
     assert "step 8 discarded" in out
     assert f"resumed from {ck / 'step-00000007'}: step 7" in out
     assert "sample trace: dropped" not in out  # zero lost steps
-    (report,) = audit.audit(trace)
-    assert report.seen_once == 12 * 64 and not report.duplicated
+    # a preemption: every rank checkpointed step 7 and the restart resumed it; nothing repaired
+    (report,) = assert_exact_audit(trace, steps=12, global_batch=DIGITS_GLOBAL_BATCH,
+                                   num_samples=DIGITS_TRAIN)
+    assert report.seen_once == 12 * 64
     assert_same_tensors(final_state(tmp_path / "ref")["model"], final_state(ck)["model"])
 
 
@@ -105,6 +108,8 @@ def test_sigterm_to_the_agent_stops_within_grace_with_a_checkpoint(launch, tmp_p
                   "--trace-samples", str(trace))
     assert again.wait(timeout=240) == 0, again.output[-3000:]
     assert f": step {last}," in again.output and "sample trace: dropped" not in again.output
+    assert_exact_audit(trace, steps=last + 2, global_batch=DIGITS_GLOBAL_BATCH,
+                       num_samples=DIGITS_TRAIN)
 
 
 def test_sigterm_to_a_workers_process_group_with_dataloader_workers(launch, tmp_path):
@@ -145,6 +150,8 @@ def test_nan_step_is_skipped_on_all_ranks(launch, tmp_path):
     assert (state["step"], state["bad_steps"], state["rollbacks"]) == (12, 1, 0)
     skipped = {e["step"] for e in audit.read_entries(trace) if e.get("skipped")}
     assert skipped == {6}
+    assert_exact_audit(trace, steps=12, global_batch=DIGITS_GLOBAL_BATCH,
+                       num_samples=DIGITS_TRAIN)  # the skipped step's samples were consumed
 
 
 def test_nan_streak_rolls_back_once_then_succeeds(launch, tmp_path):

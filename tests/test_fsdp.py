@@ -14,9 +14,16 @@ import torch
 from elastic_runner.checkpoint import storage as ckpt
 from elastic_runner.data import audit
 
+from .evidence import (
+    DIGITS_GLOBAL_BATCH,
+    DIGITS_TRAIN,
+    assert_exact_audit,
+    assert_same_optimizer,
+    assert_same_tensors,
+)
 from .needs import HF_EXTRA, require_modules
 from .procs import CONFIGS, Pace, cli, run_cli, wait_until
-from .test_train_torchrun import assert_same_tensors, final_state, results
+from .test_train_torchrun import final_state, results
 
 pytestmark = pytest.mark.slow
 
@@ -33,12 +40,6 @@ def run_to_end(launch, name, *args, timeout=300):
 
 def committed(ck: Path) -> list[int]:
     return sorted(c.step for c in ckpt.list_checkpoints(ck) if c.kind == "step" and c.valid)
-
-
-def assert_same_optimizer(a: dict, b: dict) -> None:
-    assert a["state"].keys() == b["state"].keys()
-    for name in a["state"]:
-        assert_same_tensors(a["state"][name], b["state"][name])
 
 
 def test_fsdp_kill_and_resume_is_bitwise_also_when_a_rank_dies_in_the_save(launch, tmp_path):
@@ -107,8 +108,9 @@ def test_fsdp_in_place_recovery_rolls_back_to_peer_copies_bitwise(launch, tmp_pa
     assert_same_tensors(want["model"], got["model"])
     assert_same_optimizer(want["optimizer"], got["optimizer"])
     assert committed(ck)[-1] == 40
-    for r in audit.audit(trace):
-        assert r.ok and not r.duplicated, r
+    # two ranks killed in place, each after committing steps: at most one entry each repaired
+    assert_exact_audit(trace, steps=40, global_batch=DIGITS_GLOBAL_BATCH,
+                       num_samples=DIGITS_TRAIN, repaired_at_most=2)
     steps = sorted(e["step"] for e in audit.read_entries(trace) if "indices" in e)
     assert steps == sorted(list(range(1, 41)) * 2)
 
@@ -156,8 +158,9 @@ def test_fsdp_continue_shrunk_reshards_from_checkpoints_in_place(launch, tmp_pat
     assert "Traceback" not in out
     worlds = {e["step"]: e["world_size"] for e in audit.read_entries(trace) if "world_size" in e}
     assert worlds[21] == 1 and worlds[60] == 2 and sorted(worlds) == list(range(1, 61))
-    for r in audit.audit(trace):
-        assert r.ok and not r.duplicated, r
+    # batch.global_batch_size=64 at world sizes 2 and 1; rank 1 killed in place after step 23
+    assert_exact_audit(trace, steps=60, global_batch=64, num_samples=DIGITS_TRAIN,
+                       repaired_at_most=1)
     by_step: dict[int, int] = {}
     for e in audit.read_entries(trace):
         if "indices" in e:
@@ -197,11 +200,11 @@ def test_fsdp_reshards_2_3_1_2_from_a_ddp_checkpoint_with_every_sample_once(laun
                                                                         "__1_0.distcp"}
     assert ckpt.inspect(ck / "step-00000052").world_size == 2
 
-    reports = audit.audit(trace)
+    # global batch 48 at every world size, 2 epochs of 26 steps; restarts only
+    reports = assert_exact_audit(trace, steps=52, global_batch=48, num_samples=DIGITS_TRAIN)
     assert [r.epoch for r in reports] == [0, 1]
     for r in reports:
-        assert r.complete and r.ok, r
-        assert r.seen_once == r.expected == 1257 - r.dropped
+        assert r.complete and r.seen_once == r.expected == DIGITS_TRAIN - r.dropped, r
     worlds = {e["step"]: e["world_size"] for e in audit.read_entries(trace) if "world_size" in e}
     assert (worlds[8], worlds[9], worlds[20], worlds[21], worlds[32], worlds[33], worlds[45]) == (
         2, 3, 3, 1, 1, 2, 2)
@@ -264,7 +267,8 @@ def test_hsdp_2x2_recovers_from_a_replica_and_resumes_as_plain_fsdp(launch, tmp_
     ref = tmp_path / "ref"
     run_to_end(launch, "reference", *hsdp[:-4], "faults.inject=[{kind: nan, rank: 3, step: 4}]",
                f"checkpoint.dir={ref}", *hsdp[-2:], timeout=400)
-    job = run_to_end(launch, "hsdp", *hsdp, timeout=400)
+    trace = tmp_path / "trace"
+    job = run_to_end(launch, "hsdp", *hsdp, "--trace-samples", str(trace), timeout=400)
     out = job.output
     assert "FSDP2: 0 unit(s) + root on mesh (2, 2)" in out
     assert "step 4: non-finite loss or gradient on at least one rank: update skipped" in out
@@ -276,6 +280,12 @@ def test_hsdp_2x2_recovers_from_a_replica_and_resumes_as_plain_fsdp(launch, tmp_
     assert got["train_state"]["bad_steps"] == want["train_state"]["bad_steps"] == 1
     assert_same_tensors(want["model"], got["model"])
     assert_same_optimizer(want["optimizer"], got["optimizer"])
+    # global batch 32 (4 ranks x 4 x 2); step 4 skipped (its samples consumed, traced with
+    # "skipped"); rank 2 killed in place after step 5: at most its entry of step 5 repaired
+    assert_exact_audit(trace, steps=8, global_batch=32, num_samples=DIGITS_TRAIN,
+                       repaired_at_most=1)
+    skipped = {e["step"] for e in audit.read_entries(trace) if e.get("skipped")}
+    assert skipped == {4}
     # every_seconds: rank 0's clock decides a save every rank writes (its answer is broadcast)
     job = run_to_end(launch, "fsdp", *common, "training.max_steps=11",
                      "checkpoint.every_seconds=0.01")

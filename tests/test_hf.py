@@ -17,9 +17,9 @@ from .needs import HF_EXTRA, require_modules
 
 require_modules("transformers", "tokenizers", install_hint=HF_EXTRA)
 
-from elastic_runner.data import audit  # noqa: E402
 from elastic_runner.tasks.export import model_from_checkpoint  # noqa: E402
 
+from .evidence import assert_exact_audit  # noqa: E402
 from .hf_helpers import fresh_load, runner_logits  # noqa: E402
 from .procs import cli  # noqa: E402
 from .test_docs import copy_example  # noqa: E402
@@ -48,8 +48,10 @@ def test_readme_transformers_task_resumes_exports_and_loads_without_the_runner(l
     assert job.wait(timeout=400) == 0, job.output[-3000:]
     assert "fault injection: rank 1 sigkill after step 100" in job.output
     assert f"resumed from {ck}/step-00000100: step 100" in job.output, job.output[-3000:]
-    (report,) = audit.audit(trace)
-    assert report.complete and report.ok and report.seen_once == 156 * 64, report
+    # glosses.yaml: micro-batch 32 at 2 ranks (global batch 64), 156 steps in its one epoch;
+    # the restart path: nothing repaired
+    (report,) = assert_exact_audit(trace, steps=156, global_batch=64)
+    assert report.complete and report.seen_once == 156 * 64, report
 
     sys.path.insert(0, str(tmp_path))
     try:

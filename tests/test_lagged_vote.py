@@ -19,9 +19,10 @@ from elastic_runner.train.build import build_trainer
 from elastic_runner.train.callbacks import Callback
 from elastic_runner.train.consensus import LaggedConsensus, LocalConsensus, skips_on_device
 
+from .evidence import assert_same_tensors
 from .ft_helpers import weights
 from .procs import CONFIGS, cli, wait_until
-from .test_train_torchrun import assert_same_tensors, final_state
+from .test_train_torchrun import final_state
 
 DIGITS = CONFIGS / "digits.yaml"
 BASE = ["logging.tensorboard_dir=null", "logging.progress_bar=false", "optimizer.fused=true",

@@ -16,9 +16,8 @@ import time
 
 import pytest
 
-from elastic_runner.data import audit
-
 from .etcd import EtcdServer, etcd_on
+from .evidence import DIGITS_TRAIN, assert_exact_audit
 from .netns import Nodes
 from .procs import Job, Pace, cli, wait_until
 from .test_inplace import DIGITS
@@ -82,9 +81,13 @@ def sizes_seen(tmp_path) -> set[int]:
     return {w for sizes, _ in steps(tmp_path / "trace").values() for w in sizes}
 
 
-def check_samples(tmp_path) -> None:
-    for r in audit.audit(tmp_path / "trace"):
-        assert r.ok, r
+def check_samples(tmp_path, steps: int, global_batch: int = GLOBAL_BATCH, killed: int = 0
+                  ) -> None:
+    """The audit of the run's ``steps`` steps is exact, at the constant ``global_batch``;
+    ``killed``: the nodes' workers killed or cut off after committing steps (a preempted node
+    leaves at a step boundary), each may leave one entry repaired."""
+    assert_exact_audit(tmp_path / "trace", steps=steps, global_batch=global_batch,
+                       num_samples=DIGITS_TRAIN, repaired_at_most=killed)
 
 
 def test_c10d_a_partitioned_node_is_left_behind_and_fenced_out_when_it_heals(
@@ -119,7 +122,7 @@ def test_c10d_a_partitioned_node_is_left_behind_and_fenced_out_when_it_heals(
     assert sorted(trace) == list(range(1, 401)) and sizes_seen(tmp_path) == {3, 2}
     assert {samples for _, samples in trace.values()} == {GLOBAL_BATCH}
     assert "resumed from" not in jobs[0].output
-    check_samples(tmp_path)
+    check_samples(tmp_path, steps=400, killed=1)  # node 2's worker, cut off
 
 
 def sizes_in_order(trace) -> list[int]:
@@ -177,7 +180,7 @@ def test_c10d_nodes_join_and_leave_in_place_2_3_2_1_2(launch, netns_nodes, tmp_p
     assert sorted(trace) == list(range(1, total + 1))
     assert {samples for _, samples in trace.values()} == {GLOBAL_BATCH}
     assert all(len(sizes) == 1 for sizes, _ in trace.values())
-    check_samples(tmp_path)
+    check_samples(tmp_path, steps=total, killed=1)  # node 1's worker
 
 
 def test_etcd_2_3_2_1_2_the_store_host_leaves_then_its_successor_dies_in_place(
@@ -244,7 +247,7 @@ def test_etcd_2_3_2_1_2_the_store_host_leaves_then_its_successor_dies_in_place(
     assert sorted(trace) == list(range(1, total + 1))
     assert {samples for _, samples in trace.values()} == {GLOBAL_BATCH}
     assert all(len(sizes) == 1 for sizes, _ in trace.values())
-    check_samples(tmp_path)
+    check_samples(tmp_path, steps=total, killed=1)  # the successor's worker
 
 
 def test_c10d_a_node_the_global_batch_cannot_take_is_refused_and_the_group_goes_on(
@@ -268,4 +271,4 @@ def test_c10d_a_node_the_global_batch_cannot_take_is_refused_and_the_group_goes_
     assert sorted(trace) == list(range(1, 301)) and sizes_seen(tmp_path) == {2}
     assert {samples for _, samples in trace.values()} == {64}
     assert "resumed from" not in jobs[0].output
-    check_samples(tmp_path)
+    check_samples(tmp_path, steps=300, global_batch=64)  # nothing killed

@@ -1,7 +1,7 @@
 """Several torchrun agents ("nodes") on this machine around a real etcd: a node is lost
-(SIGKILL of its agent and workers), another joins (in place), one is evicted (SIGTERM: in
-place, or all ranks checkpoint that step and the other node goes on alone from it); the group
-re-forms at each world size and the sample audit stays exact."""
+(SIGKILL of its agent and workers), another joins, one is evicted (SIGTERM), each in place: the
+remaining node's worker goes on at the new world size without a restart (with etcd the recovery
+store moves to a remaining node when the one hosting it leaves); the sample audit stays exact."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import pytest
 from elastic_runner.checkpoint import storage as ckpt
 from elastic_runner.data import audit
 
+from .evidence import DIGITS_TRAIN, assert_exact_audit
 from .procs import CONFIGS, cli, free_port, wait_until
 from .test_metrics import get, samples
 
@@ -58,42 +59,44 @@ def test_node_loss_and_join_keep_every_sample_exactly_once(launch, etcd_server, 
                "20 steps at world size 2 after node C joined")
     sizes = world_sizes(trace)
     assert sizes[0] == 2 and 1 in sizes and sizes[-1] == 2
-    # C joined in place: A's worker took it in at a step boundary, no restart, one more
-    # round; B's loss took no round when A's worker went on without it in place (B was not
-    # node rank 0, whose agent hosts the recovery store), else one
+    # B's loss in place: A's worker went on without it (if B's agent hosted the recovery
+    # store, A's agent moved it to itself), no round; C joined in place: A's worker took it in
+    # at a step boundary, no restart, one more round
+    # TODO(lead): this test used to accept a restart for B's loss (and below for C's
+    # eviction) as well as in place: B or C may host the recovery store (whichever agent
+    # became node rank 0). Pinned to in place, as the etcd successor fail-over
+    # (agent/inplace_agent.py _fail_over, membership.Policy.refuses) and test_deploy.py /
+    # test_membership_nodes.py (the store's host lost or preempted in place, on etcd-v2) say;
+    # the module docstring promised both.
     _, text = get(port)
+    assert re.search(r"membership: node\(s\) \[\d+\] lost", a.output), a.output[-3000:]
     assert re.search(r"membership: node\(s\) \[\d+\] join after step", a.output), a.output[-3000:]
+    assert "resumed from" not in a.output + c.output, a.output[-3000:]
     assert sum(samples(text, "elastic_runner_membership_changes_total", reason="joined")) == 1
-    in_place = "membership: node(s) [1] lost" in a.output
-    assert in_place or "resumed from" in a.output
-    assert samples(text, "elastic_runner_rendezvous_total")[0] >= (2 if in_place else 3)
+    assert samples(text, "elastic_runner_rendezvous_total")[0] >= 2
     assert samples(text, "elastic_runner_world_size", job="multinode") == [2]
 
     c.proc.send_signal(signal.SIGTERM)  # node C is evicted
     assert c.wait(timeout=60) == 143, c.output[-3000:]
 
-    def went_on() -> bool:
-        """In place (C was node rank 1: A's worker goes on without it), or every rank
-        checkpointed that step and node A resumed alone from it (C hosted the store)."""
-        if re.search(r"membership: node\(s\) \[\d+\] preempted", a.output):
-            return True
-        evicted_at = ckpt.latest_valid(ck).step
-        return f"step-{evicted_at:08d}: step {evicted_at}," in a.output
-
-    wait_until(went_on, 120, "node A to go on alone (in place, or from the eviction checkpoint)")
+    # in place: A's worker goes on without C (the store moves to A's agent if C hosted it)
+    preempted = re.compile(r"membership: node\(s\) \[\d+\] preempted")
+    wait_until(lambda: preempted.search(a.output), 120, "node A to go on alone in place")
     wait_until(lambda: world_sizes(trace)[-10:] == [1] * 10, 120, "10 more steps on node A")
+    assert "resumed from" not in a.output, a.output[-3000:]
 
     a.proc.send_signal(signal.SIGTERM)  # the last node is evicted too
     assert a.wait(timeout=60) == 143, a.output[-3000:]
     last = max(e["step"] for e in audit.read_entries(trace))
     assert ckpt.latest_valid(ck).step == last
 
-    reports = audit.audit(trace)
+    # batch.global_batch_size=16 at world sizes 2 and 1 (78 steps an epoch); B's worker killed
+    # in place after committing steps: at most its entry of the step in flight repaired (C left
+    # at a step boundary)
+    reports = assert_exact_audit(trace, steps=last, global_batch=16, num_samples=DIGITS_TRAIN,
+                                 repaired_at_most=1)
     complete = [r for r in reports if r.complete]
     assert complete, "no epoch completed"
-    for r in reports:
-        assert not r.duplicated, r
-        if r.complete:
-            assert r.ok and r.seen_once == r.expected, r
+    assert all(r.seen_once == r.expected for r in complete), complete
     out = "".join(n.output for n in (a, c))
     assert "global batch changed" not in out  # constant global batch across 2 -> 1 -> 2

@@ -21,8 +21,8 @@ import torch
 
 from elastic_runner.checkpoint import storage as ckpt
 from elastic_runner.checkpoint.manager import CheckpointManager
-from elastic_runner.data import audit
 
+from .evidence import DIGITS_GLOBAL_BATCH, DIGITS_TRAIN, assert_exact_audit
 from .procs import CONFIGS, cli, run_cli, wait_until
 from .s3 import S3Bucket, clear_s3fs_instances
 
@@ -236,8 +236,10 @@ def test_run_sigkilled_resumes_from_s3_with_exact_audit(s3_bucket: S3Bucket, lau
     out = job.output
     resumed = int(out.split(f"resumed from {url}/step-", 1)[1].split(":", 1)[0])
     assert 5 <= resumed < STEPS, out[-3000:]
-    # every sample of epoch 0 once (its drop_last tail aside), the first 5 steps of epoch 1
-    reports = audit.audit(trace)
+    # every sample of epoch 0 once (its drop_last tail aside), the first 5 steps of epoch 1;
+    # the restart path: nothing repaired
+    reports = assert_exact_audit(trace, steps=STEPS, global_batch=DIGITS_GLOBAL_BATCH,
+                                 num_samples=DIGITS_TRAIN)
     assert [(r.epoch, r.complete, r.steps, r.seen_once, r.duplicated, r.missing)
             for r in reports] == [(0, True, 19, 19 * 64, [], []),
                                   (1, False, STEPS - 19, (STEPS - 19) * 64, [], [])], reports

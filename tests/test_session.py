@@ -25,9 +25,9 @@ from elastic_runner.train.session import RollbackRequested, TrainingFailed
 from elastic_runner.train.state import RNGState, step_seed
 from elastic_runner.train.stop import StopReason
 
+from .evidence import assert_same_tensors
 from .ft_helpers import (
     StepRecorder,
-    assert_bitwise,
     build_session,
     regression_data,
     run_step,
@@ -138,7 +138,7 @@ def test_non_finite_loss_skips_the_update(tmp_path, parts):
     run_step(session, model, opt, loader)
     before = weights(model)
     assert run_step(session, model, opt, loader, nan=True) == 2
-    assert_bitwise(weights(model), before)
+    assert_same_tensors(weights(model), before)
     assert (session.state.bad_steps, session.state.bad_in_row) == (1, 1)
     assert session.sampler.cursor == 2 * MB  # the step is done, its samples are not retried
     assert rec.skipped == [(2, 1, 3)] and [e.committed for e in rec.steps] == [True, False]
@@ -170,7 +170,7 @@ def test_streak_rolls_back_once_then_fails(tmp_path, parts):
     assert (session.state.step, session.sampler.cursor) == (1, MB)
     assert (session.state.rollbacks, session.state.bad_in_row, session.state.bad_steps) == (
         1, 0, 0)
-    assert_bitwise(weights(model), at_checkpoint)
+    assert_same_tensors(weights(model), at_checkpoint)
     assert rec.rollbacks == [1]
 
     run_step(session, model, opt, loader, nan=True)
@@ -192,7 +192,7 @@ def test_streak_rolls_back_once_then_fails(tmp_path, parts):
                                                                       seed=1))
     assert again.resume()
     assert again.stop.reason is StopReason.FAILED and again.state.step == 4
-    assert_bitwise(weights(model2), at_checkpoint)  # skipped updates: the weights of step 1
+    assert_same_tensors(weights(model2), at_checkpoint)  # skipped updates: the weights of step 1
 
 
 def test_rollback_without_a_checkpoint_fails(tmp_path, parts):
@@ -224,7 +224,7 @@ def test_rollback_waits_for_the_in_flight_async_checkpoint(tmp_path, parts, monk
             run_step(session, model, opt, loader, nan=True)
         session.rollback()
         assert session.state.step == 1
-        assert_bitwise(weights(model), at_checkpoint)
+        assert_same_tensors(weights(model), at_checkpoint)
     finally:
         gate.set()
         session.close()
@@ -249,8 +249,8 @@ def test_preemption_discards_the_step_in_flight_and_commits_the_last_one(tmp_pat
     assert ckpt.latest_valid(tmp_path).step == 2
     raw = ckpt.load_state(tmp_path / "step-00000002")
     assert raw["train_state"]["step"] == 2 and raw["sampler"]["cursor"] == 2 * MB
-    assert_bitwise(before, weights(model))  # step 3 was not applied...
-    assert_bitwise(raw["model"], before)  # ...and the checkpoint is step 2's state
+    assert_same_tensors(before, weights(model))  # step 3 was not applied...
+    assert_same_tensors(raw["model"], before)  # ...and the checkpoint is step 2's state
     assert [e.step for e in rec.steps] == [1, 2]
     assert rec.finished == [(StopReason.PREEMPTED, "preempted")]
     assert not session.stop.stopped  # a preempted run resumes
@@ -287,7 +287,7 @@ def test_step_done_turns_preemption_into_exit_143(tmp_path, parts):
     assert exit_info.value.code == EXIT_PREEMPTED == 143
     info = ckpt.latest_valid(tmp_path)
     assert info.step == 0 and info.valid
-    assert_bitwise(ckpt.load_state(info.path)["model"], before)
+    assert_same_tensors(ckpt.load_state(info.path)["model"], before)
     # the loop closed its reporting on the way out: the watchdog thread is gone
     (heartbeat,) = [c for c in ft.session.callbacks.items if isinstance(c, WatchdogHeartbeat)]
     assert not heartbeat.watchdog._thread.is_alive()
@@ -359,7 +359,7 @@ def test_resumed_session_continues_bitwise_like_an_uninterrupted_run(tmp_path, m
     first, last, resumed, res_loader = train(tmp_path / "b", until=8, init_seed=1)
     assert (first, last) == (6, 8)
     assert res_loader == ref_loader and (res_loader["epoch"], res_loader["cursor"]) == (1, 12)
-    assert_bitwise(resumed, reference)
+    assert_same_tensors(resumed, reference)
 
 
 class Evaluations:

@@ -27,6 +27,7 @@ from elastic_runner.parallel.config import DDPConfig, FSDPConfig
 from elastic_runner.parallel.fsdp import FSDPParallelism, device_mesh, find_blocks
 from elastic_runner.train.build import checkpoint_layout
 
+from .evidence import assert_same_tensors
 from .procs import run_cli
 
 CPU = torch.device("cpu")
@@ -113,7 +114,7 @@ def test_a_sharded_round_trip_is_bitwise_and_every_file_is_in_the_manifest(group
     manager(tmp_path / "ck", other, other_opt, fresh).load_latest()
     assert fresh.n == 7
     want, got = local(model), local(other)
-    assert all(torch.equal(want[k], got[k]) for k in want)
+    assert_same_tensors(want, got)
     for a, b in zip(opt.state_dict()["state"].values(), other_opt.state_dict()["state"].values(),
                     strict=True):
         assert torch.equal(a["exp_avg"].to_local(), b["exp_avg"].to_local())
@@ -133,7 +134,7 @@ def test_an_async_sharded_save_holds_the_state_of_its_step_not_a_later_one(group
     got = ckpt.load_state(tmp_path / "ck" / "step-00000002")["model"]
     plain = Blocks()
     plain.load_state_dict(got)
-    assert all(torch.equal(want[k], plain.state_dict()[k]) for k in want)
+    assert_same_tensors(want, {k: plain.state_dict()[k] for k in want})
 
 
 def test_full_load_assembles_the_model_outside_any_group(group, tmp_path):
@@ -475,7 +476,7 @@ def test_sharded_checkpoints_on_an_object_store_commit_by_manifest_last(group, s
     loader.load_latest()
     assert loader.resumed_from == f"{url}/step-00000004" and fresh.n == 5
     want, got = local(model), local(other)
-    assert all(torch.equal(want[k], got[k]) for k in want)
+    assert_same_tensors(want, got)
     for a, b in zip(opt.state_dict()["state"].values(), other_opt.state_dict()["state"].values(),
                     strict=True):
         assert torch.equal(a["exp_avg_sq"].to_local(), b["exp_avg_sq"].to_local())

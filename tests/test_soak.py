@@ -13,6 +13,7 @@ from bench import soak
 from elastic_runner.config import FaultConfig, FaultSpec, load_config
 from elastic_runner.train.faults import FaultInjector, NoTrigger, TriggerFile
 
+from .evidence import DIGITS_TRAIN
 from .needs import debian, require_command
 from .procs import CONFIGS
 
@@ -148,7 +149,11 @@ def test_nodes_that_leave_are_started_again_and_join_in_place(tmp_path):
     assert len(faults) == 5 and not brief, (brief, result.get("error"))
     assert job["completed"] and job["final_step"] == settings.steps, job
     assert job["world_sizes"] == [2, 4]
-    for e in [e for e in job["epochs"] if e["complete"]]:
+    # the global batch of the full world at every size: each epoch the steps passed is complete
+    complete = [e for e in job["epochs"] if e["complete"]]
+    per_epoch = DIGITS_TRAIN // soak.FULL_GLOBAL_BATCH
+    assert len(complete) >= (settings.steps - 1) // per_epoch, complete
+    for e in complete:
         assert e["lost"] == e["duplicated"] == 0 and e["seen_once"] == e["expected"], e
     for f in faults:  # every class in place: replaced, or the node left without a restart
         assert f["path"] == "in_place" and f["restarts"] == 0, f

@@ -27,6 +27,8 @@ from elastic_runner.data.batches import check_samples  # noqa: E402
 from elastic_runner.tasks import text_classification as tc  # noqa: E402
 from elastic_runner.tasks.base import TaskBundle, metric_sums  # noqa: E402
 
+from .evidence import assert_same_tensors  # noqa: E402
+
 WORDNET = Path(tc.DataConfig().wordnet_dir)
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "text_classification.yaml"
 TASK = "elastic_runner.tasks.text_classification:build"
@@ -284,7 +286,7 @@ def test_build_is_deterministic(bundle: TaskBundle) -> None:
     again = build(make_cfg())
     assert again.artifacts == bundle.artifacts
     a, b = again.model.state_dict(), bundle.model.state_dict()
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert_same_tensors(a, b)
     assert again.train[5] == bundle.train[5]
     other = build(make_cfg(seed=99))
     assert other.val.texts != bundle.val.texts

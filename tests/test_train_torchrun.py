@@ -11,6 +11,7 @@ import torch
 
 from elastic_runner.checkpoint import storage as ckpt
 
+from .evidence import assert_same_tensors
 from .procs import CONFIGS, cli, free_port, run_cli, wait_until
 
 pytestmark = pytest.mark.slow
@@ -29,12 +30,6 @@ def rank_summaries(ck: Path) -> list[dict]:
 
 def final_state(ck: Path) -> dict:
     return ckpt.load_state(ckpt.latest_valid(ck).path)
-
-
-def assert_same_tensors(a: dict, b: dict) -> None:
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.equal(a[k], b[k]), k
 
 
 def test_digits_two_workers_reach_test_accuracy(launch, tmp_path):

@@ -24,7 +24,12 @@ update was skipped (non-finite loss or gradient).
 On every (re)start rank 0 rewinds the trace to the step of the checkpoint it resumes from
 (:func:`rewind`), before any rank appends, so the trace always describes exactly the updates in
 the current model. :func:`audit` then checks, per epoch, that every expected index was trained
-on once and no other index was.
+on once and no other index was, and that the dropped tail is what the drop_last rule leaves: the
+epoch-end record is the sampler's word, so an epoch cut short that recorded its untrained
+samples as dropped must not pass. With one global batch ``G`` over the whole epoch (the steps'
+entries add up to ``G`` indices each) the tail is exactly ``num_samples % G``; when the global
+batch changed within the epoch (``batch.keep_global_batch: false``), it is shorter than the last
+step's global batch.
 """
 
 from __future__ import annotations
@@ -149,6 +154,10 @@ class EpochReport:
         repaired: entries written from the sampler's plan for a rank that died before writing
             its own (their indices are counted above).
         planned: entries whose indices are the sampler's plan, not a record of the fetch.
+        global_batches: the global batch sizes (samples: the indices of one step's entries
+            over all ranks) of the epoch's steps, in step order without repeats.
+        wrong_tail: why the dropped tail is not the one the drop_last rule leaves ('' if it is;
+            module docstring).
     """
 
     epoch: int
@@ -162,6 +171,8 @@ class EpochReport:
     unexpected: list[int] = field(default_factory=list)
     repaired: int = 0
     planned: int = 0
+    global_batches: list[int] = field(default_factory=list)
+    wrong_tail: str = ""
 
     @property
     def expected(self) -> int | None:
@@ -169,7 +180,8 @@ class EpochReport:
 
     @property
     def ok(self) -> bool:
-        return not self.duplicated and not self.missing and not self.unexpected
+        return (not self.duplicated and not self.missing and not self.unexpected
+                and not self.wrong_tail)
 
 
 @dataclass
@@ -178,12 +190,14 @@ class _Tally:
 
     counts: Counter[int] = field(default_factory=Counter)  # index -> times trained
     steps: set[int] = field(default_factory=set)
+    batch: Counter[int] = field(default_factory=Counter)  # step -> indices over all ranks
     repaired: int = 0
     planned: int = 0
 
     def add(self, entry: dict[str, Any]) -> None:
         self.counts.update(entry["indices"])
         self.steps.add(entry["step"])
+        self.batch[entry["step"]] += len(entry["indices"])
         self.repaired += bool(entry.get("repaired"))
         self.planned += bool(entry.get("planned"))
 
@@ -210,13 +224,37 @@ def _report(epoch: int, tally: _Tally, end: dict[str, Any] | None) -> EpochRepor
                          steps=len(tally.steps),
                          seen_once=sum(1 for n in c.values() if n == 1),
                          duplicated=sorted(i for i, n in c.items() if n > 1),
-                         repaired=tally.repaired, planned=tally.planned)
+                         repaired=tally.repaired, planned=tally.planned,
+                         global_batches=_runs([tally.batch[s] for s in sorted(tally.batch)]))
     if end:
         report.dropped = len(end["dropped"])
         expected = set(range(end["num_samples"])) - set(end["dropped"])
         report.missing = sorted(expected - set(c))
         report.unexpected = sorted(set(c) - expected)
+        report.wrong_tail = _wrong_tail(end["num_samples"], report.dropped,
+                                        report.global_batches)
     return report
+
+
+def _runs(values: list[int]) -> list[int]:
+    """``values`` without consecutive repeats."""
+    return [v for i, v in enumerate(values) if i == 0 or values[i - 1] != v]
+
+
+def _wrong_tail(num_samples: int, dropped: int, batches: list[int]) -> str:
+    """Why a complete epoch's dropped tail of ``dropped`` samples is not what the drop_last
+    rule leaves ('' if it is), given its steps' global batches (module docstring)."""
+    if not batches:
+        return "" if dropped == num_samples else (
+            f"no step trained but {dropped} of {num_samples} samples recorded as dropped")
+    if len(batches) == 1:
+        want = num_samples % batches[0]
+        return "" if dropped == want else (
+            f"{dropped} samples recorded as dropped; one global batch of {batches[0]} over "
+            f"{num_samples} samples leaves {want}")
+    return "" if dropped < batches[-1] else (
+        f"{dropped} samples recorded as dropped, not fewer than the last step's global batch "
+        f"({batches[-1]}): the epoch ended early")
 
 
 def loss_curve(directory: str | Path) -> dict[int, float]:
