@@ -120,9 +120,10 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _shrink_keeps_the_global_batch(self) -> Config:
-        if self.recovery.continue_shrunk and self.batch.global_batch_size is None:
-            raise invalid("needs batch.global_batch_size (the global batch must stay the same "
-                          "at the smaller world size)", "recovery.continue_shrunk")
+        if self.recovery.continue_shrunk and self.batch.follows_world_size:
+            raise invalid("needs a global batch that stays the same at the smaller world size "
+                          "(batch.global_batch_size, or batch.keep_global_batch: true)",
+                          "recovery.continue_shrunk")
         return self
 
     def to_dict(self) -> dict[str, Any]:
@@ -142,6 +143,7 @@ _NOT_MODEL = ("checkpoint", "logging", "audit", "watchdog", "preemption", "recov
 _LATER_KEYS: dict[tuple[str, str], Any] = {("optimizer", "fused"): "auto",
                                            ("training", "lagged_vote"): "auto",
                                            ("training", "deterministic"): False,
+                                           ("batch", "keep_global_batch"): True,
                                            ("distributed", "strategy"): "ddp",
                                            ("distributed", "fsdp"): FSDPConfig().model_dump()}
 

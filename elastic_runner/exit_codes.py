@@ -28,8 +28,9 @@ another model, an unreachable or unsuitable etcd, a torch without an internal a 
 worker that exits with it is never restarted: the same input would fail again."""
 
 EXIT_FENCED = 3
-"""Fenced out: a newer group of the job claimed the checkpoint directory (or declared this
-node lost while it was cut off), so this group may commit nothing. Never restarted."""
+"""Fenced out: a newer group claimed the checkpoint directory (of this job, or another job
+that took the directory over: this job then never claims it again), or declared this node lost
+while it was cut off, so this group may commit nothing. Never restarted."""
 
 EXIT_PEER_LOST = 4
 """A worker's collective failed because a peer died or hung; its agent restarts it without

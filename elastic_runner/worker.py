@@ -111,7 +111,8 @@ def _train(config_path: str, overrides: list[str], resume: bool, entered: float,
             log.info("process group: backend %s, world size %d, rank 0 on %s%s", info.backend,
                      info.world_size, info.device, _device_name(info.device))
         with _building(cfg, recovery):
-            trainer = build_trainer(cfg, info, metrics, task, joining=task is not None)
+            trainer = build_trainer(cfg, info, metrics, task, joining=task is not None,
+                                    job_global_batch=recovery.job_global_batch())
         trainer.attach(recovery)
         trainer.preempt.install()
         marks.append(time.time())
@@ -161,8 +162,8 @@ def regroup(cfg: Config, old: Trainer, recovery: InPlaceRecovery | NoRecovery,
             metrics: RankMetrics, r: Regroup) -> Trainer:
     """Go on as rank ``r.rank`` of ``r.world_size``: the same task (data and model objects),
     this process's state, a new process group, a trainer built for the new world size (the
-    sampler's global cursor keeps every sample exactly once; with ``batch.global_batch_size``
-    the accumulation is re-derived), then the group agrees on the state (``rejoin``). Sharded
+    sampler's global cursor keeps every sample exactly once; the accumulation is re-derived
+    from the global batch the job keeps), then the group agrees on the state (``rejoin``). Sharded
     state (FSDP2) cannot move to the new group: a new module of the same structure is sharded on
     it, and ``rejoin`` loads it from the peer copies (or the newest checkpoint)."""
     sharded = old.checkpoints.sharded
@@ -180,7 +181,8 @@ def regroup(cfg: Config, old: Trainer, recovery: InPlaceRecovery | NoRecovery,
     info = dataclasses.replace(old.info, rank=r.rank, world_size=r.world_size)
     metrics.world(r.world_size)
     with _building(cfg, recovery):
-        trainer = build_trainer(cfg, info, metrics, (bundle, old.fingerprint), joining=True)
+        trainer = build_trainer(cfg, info, metrics, (bundle, old.fingerprint), joining=True,
+                                job_global_batch=old.cfg.batch.global_batch_size)
     trainer.attach(recovery)
     trainer.preempt.install()
     if sharded:

@@ -3,6 +3,7 @@ import pytest
 from .etcd import etcd_server  # noqa: F401  (fixture)
 from .netns import netns_nodes  # noqa: F401  (fixture)
 from .procs import launch, log_tails, startup_seconds  # noqa: F401  (fixtures)
+from .references import reference  # noqa: F401  (fixture)
 from .s3 import s3_bucket, s3_server  # noqa: F401  (fixtures)
 from .slurm import slurm_cluster  # noqa: F401  (fixture)
 

@@ -184,6 +184,42 @@ def test_global_batch_derives_accumulation_or_names_valid_world_sizes():
                                               "batch.global_batch_size=10"])
 
 
+
+def test_the_global_batch_of_the_first_world_size_is_kept_by_default(tmp_path):
+    """No batch.global_batch_size (configs/digits.yaml: micro-batch 16, accumulation 2): the
+    job's first world size sets the global batch, and a restart at another world size keeps
+    the newest checkpoint's (its manifest); keep_global_batch: false lets it follow."""
+    from elastic_runner.checkpoint import storage as ckpt
+    from elastic_runner.train.build import keep_global_batch
+
+    cfg = load_config(CONFIGS / "digits.yaml", [f"checkpoint.dir={tmp_path}"])
+    assert cfg.batch.global_batch_size is None and not cfg.batch.follows_world_size
+    first = keep_global_batch(cfg, 2, None)  # no checkpoint: the first start
+    assert first.batch.global_batch_size == 64
+    assert [first.batch.accumulation_for(w) for w in (1, 2, 4)] == [4, 2, 1]
+    with pytest.raises(ConfigError, match=r"valid world sizes: \[1, 2, 4\]"):
+        first.batch.accumulation_for(3)
+    ckpt.write_checkpoint(tmp_path, "step-00000005", {"x": 1},
+                          {"step": 5, "world_size": 2, "global_batch_size": 64})
+    assert keep_global_batch(cfg, 1, None).batch.global_batch_size == 64  # the checkpoint's
+    assert keep_global_batch(cfg, 4, 32).batch.global_batch_size == 32  # the live group's
+    # a checkpoint of an earlier release has no global_batch_size: its world size's
+    ckpt.write_checkpoint(tmp_path, "step-00000009", {"x": 1}, {"step": 9, "world_size": 4})
+    assert keep_global_batch(cfg, 1, None).batch.global_batch_size == 128
+    follows = load_config(CONFIGS / "digits.yaml", [f"checkpoint.dir={tmp_path}",
+                                                    "batch.keep_global_batch=false"])
+    assert keep_global_batch(follows, 1, None).batch.global_batch_size is None
+    assert follows.batch.accumulation_for(3) == 2
+    fixed = load_config(CONFIGS / "digits.yaml", ["batch.global_batch_size=96"])
+    assert keep_global_batch(fixed, 1, 64).batch.global_batch_size == 96
+
+
+def test_continue_shrunk_needs_a_global_batch_that_stays():
+    assert load_config(CONFIGS / "digits.yaml", ["recovery.continue_shrunk=true"])
+    with pytest.raises(ConfigError, match="recovery.continue_shrunk: needs a global batch"):
+        load_config(CONFIGS / "digits.yaml", ["recovery.continue_shrunk=true",
+                                              "batch.keep_global_batch=false"])
+
 # ---------------------------------------------------------------- hash compatibility
 
 # Computed with the dataclass-based config.py (before pydantic): checkpoints written then must

@@ -128,3 +128,40 @@ def test_concurrent_claims_are_unique(tmp_path):
     with ThreadPoolExecutor(4) as pool:
         tokens = list(pool.map(lambda _: Fence.claim(directory).token, range(60)))
     assert sorted(tokens) == list(range(1, 61))
+
+
+def test_a_job_that_a_newer_job_claimed_past_never_claims_again(directory):
+    """Job A claims, job B takes the directory over: whichever process of A claims next (a
+    restart, an in-place replacement, a spare) is refused and told why; B and a job that never
+    claimed here go on."""
+    a = Fence.claim(directory, run_id="job-a")
+    again = Fence.claim(directory, run_id="job-a")  # A's own restart: the newest is A's
+    b = Fence.claim(directory, run_id="job-b")
+    assert (again.token, b.token) == (a.token + 1, a.token + 2)
+    with pytest.raises(FencedOut) as e:
+        Fence.claim(directory, run_id="job-a")
+    assert (f"this job (run id job-a) held fencing token {again.token}, and a newer group "
+            f"claimed token {b.token} since (run id job-b") in str(e.value)
+    assert Fence(directory, 0).newest() == b.token  # the refused claim took nothing
+    assert Fence.claim(directory, run_id="job-b").token == b.token + 1
+    assert Fence.claim(directory, run_id="job-c").token == b.token + 2
+    assert Fence.claim(directory, run_id="").token == b.token + 3  # no run id: no lineage
+
+
+def test_a_commit_never_replaces_a_checkpoint_of_another_token(directory):
+    """A newer token's commit of a name an older token wrote (a step redone after a restart)
+    sets the old one aside, kept; its own token's is replaced; a newer token's stops it."""
+    old = Fence.claim(directory, run_id="r")
+    ckpt.write_checkpoint(directory, "step-00000010", {"x": 1}, {"step": 10}, old)
+    new = Fence.claim(directory, run_id="r")
+    ckpt.write_checkpoint(directory, "step-00000010", {"x": 2}, {"step": 10}, new)
+    ckpt.write_checkpoint(directory, "step-00000010", {"x": 3}, {"step": 10}, new)  # redone
+    (info,) = ckpt.list_checkpoints(directory)
+    assert info.fence == new.token and ckpt.load_state(info.path)["x"] == 3
+    aside = f"{directory}/.superseded-step-00000010-fence-{old.token}"
+    kept = ckpt.inspect(aside, verify=True)
+    assert kept.valid and kept.fence == old.token and ckpt.load_state(aside)["x"] == 1
+    with pytest.raises(FencedOut, match=f"written under fencing token {new.token}, newer than "
+                                        "this group's 0"):
+        ckpt.write_checkpoint(directory, "step-00000010", {"x": 4}, {"step": 10})  # unfenced
+    assert ckpt.load_state(info.path)["x"] == 3

@@ -109,14 +109,17 @@ def test_checkpoint_of_the_previous_layout_resumes(tmp_path):
     """A checkpoint written before the stop policy had its own state (stop reason as text in
     train_state) still resumes, stopped for the same reason."""
     from elastic_runner.checkpoint import storage as ckpt
+    from elastic_runner.checkpoint.fencing import Fence
 
     t = trainer(tmp_path, "training.max_steps=3", "checkpoint.every_steps=0")
     t.fit()
-    path = ckpt.latest_valid(tmp_path).path
-    raw = ckpt.load_state(path)
+    info = ckpt.latest_valid(tmp_path)
+    raw = ckpt.load_state(info.path)
     raw["train_state"].update(finished=True, stop_reason="max_steps reached")
     raw["early_stopping"] = raw.pop("stop")["early_stopping"]
-    ckpt.write_checkpoint(tmp_path, "step-00000003", raw, {"step": 3, "epoch": 0})
+    # rewritten by the group that wrote it (its fencing token): replaced, not set aside
+    ckpt.write_checkpoint(tmp_path, "step-00000003", raw, {"step": 3, "epoch": 0},
+                          Fence(str(tmp_path), info.fence))
     again = trainer(tmp_path, "training.max_steps=3", "checkpoint.every_steps=0")
     assert again.resume() and again.state.step == 3
     assert (again.stop.reason, again.stop.message) == (StopReason.MAX_STEPS,

@@ -20,7 +20,9 @@ from elastic_runner.recovery.membership import (
     claim_node_id,
     pending_joins,
     raise_counter,
+    read_global_batch,
     read_view,
+    record_global_batch,
     register,
     request_join,
 )
@@ -163,6 +165,20 @@ def test_policy_refuses_below_min_nodes_the_store_host_and_an_indivisible_batch(
     uneven = View(0, {0: [0, 1, 2], 1: [3]}, store_node=0)
     assert "not divisible at world size 3" in policy.refuses(uneven, [1])
     assert Policy.for_batch(1, None).refuses(uneven, [1]) is None  # a script's own batch
+    # no global_batch_size: the one the group's rank 0 recorded (the job's first world size's)
+    kept = Policy.for_batch(1, BatchConfig(micro_batch_size=4, grad_accum_steps=2))
+    assert kept.keeping(None).refuses(uneven, [1]) is None  # not recorded yet: any size
+    assert "not divisible at world size 3" in kept.keeping(32).refuses(uneven, [1])
+    assert kept.keeping(24).refuses(uneven, [1]) is None  # 24 = 3 x 4 x 2
+
+
+def test_rank_0_records_the_global_batch_the_agents_and_joiners_read(store: dist.TCPStore
+                                                                      ) -> None:
+    assert read_global_batch(store, key) is None
+    record_global_batch(store, key, 64)
+    assert read_global_batch(store, key) == 64
+    record_global_batch(store, key, None)  # batch.keep_global_batch: false: none is kept
+    assert read_global_batch(store, key) is None
 
 
 def test_node_watch_counts_silence_on_its_own_clock(store: dist.TCPStore,

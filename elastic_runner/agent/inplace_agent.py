@@ -65,6 +65,7 @@ from ..recovery.membership import (
     View,
     announce_departure,
     claim_node_id,
+    read_global_batch,
     read_view,
     register,
     request_join,
@@ -412,7 +413,8 @@ class InPlaceAgent(LocalElasticAgent):
         if not lost or self._restart_asked():
             return
         silent = max(lost.values())
-        why = self._policy.refuses(view, lost)
+        policy = self._policy.keeping(read_global_batch(self._rs.store, self._rs.key))
+        why = policy.refuses(view, lost)
         if why is not None:
             log.error("membership: node(s) %s lost (no heartbeat for %.1f s) and the rest may "
                       "not go on without them (%s): torch's restart path", sorted(lost),

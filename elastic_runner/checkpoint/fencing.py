@@ -19,8 +19,20 @@ older group that the new group did not see is refused:
   compare-and-swap across keys), which is why resume orders checkpoints by (token, step): the
   newest group's checkpoints win over a stale group's, whatever their step.
 
+A claim is also refused when it would take the directory back from a newer group. Each claim
+records the job's rendezvous id (``TORCHELASTIC_RUN_ID``: one per ``elastic-runner run`` or
+torchrun job, the same on every node and across its restarts). A job may claim the next token
+only while the newest token is its own, or when it never claimed in the directory: once another
+job claimed after it, the job is stale, whoever restarts its processes (torch's restart path,
+an in-place replacement, a warm spare), and :meth:`Fence.claim` raises :class:`FencedOut` (the
+worker exits 3). Seen before this rule: a frozen group woke, its agent replaced rank 0 in place,
+and the replacement claimed a token above the newer group's and committed over its checkpoints.
+Two jobs started with the same explicit ``--rdzv-id`` on one directory are one lineage to this
+rule: only the tokens order them.
+
 Every manifest records its writer's token (``fence``); checkpoints written before fencing count
-as token 0.
+as token 0. A commit never replaces a checkpoint written under another token
+(:func:`~elastic_runner.checkpoint.storage.write_checkpoint`).
 """
 
 from __future__ import annotations
@@ -62,30 +74,52 @@ class Fence:
         self._local = isinstance(self._fs, LocalFileSystem)
 
     @classmethod
-    def claim(cls, directory: str) -> Fence:
-        """Claim the next token in ``directory`` (created if missing).
+    def claim(cls, directory: str, run_id: str | None = None) -> Fence:
+        """Claim the next token in ``directory`` (created if missing) for the job ``run_id``
+        (default: ``TORCHELASTIC_RUN_ID``; None or empty: no lineage, any claim is allowed).
 
         Raises:
+            FencedOut: ``run_id`` claimed in ``directory`` before, and another job claimed a
+                newer token since (module docstring).
             OSError: the directory cannot be written.
         """
+        run_id = os.environ.get("TORCHELASTIC_RUN_ID") if run_id is None else run_id
         fence = cls(directory, 0)
         fence._fs.makedirs(fence._root, exist_ok=True)
-        owner = {"host": socket.gethostname(), "pid": os.getpid(),
-                 "run_id": os.environ.get("TORCHELASTIC_RUN_ID"),
+        owner = {"host": socket.gethostname(), "pid": os.getpid(), "run_id": run_id,
                  "restart": os.environ.get("TORCHELASTIC_RESTART_COUNT"), "time": time.time()}
         with fence._lock():
             while True:
-                token = fence.newest() + 1
-                owner["token"] = token
+                newest = fence.newest()
+                fence._refuse_if_superseded(newest, run_id)
+                token = owner["token"] = newest + 1
                 try:
                     fence._fs.pipe_file(fence._path(token), json.dumps(owner).encode(),
                                         mode="create")
                     break
-                except FileExistsError:  # another writer took it first: take the next one
+                except FileExistsError:  # another writer took it first: look again
                     continue
         fence.token = token
         log.info("checkpoint fencing token %d claimed in %s", token, directory)
         return fence
+
+    def _refuse_if_superseded(self, newest: int, run_id: str | None) -> None:
+        """Raise :class:`FencedOut` when job ``run_id`` claimed here before and the newest
+        token (``newest``) is another job's."""
+        if not run_id or newest == 0:
+            return
+        last = self.owner(newest)
+        if last.get("run_id") == run_id:
+            return
+        mine = next((t for t in range(newest - 1, 0, -1)
+                     if self.owner(t).get("run_id") == run_id), 0)
+        if mine:
+            raise FencedOut(
+                f"not claiming {self.directory}: this job (run id {run_id}) held fencing token "
+                f"{mine}, and a newer group claimed token {newest} since (run id "
+                f"{last.get('run_id')}, host {last.get('host')} pid {last.get('pid')}): this "
+                "job is stale and stops, whichever of its processes restarts; the newer group "
+                "goes on. To take the directory over, start a new job (another --rdzv-id)")
 
     def _path(self, token: int) -> str:
         return f"{self._root}/{token:012d}"

@@ -27,6 +27,12 @@ manifest, or whose files do not match it, is invalid. Rewriting a name deletes i
 A sharded checkpoint's ranks write their DCP files into its prefix the same way
 (:func:`staging_dir`, :func:`commit_sharded`).
 
+Either way a commit never replaces a checkpoint that another fencing token wrote
+(``checkpoint/fencing.py``): one of an older token in the way (its step redone after a restart,
+a corrupt one skipped by the resume) is set aside under ``.superseded-<name>-fence-<token>``
+and kept for inspection; one of a newer token stops the commit (:class:`FencedOut`). A
+checkpoint of the writer's own token is replaced (a step redone after an in-place roll-back).
+
 Either way readers trust only checkpoints whose manifest verifies (sizes always, sha256 before
 loading). Loading uses ``torch.load(..., weights_only=True)``: no arbitrary unpickling.
 """
@@ -88,6 +94,7 @@ class CheckpointInfo:
     reason: str = ""
     config_hash: str | None = None
     fence: int = 0  # the writer's fencing token (checkpoint/fencing.py); 0 before fencing existed
+    global_batch_size: int | None = None  # samples per step; None: not recorded (older ones)
 
     @property
     def order(self) -> tuple[int, int]:
@@ -179,8 +186,8 @@ def write_checkpoint(directory: str | Path, names: str | list[str], state: dict[
     checkpoint of the same step; later names hard-link, or copy, the first one's file).
 
     ``meta`` (step, epoch, world_size, config_hash, ...) goes into the manifest, with
-    ``fence``'s token. An existing checkpoint of the same name is replaced (its step was redone
-    after a restart).
+    ``fence``'s token. An existing checkpoint of the same name is replaced when ``fence``'s
+    token wrote it, else set aside (module docstring).
 
     Returns:
         The committed checkpoints' paths (local) or URLs.
@@ -217,8 +224,8 @@ def _publish_local(directory: Path, staged: list[Path], names: list[str],
         with fence.guard(", ".join(names)):
             for tmp, name in zip(staged, names, strict=True):
                 final = directory / name
-                if final.exists():  # same step written again after a restart: retire the old
-                    old = directory / f".tmp-old-{name}-{os.getpid()}"
+                if final.exists() and _set_aside(LocalFileSystem(), str(final), fence) is None:
+                    old = directory / f".tmp-old-{name}-{os.getpid()}"  # this token's: redone
                     os.replace(final, old)
                     shutil.rmtree(old)
                 os.replace(tmp, final)
@@ -245,6 +252,7 @@ def staging_dir(directory: str | Path, names: list[str], fence: Fence | NoFence 
     if not _is_local(fs):
         final = f"{root}/{names[0]}"
         fence.check(", ".join(names))  # fail early: a stale writer overwrites nothing
+        _set_aside(fs, final, fence)
         _clear(fs, final)  # no manifest before the commit: nothing trusts it meanwhile
         return _display(fs, final)
     tmp = Path(root) / f".tmp-{names[0]}-{os.getpid()}"
@@ -252,6 +260,42 @@ def staging_dir(directory: str | Path, names: list[str], fence: Fence | NoFence 
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     return str(tmp)
+
+
+def _set_aside(fs: fsspec.AbstractFileSystem, path: str, fence: Fence | NoFence) -> str | None:
+    """Before ``fence``'s commit takes the name of the checkpoint at ``path``: set it aside
+    when another token wrote it (module docstring). Returns where it went; None when there is
+    nothing to keep (no checkpoint there: no manifest; or one of ``fence``'s own token).
+
+    Raises:
+        FencedOut: a newer token wrote it."""
+    fs.invalidate_cache(path)
+    try:
+        raw = fs.cat_file(f"{path}/{MANIFEST}")
+    except FileNotFoundError:
+        return None
+    try:
+        token = json.loads(raw).get("fence", 0)
+    except (ValueError, AttributeError):
+        token = "unreadable"
+    if token == fence.token:
+        return None
+    parent, name = path.rsplit("/", 1)
+    if isinstance(token, int) and token > fence.token:
+        raise FencedOut(f"not committing {name}: {_display(fs, path)} was written under fencing "
+                        f"token {token}, newer than this group's {fence.token}")
+    aside = f"{parent}/.superseded-{name}-fence-{token}"
+    _clear(fs, aside)
+    if _is_local(fs):
+        os.replace(path, aside)
+    else:  # object stores have no rename (and no directories to move): file by file
+        for f in fs.find(path):
+            fs.copy(f, aside + f[len(path):])
+        _clear(fs, path)
+    log.warning("checkpoint %s was written under fencing token %s, not this group's %d: kept as "
+                "%s (remove it when it is no longer needed)", _display(fs, path), token,
+                fence.token, _display(fs, aside))
+    return aside
 
 
 def file_names(directory: str | Path) -> list[str]:
@@ -328,6 +372,7 @@ def _commit_sharded_object_store(fs: fsspec.AbstractFileSystem, final: str, name
     parent = final.rsplit("/", 1)[0]
     finals = [final, *(f"{parent}/{name}" for name in names[1:])]
     for other in finals[1:]:
+        _set_aside(fs, other, fence)
         _clear(fs, other)
         for fname in files:
             fs.copy(f"{final}/{fname}", f"{other}/{fname}")
@@ -383,6 +428,7 @@ def _write_object_store(fs: fsspec.AbstractFileSystem, root: str, names: list[st
     finals = [f"{root}/{name}" for name in names]
     fence.check(", ".join(names))  # fail early: a stale writer overwrites nothing
     for final in finals:  # invalidate before overwriting: no manifest, no trust
+        _set_aside(fs, final, fence)
         _clear(fs, final)
         fs.makedirs(final, exist_ok=True)
     with fs.open(f"{finals[0]}/{STATE_FILE}", "wb") as f:
@@ -431,7 +477,7 @@ def _manifest_problem(manifest: Any) -> str:
                 or not isinstance(desc.get("sha256"), str):
             return f"manifest entry of {fname[:80]} lacks an int 'bytes' or a 'sha256'"
     typed = {"step": (int,), "epoch": (int, type(None)), "world_size": (int, type(None)),
-             "time": (int, float, type(None))}
+             "time": (int, float, type(None)), "global_batch_size": (int, type(None))}
     wrong = [k for k, ok in typed.items() if type(manifest.get(k)) not in ok]
     if type(manifest.get("fence", 0)) is not int:
         wrong.append("fence")
@@ -485,7 +531,8 @@ def inspect(path: str | Path, verify: bool = False) -> CheckpointInfo:
             return bad(f"{fname} sha256 mismatch (corrupt)")
     return CheckpointInfo(display, kind, manifest["step"], manifest.get("epoch"),
                           manifest.get("world_size"), manifest.get("time"), size, True, "",
-                          manifest.get("config_hash"), int(manifest.get("fence", 0)))
+                          manifest.get("config_hash"), int(manifest.get("fence", 0)),
+                          manifest.get("global_batch_size"))
 
 
 def list_checkpoints(directory: str | Path) -> list[CheckpointInfo]:
@@ -510,6 +557,12 @@ def latest_valid(directory: str | Path, kind: str = "step") -> CheckpointInfo | 
             return checked
         log.warning("skipping checkpoint %s: %s", info.path, checked.reason)
     return None
+
+
+def newest_complete(directory: str | Path) -> CheckpointInfo | None:
+    """The step checkpoint that resume tries first among those whose manifest and sizes check
+    (no sha256: cheap enough before a process group agrees on one), or None."""
+    return next((c for c in newest_first(directory) if c.valid), None)
 
 
 def newest_first(directory: str | Path, kind: str = "step") -> list[CheckpointInfo]:

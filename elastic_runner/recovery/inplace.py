@@ -77,7 +77,9 @@ from .membership import (
     joins_waiting,
     pending_joins,
     raise_counter,
+    read_global_batch,
     read_view,
+    record_global_batch,
     refuse_joins,
 )
 from .peer_copies import NoCopies, PeerCopies
@@ -129,6 +131,9 @@ class NoRecovery:
 
     def copy_due(self, step: int) -> bool:
         return False
+
+    def job_global_batch(self) -> int | None:
+        return None
 
     def keep_copy(self, trainer: Recoverable) -> None:
         pass
@@ -223,13 +228,22 @@ class InPlaceRecovery:
         if not trainer.checkpoints.sharded:  # a DDP survivor holds the whole state already
             self.copies = NoCopies()
         trainer.preempt.membership = lambda: self.join_waiting
-        if self.multi_node and trainer.info.rank == 0:
+        if trainer.info.rank == 0:
             with contextlib.suppress(RuntimeError, dist.DistError):
-                self.store.set(self.key("joins_in_place"), "1")
+                record_global_batch(self.store, self.key, trainer.cfg.batch.global_batch_size)
+                if self.multi_node:
+                    self.store.set(self.key("joins_in_place"), "1")
 
     def watch(self) -> GenerationWatch | _NoWatch:
         """Several nodes: a :class:`GenerationWatch` on this worker (close it at the end)."""
         return GenerationWatch(self) if self.multi_node else _NoWatch()
+
+    def job_global_batch(self) -> int | None:
+        """The global batch (samples) the group's rank 0 recorded: what a joiner builds for
+        (None: not recorded; the joiner reads the newest checkpoint's)."""
+        with contextlib.suppress(RuntimeError, dist.DistError):
+            return read_global_batch(self.store, self.key)
+        return None
 
     def policy(self, trainer: Recoverable) -> Policy:
         """The departure policy: ``--nnodes`` MIN, and a world size the global batch

@@ -211,6 +211,24 @@ def read_view(store: dist.Store, key: Key) -> View:
     return View(0, nodes, store_node=host, stores=stores)
 
 
+GLOBAL_BATCH_KEY = "global_batch"
+"""The attempt's key where the group's rank 0 records the global batch the job keeps (samples;
+``batch.keep_global_batch``): what a joiner builds for, and what the agents' :class:`Policy`
+checks a smaller world size against."""
+
+
+def record_global_batch(store: dist.Store, key: Key, samples: int | None) -> None:
+    """Rank 0: the group's global batch (None: it follows the world size; nothing kept)."""
+    store.set(key(GLOBAL_BATCH_KEY), str(samples or 0))
+
+
+def read_global_batch(store: dist.Store, key: Key) -> int | None:
+    """The global batch the group's rank 0 recorded, or None (not recorded, or not kept)."""
+    if not store.check([key(GLOBAL_BATCH_KEY)]):
+        return None
+    return int(store.get(key(GLOBAL_BATCH_KEY))) or None
+
+
 def announce_departure(store: dist.Store, key: Key, view: View, leaving: list[int],
                        reason: str, connect: Callable[[str], dist.Store] | None = None
                        ) -> tuple[int, View, list[int]] | None:
@@ -352,28 +370,34 @@ def announce_join(store: dist.Store, key: Key, view: View, joining: dict[int, in
 @dataclass(frozen=True)
 class Policy:
     """Which groups a node's departure may leave: at least ``min_nodes`` nodes (``--nnodes``
-    MIN) and a world size the global batch divides (``fits``; without
-    ``batch.global_batch_size`` any). Below that the job takes torch's restart path, where
-    torchrun waits for enough nodes (its ``join_timeout``)."""
+    MIN) and a world size the global batch divides (``batch``; None: a script's own loop, whose
+    batch the runner does not know: any world size). Below that the job takes torch's restart
+    path, where torchrun waits for enough nodes (its ``join_timeout``)."""
 
     min_nodes: int = 1
-    fits: Callable[[int], bool] = lambda world_size: True
+    batch: BatchConfig | None = None
 
     @classmethod
     def for_batch(cls, min_nodes: int, batch: BatchConfig | None) -> Policy:
-        """``--nnodes`` MIN and the config's ``batch`` section (None: a script's own loop,
-        whose batch the runner does not know: any world size)."""
-        if batch is None:
-            return cls(min_nodes)
+        """``--nnodes`` MIN and the config's ``batch`` section (None: any world size)."""
+        return cls(min_nodes, batch)
 
-        def fits(world_size: int) -> bool:
-            try:
-                batch.accumulation_for(world_size)
-            except ConfigError:
-                return False
+    def keeping(self, job_global_batch: int | None) -> Policy:
+        """This policy for a job that keeps the global batch ``job_global_batch`` (samples:
+        what its rank 0 recorded, :data:`GLOBAL_BATCH_KEY`; None: not known yet)."""
+        if self.batch is None or job_global_batch is None:
+            return self
+        return replace(self, batch=self.batch.kept(0, job_global_batch))
+
+    def fits(self, world_size: int) -> bool:
+        """Whether the global batch divides ``world_size`` ranks' micro-batches."""
+        if self.batch is None:
             return True
-
-        return cls(min_nodes, fits)
+        try:
+            self.batch.accumulation_for(world_size)
+        except ConfigError:
+            return False
+        return True
 
     def refuses(self, view: View, leaving: Iterable[int]) -> str | None:
         """Why the group of ``view`` may not go on without the nodes ``leaving`` (None: it

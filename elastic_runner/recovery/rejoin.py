@@ -133,13 +133,20 @@ def gather(trainer: Recoverable, mine: dict[str, Any]) -> list[dict[str, Any]]:
     """``mine`` (with the task's fingerprint) from every member of the new group.
 
     Raises:
-        ConfigError: the joiner built another task than the survivors."""
+        ConfigError: the joiner built another task, or for another global batch, than the
+            survivors."""
     everyone: list[Any] = [None] * trainer.info.world_size
-    dist.all_gather_object(everyone, {**mine, "fingerprint": trainer.fingerprint})
+    dist.all_gather_object(everyone, {**mine, "fingerprint": trainer.fingerprint,
+                                      "global_batch": trainer.sampler.global_batch_size})
     if len({s["fingerprint"] for s in everyone}) > 1:
         raise ConfigError("the replacement built another task than the survivors: "
                           + "; ".join(f"rank {r}: {s['fingerprint']}"
                                       for r, s in enumerate(everyone)))
+    if len({s["global_batch"] for s in everyone}) > 1:
+        raise ConfigError("the members built for different global batches (samples): "
+                          + "; ".join(f"rank {r}: {s['global_batch']}"
+                                      for r, s in enumerate(everyone))
+                          + "; set batch.global_batch_size to keep one explicitly")
     return everyone
 
 
@@ -236,14 +243,25 @@ def _from_replicas(trainer: Recoverable, live: Live | None, step: int, after: in
 
 def rejoin(trainer: Recoverable, joining: bool, report: RecoveryReport | None = None) -> None:
     """All members of a new group (the survivors and the joiner) agree on the state to go on
-    from and install it (module docstring, step 3-4). Collective.
+    from and install it (module docstring, step 3-4); then the group's rank 0 claims the
+    checkpoint directory's next fencing token, at once rather than at its first save, so that
+    a group that a newer one replaced while it was frozen stops here. Collective.
 
     Raises:
         ConfigError: the joiner built another task than the survivors (fingerprints differ).
+        FencedOut: (rank 0) another job claimed the checkpoint directory since this one did
+            (``checkpoint/fencing.py``).
     """
     if trainer.checkpoints.sharded:
         _rejoin_sharded(trainer, joining, report)
-        return
+    else:
+        _rejoin_replicated(trainer, joining, report)
+    trainer.checkpoints.claim()
+
+
+def _rejoin_replicated(trainer: Recoverable, joining: bool, report: RecoveryReport | None
+                       ) -> None:
+    """:func:`rejoin` of replicas (DDP): the member furthest along sends its state."""
     rank = trainer.info.rank
     everyone = gather(trainer, {"step": trainer.state.step, "after": trainer.after_done,
                                  "joining": joining})

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..checkpoint import storage as ckpt
 from ..checkpoint.manager import CheckpointManager
 from ..config import Config, fingerprint, task_builder
 from ..config_base import ConfigError
@@ -34,6 +35,7 @@ from ..preempt import PreemptionFlag
 from ..tasks.base import TaskBundle, check_same_build, task_fingerprint
 from . import faults as fault_injection
 from .callbacks import Callback, Callbacks
+from .config import BatchConfig
 from .consensus import StepConsensus, make_consensus, skips_on_device
 from .early_stop import EarlyStopping
 from .engine import StepEngine, precision_dtype
@@ -97,18 +99,24 @@ def build_task(cfg: Config) -> tuple[TaskBundle, str]:
 
 
 def build_trainer(cfg: Config, info: DistInfo, metrics: RankMetrics | None = None,
-                  task: tuple[TaskBundle, str] | None = None, joining: bool = False
-                  ) -> Trainer:
+                  task: tuple[TaskBundle, str] | None = None, joining: bool = False,
+                  job_global_batch: int | None = None) -> Trainer:
     """Build everything one rank trains with; ``metrics`` (default: recording only) receives
     the rank's series. ``task``: :func:`build_task`'s result when already built (a warm
     spare); ``joining``: this process replaces a failed worker in a running group, whose
     members check the build and wrap the model together (``recovery/rejoin.py``).
+    ``job_global_batch``: the global batch (samples) the job keeps, when the caller knows it
+    (a regrouped survivor's, a joiner's from its group); else the newest checkpoint's, else
+    this world size's (:meth:`~elastic_runner.train.config.BatchConfig.kept`). The trainer's
+    ``cfg`` has it as ``batch.global_batch_size``.
 
     Raises:
-        ConfigError: fp16 without CUDA; errors of the task's build.
+        ConfigError: fp16 without CUDA; a global batch this world size does not divide; errors
+            of the task's build.
     """
     if cfg.training.precision == "fp16" and info.device.type != "cuda":
         raise ConfigError("training.precision: 'fp16' needs CUDA (GradScaler); use 'bf16' on CPU")
+    cfg = keep_global_batch(cfg, info.world_size, job_global_batch)
     bundle, built = task or build_task(cfg)
     if not joining:
         _check_same_task(cfg, built)
@@ -148,6 +156,41 @@ def build_trainer(cfg: Config, info: DistInfo, metrics: RankMetrics | None = Non
     session.save = trainer.save
     trainer.rewrap = lambda: _rewrap(cfg, info, trainer, parallelism)
     return trainer
+
+
+def keep_global_batch(cfg: Config, world_size: int, job_global_batch: int | None) -> Config:
+    """``cfg`` with the global batch the job keeps as ``batch.global_batch_size``
+    (:meth:`~elastic_runner.train.config.BatchConfig.kept`): ``job_global_batch``, else the
+    newest checkpoint's (its manifest; one written before manifests recorded it: its world size
+    at this config's accumulation), else ``world_size``'s. Unchanged when the config sets the
+    global batch or lets it follow the world size."""
+    b = cfg.batch
+    if b.global_batch_size is not None or b.follows_world_size:
+        return cfg
+    if job_global_batch is None and cfg.checkpoint.resume:
+        job_global_batch = _checkpointed_global_batch(cfg.checkpoint.dir, b)
+    kept = b.kept(world_size, job_global_batch)
+    here = world_size * b.micro_batch_size * b.grad_accum_steps
+    if kept.global_batch_size != here:
+        log.info("global batch %d samples kept from the job's start (batch.keep_global_batch; "
+                 "world size %d x micro-batch %d x grad_accum_steps %d would be %d)",
+                 kept.global_batch_size, world_size, b.micro_batch_size, b.grad_accum_steps,
+                 here)
+    return cfg.model_copy(update={"batch": kept})
+
+
+def _checkpointed_global_batch(directory: str, b: BatchConfig) -> int | None:
+    """The global batch of the checkpoint a resume tries first (None: none, or unreadable:
+    the resume names the problem)."""
+    try:
+        newest = ckpt.newest_complete(directory)
+    except OSError:
+        return None
+    if newest is None:
+        return None
+    if newest.global_batch_size is not None:
+        return newest.global_batch_size
+    return newest.world_size and newest.world_size * b.micro_batch_size * b.grad_accum_steps
 
 
 def _parallelism(cfg: Config, info: DistInfo, bundle: TaskBundle) -> Parallelism:
@@ -267,7 +310,9 @@ def _session(cfg: Config, info: DistInfo, net: nn.Module, stateful: dict[str, An
         keep_last=c.keep_last, keep_best=c.keep_best,
         extra={"config": cfg.to_dict(), "task_fingerprint": task},
         meta=lambda: {"epoch": sampler.epoch, "cursor": sampler.cursor,
-                      "world_size": info.world_size, "config_hash": cfg.fingerprint(),
+                      "world_size": info.world_size,
+                      "global_batch_size": sampler.global_batch_size,
+                      "config_hash": cfg.fingerprint(),
                       "finished": stop.stopped},
         listener=callbacks, after_load=after_load, migrate=migrate_checkpoint, rank=info.rank,
         layout=checkpoint_layout(cfg))

@@ -62,11 +62,15 @@ class ScheduleConfig(Section):
 class BatchConfig(Section):
     """Batch sizes in samples. Global batch = world_size * micro_batch_size * grad_accum_steps.
 
-    With ``global_batch_size`` set, ``grad_accum_steps`` is derived from it and the current world
-    size (``global / (world_size * micro_batch_size)``), so the optimisation trajectory does not
-    change when nodes come and go; ``optimizer.lr`` is then the LR of that fixed global batch.
-    Without it, the per-rank batch is fixed and the global batch (and so the effective LR per
-    sample) changes with the world size; the LR is not rescaled automatically.
+    The global batch stays the same when the world size changes (nodes leave or join, a restart
+    at another size), so the optimisation trajectory and ``optimizer.lr``'s meaning do not
+    change: ``grad_accum_steps`` is derived from it at each world size
+    (``global / (world_size * micro_batch_size)``; a world size it does not divide is an error
+    naming the ones it does). The global batch is ``global_batch_size`` when set, else the job's
+    first: ``world_size * micro_batch_size * grad_accum_steps`` at its first world size, carried
+    in its checkpoints and by its live ranks (:meth:`kept`). With ``keep_global_batch: false``
+    and no ``global_batch_size``, the per-rank batch is fixed instead and the global batch (and
+    so the effective LR per sample) follows the world size; the LR is not rescaled.
     """
 
     micro_batch_size: StrictInt = Field(32, ge=1)
@@ -76,13 +80,35 @@ class BatchConfig(Section):
     set)."""
     global_batch_size: StrictInt | None = None
     """Samples per optimizer step over all ranks, kept when the world size changes (it must divide
-    by world size x `micro_batch_size`); null: `grad_accum_steps` is fixed instead."""
+    by world size x `micro_batch_size`); null: the job's first global batch (world size x
+    `micro_batch_size` x `grad_accum_steps` at its first world size), kept the same way, unless
+    `keep_global_batch` is false."""
+    keep_global_batch: StrictBool = True
+    """With `global_batch_size` null: keep the job's first global batch when the world size
+    changes (true), or keep `grad_accum_steps` and let the global batch follow the world size
+    (false)."""
 
     @model_validator(mode="after")
     def _global_is_multiple(self) -> BatchConfig:
         if self.global_batch_size is not None and self.global_batch_size % self.micro_batch_size:
             raise invalid("must be a multiple of batch.micro_batch_size", "global_batch_size")
         return self
+
+    @property
+    def follows_world_size(self) -> bool:
+        """Whether the global batch changes with the world size (``keep_global_batch: false``
+        and no ``global_batch_size``)."""
+        return self.global_batch_size is None and not self.keep_global_batch
+
+    def kept(self, world_size: int, job_global_batch: int | None) -> BatchConfig:
+        """This section with the global batch the job keeps made explicit: unchanged when
+        ``global_batch_size`` is set or :attr:`follows_world_size`; else ``global_batch_size``
+        becomes ``job_global_batch`` (the job's, from its checkpoint or live ranks), or, for a
+        job's first start (None), ``world_size x micro_batch_size x grad_accum_steps``."""
+        if self.global_batch_size is not None or self.follows_world_size:
+            return self
+        first = world_size * self.micro_batch_size * self.grad_accum_steps
+        return self.model_copy(update={"global_batch_size": job_global_batch or first})
 
     def accumulation_for(self, world_size: int) -> int:
         """Micro-batches per optimizer step at ``world_size``.

@@ -113,8 +113,8 @@ class TrainingSession:
                                                self.sampler.global_batch_size)
         if old_batch != self.sampler.global_batch_size:
             log.warning("global batch changed from %d to %d samples (world size now %d); the "
-                        "learning rate is not rescaled. Set batch.global_batch_size to keep "
-                        "the global batch constant.", old_batch,
+                        "learning rate is not rescaled. Set batch.keep_global_batch: true (or "
+                        "batch.global_batch_size) to keep the global batch constant.", old_batch,
                         self.sampler.global_batch_size, self.world_size)
         log.info("resumed from %s: step %d, epoch %d, %d samples into the epoch",
                  self.checkpoints.resumed_from, self.state.step, self.sampler.epoch,
