@@ -15,6 +15,22 @@ set -euo pipefail
 dir=${1:-runs/drill}
 mkdir -p "$dir"
 
+descendants() {  # every process below pid $1 (by parent pid, not by name: only this job's)
+  local child
+  for child in $(pgrep -P "$1"); do
+    echo "$child"
+    descendants "$child"
+  done
+}
+
+oldest_worker() {  # the oldest of job $1's own processes that runs `elastic_runner train`
+  local pids
+  pids=$(descendants "$1" | paste -sd, -)
+  [ -n "$pids" ] || return 1
+  ps -o etimes=,pid=,args= -p "$pids" | grep -F "elastic_runner train" | sort -k1,1nr \
+    | awk 'NR == 1 {print $2}'
+}
+
 drill() {  # $1: name; $2: the log line to wait for before the kill; then run's extra arguments
   local name=$1 ready=$2 log="$dir/$1.log"
   shift 2
@@ -26,8 +42,10 @@ drill() {  # $1: name; $2: the log line to wait for before the kill; then run's 
     kill -0 "$job" 2>/dev/null || { echo "the $name run ended before the kill"; exit 1; }
     sleep 0.2
   done
-  # the oldest process of the command is a worker (the spare starts after them)
-  pkill -9 -o -f "elastic_runner train"
+  # the oldest worker of this job (the spare starts after the workers); no other job's
+  local worker
+  worker=$(oldest_worker "$job") || { echo "the $name run has no worker to kill"; exit 1; }
+  kill -9 "$worker"
   wait "$job"
   echo "--- $name: what the runner logged"
   grep -E "exited with code|in-place recovery [0-9]+ done|resumed from|finished:" "$log"
