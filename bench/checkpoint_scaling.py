@@ -34,6 +34,7 @@ the commit), not that scaling.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -56,6 +57,7 @@ def _worker(args: argparse.Namespace) -> None:
 
     from elastic_runner.checkpoint import dcp_format
     from elastic_runner.checkpoint.manager import CheckpointManager
+    from elastic_runner.dist import release_groups_of
     from elastic_runner.parallel.config import DDPConfig, FSDPConfig
     from elastic_runner.parallel.ddp import DDPParallelism
     from elastic_runner.parallel.fsdp import FSDPParallelism
@@ -107,6 +109,7 @@ def _worker(args: argparse.Namespace) -> None:
     if rank == 0:
         print(RESULT + json.dumps(out), flush=True)
     dist.barrier()
+    release_groups_of(net)  # an FSDP mesh's group freed here, not while the interpreter exits
     dist.destroy_process_group()
 
 
@@ -136,6 +139,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.worker:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         _worker(args)
+        gc.collect()  # its FSDP state holds the group: freed while the interpreter runs
         return {}
     results: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as tmp:

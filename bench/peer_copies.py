@@ -24,6 +24,7 @@ failure uniform in time).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -43,6 +44,7 @@ def _worker(args: argparse.Namespace) -> None:
     from torch import nn
 
     from elastic_runner.checkpoint.manager import CheckpointManager
+    from elastic_runner.dist import release_groups_of
     from elastic_runner.parallel.config import FSDPConfig
     from elastic_runner.parallel.fsdp import FSDPParallelism
     from elastic_runner.recovery.peer_copies import PeerCopies, unpack
@@ -87,6 +89,7 @@ def _worker(args: argparse.Namespace) -> None:
         print(RESULT + json.dumps(out), flush=True)
     manager.close()
     dist.barrier()
+    release_groups_of(model)  # the mesh's group freed here, not while the interpreter exits
     dist.destroy_process_group()
 
 
@@ -127,6 +130,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.worker:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         _worker(args)
+        gc.collect()  # its FSDP state holds the group: freed while the interpreter runs
         return {}
     with tempfile.TemporaryDirectory() as tmp:
         results = {str(w): summarise(run_one(w, args, Path(tmp)), args.every)

@@ -114,6 +114,16 @@ does when one is gone (required: exit code 2 with one line; optional: a warning,
    ``checkpoint/dcp_format.py`` for sharded checkpoints on object stores (``s3://``...); torch
    2.13 exports only the local ``FileSystemReader``/``FileSystemWriter``. Without them a sharded
    checkpoint on a URL cannot be written or read: the save or load fails naming it.
+13. **A device mesh's own references to its groups** (``device_mesh.py``:
+   ``DeviceMesh._pg_registry``, read only while ``torch.compile`` traces; optional, worker).
+   Torch's caches of DTensor layouts keep every mesh, and so its groups, alive until the
+   interpreter exits, also after ``destroy_process_group``; a gloo group destroyed during the
+   exit may abort the process (SIGABRT: "terminate called without an active exception", seen
+   on an FSDP bench worker after its last collective). :func:`release_mesh_groups` empties the
+   registry (:func:`elastic_runner.dist.release_groups_of`, called when a trainer closes or a
+   sharded survivor leaves its group), so that the group is freed while the interpreter runs.
+   Without it a finished FSDP process may abort on its way out, and a group left by an
+   in-place recovery keeps its threads and sockets.
 
 Check 1 is the only required one: losing it breaks elastic membership changes silently (a hang
 until the rendezvous times out). ``ELASTIC_RUNNER_IGNORE_TORCH_CHECK=1`` turns that error into a
@@ -636,6 +646,33 @@ def _check_dcp_fsspec() -> str | None:
     return None
 
 
+def release_mesh_groups(mesh: Any) -> None:
+    """Fix 13: drop ``mesh``'s own references to its process groups (torch 2.13's
+    ``DeviceMesh._pg_registry``, read only while ``torch.compile`` traces; otherwise a mesh
+    resolves its groups by name), here and in its root mesh.
+
+    Why: torch's caches of DTensor layouts and redistribution plans keep every mesh alive until
+    the interpreter exits, and with it the groups in that registry, also after
+    ``destroy_process_group``. A gloo group destroyed that late, during the interpreter's
+    teardown, aborted the process ("terminate called without an active exception", SIGABRT)
+    in 2 of 20 exits here (a group kept past ``destroy_process_group``; 0 of 30 without), which
+    is how an FSDP worker that had finished its work could die with -6. Released, the group is
+    freed by ``destroy_process_group`` while the interpreter still runs. A no-op where the
+    attribute is gone (:func:`_check_mesh_registry` warns at start-up)."""
+    for m in (mesh, getattr(mesh, "_root_mesh", None)):
+        registry = getattr(m, "_pg_registry", None)
+        if isinstance(registry, dict):
+            registry.clear()
+
+
+def _check_mesh_registry() -> str | None:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if "_pg_registry" not in getattr(DeviceMesh, "__annotations__", {}):
+        return "DeviceMesh no longer declares _pg_registry"
+    return None
+
+
 def _check_dcp_internals() -> str | None:
     try:
         _, load, set_element = dcp_internals()
@@ -679,6 +716,10 @@ FIXES = (
          False, _check_dcp_fsspec,
          "a sharded (DCP) checkpoint on an s3:// (or other fsspec) URL cannot be written or "
          "read: the save or load fails naming the checkpoint"),
+    _Fix("the release of a sharded model's process groups (DeviceMesh._pg_registry)",
+         ("worker",), False, _check_mesh_registry,
+         "under FSDP a destroyed gloo group lives until the interpreter exits, where it may "
+         "abort the finished process (SIGABRT); a replaced group keeps its threads and sockets"),
 )
 
 

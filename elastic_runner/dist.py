@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .compat import agent_store, shares_agent_store
+from .compat import agent_store, release_mesh_groups, shares_agent_store
 
 log = logging.getLogger(__name__)
 
@@ -197,6 +197,21 @@ def init_distributed(backend: str = "auto", timeout_s: float = 600.0,
 def destroy_distributed() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def release_groups_of(*modules: Any) -> None:
+    """Let the process groups of the device meshes that ``modules``' DTensor parameters
+    (FSDP2) live on be freed by ``destroy_process_group``, not at the interpreter's exit
+    (:func:`elastic_runner.compat.release_mesh_groups`: a gloo group freed there may abort the
+    process). Call it once a module's collectives are over (the trainer's close, a survivor
+    leaving its group); a module without DTensor parameters: nothing."""
+    from torch.distributed.tensor import DTensor
+
+    meshes = {id(p.device_mesh): p.device_mesh for m in modules
+              if isinstance(m, torch.nn.Module) for p in m.parameters()
+              if isinstance(p, DTensor)}
+    for mesh in meshes.values():
+        release_mesh_groups(mesh)
 
 
 def all_reduce_sums(values: dict[str, tuple[float, float]], device: torch.device

@@ -48,7 +48,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .checkpoint.manager import CheckpointManager
 from .data.loader import ElasticDataLoader
-from .dist import current_rank
+from .dist import current_rank, release_groups_of
 from .exit_codes import EXIT_PREEMPTED
 from .logs import setup_logging
 from .observe.config import MetricsConfig
@@ -182,7 +182,8 @@ class FaultTolerantLoop:
 
     def close(self) -> None:
         """Checkpoint the last step (unless just saved), wait for the commit, stop reporting;
-        a second call does nothing."""
+        a sharded model's process groups are left to ``destroy_process_group`` to free
+        (:func:`~elastic_runner.dist.release_groups_of`); a second call does nothing."""
         if self._closed:
             return
         if self._saved_step != self.step:  # also what step_done() left pending
@@ -190,6 +191,7 @@ class FaultTolerantLoop:
         if self._epoch is not None and self.session.sampler.steps_left_in_epoch() == 0:
             self._epoch_ended()
         self._close_reporting()
+        release_groups_of(self.session.checkpoints.state["model"])
 
     def _epoch_ended(self) -> None:
         """The user's loop moved past epoch ``_epoch`` (its tail goes to the sample trace)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import logging
 import os
 import threading
@@ -133,6 +134,10 @@ def _train(config_path: str, overrides: list[str], resume: bool, entered: float,
             trainer.close()  # flushes TensorBoard: the worker may leave without teardown
         if info is not None:
             destroy_distributed()
+        # a sharded model's state holds its process groups: free them now, while the
+        # interpreter runs (freed during its exit, a gloo group may abort the process)
+        trainer = None
+        gc.collect()
         if server is not None:
             threading.Event().wait(linger)
             server.close()

@@ -68,6 +68,17 @@ def test_digits_splits(digits_bundle: TaskBundle) -> None:
     assert set(yt.tolist()) <= set(range(10))
 
 
+def test_digits_read_without_scikit_learn_are_what_load_digits_gives() -> None:
+    """The file read directly is the data scikit-learn's loader returns, bit for bit."""
+    from sklearn.datasets import load_digits
+
+    images, labels = digits.load_digits_arrays()
+    want = load_digits()
+    assert images.shape == (1797, 8, 8) and images.dtype == want.images.dtype
+    assert images.tobytes() == want.images.tobytes()
+    assert labels.dtype == "int64" and labels.tolist() == want.target.tolist()
+
+
 def test_digits_artifacts(digits_bundle: TaskBundle) -> None:
     a = digits_bundle.artifacts
     assert a["input_shape"] == [1, 8, 8]

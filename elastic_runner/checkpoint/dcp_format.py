@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import io
 import pickle
-import re
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -44,10 +43,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from ..compat import dcp_fsspec, dcp_internals
-
-METADATA = ".metadata"
-SHARD_FILE = re.compile(r"^__(?P<rank>\d{1,6})_(?P<n>\d{1,6})\.distcp$")
-SHARDED_KEYS = ("model", "optimizer")  # what DCP holds; the rest stays in state.pt
+from .dcp_names import METADATA, SHARD_FILE, SHARDED_KEYS  # noqa: F401  (re-exported)
 
 # what ``.metadata`` may name (as torch 2.13's DCP writes it): DCP's metadata dataclasses and
 # enums, torch's Size, dtypes and layouts, the checkpoint's path. Anything else is refused.

@@ -54,9 +54,8 @@ from typing import Any, BinaryIO
 import fsspec
 import torch
 from fsspec.implementations.local import LocalFileSystem
-from torch.distributed.checkpoint.api import CheckpointException
 
-from . import dcp_format
+from . import dcp_names
 from .fencing import Fence, FencedOut, NoFence
 
 log = logging.getLogger(__name__)
@@ -175,7 +174,7 @@ def _sha256(fs: fsspec.AbstractFileSystem, path: str) -> str:
 
 
 def _manifest(meta: dict[str, Any], files: dict[str, Any]) -> bytes:
-    version = SHARDED_FORMAT_VERSION if dcp_format.METADATA in files else FORMAT_VERSION
+    version = SHARDED_FORMAT_VERSION if dcp_names.METADATA in files else FORMAT_VERSION
     return json.dumps({"format_version": version, "time": time.time(), **meta,
                        "files": files}, indent=1).encode()
 
@@ -385,7 +384,7 @@ def _commit_sharded_object_store(fs: fsspec.AbstractFileSystem, final: str, name
 def is_sharded(path: str | Path) -> bool:
     """Whether the checkpoint at ``path`` holds DCP files (``.metadata``)."""
     fs, p = _resolve(path)
-    return fs.exists(f"{p}/{dcp_format.METADATA}")
+    return fs.exists(f"{p}/{dcp_names.METADATA}")
 
 
 def _stage_local(directory: Path, names: list[str], state: dict[str, Any],
@@ -452,7 +451,7 @@ def _manifest_problem(manifest: Any) -> str:
         return (f"format version {str(version)[:40]} is not one of {FORMAT_VERSION} (one "
                 f"state.pt) or {SHARDED_FORMAT_VERSION} (sharded)")
     sharded = version == SHARDED_FORMAT_VERSION
-    allowed = (f"{STATE_FILE}, {dcp_format.METADATA}, __<rank>_<n>.distcp" if sharded
+    allowed = (f"{STATE_FILE}, {dcp_names.METADATA}, __<rank>_<n>.distcp" if sharded
                else STATE_FILE)
     files = manifest.get("files")
     if not isinstance(files, dict):
@@ -464,11 +463,11 @@ def _manifest_problem(manifest: Any) -> str:
         if "/" in fname or "\\" in fname or fname in ("", ".", ".."):
             return (f"manifest names file {shown}: a path outside the checkpoint directory "
                     f"(only plain names: {allowed})")
-        ours = fname == STATE_FILE or (sharded and (fname == dcp_format.METADATA
-                                                   or dcp_format.SHARD_FILE.match(fname)))
+        ours = fname == STATE_FILE or (sharded and (fname == dcp_names.METADATA
+                                                   or dcp_names.SHARD_FILE.match(fname)))
         if not ours:
             return f"manifest names file {shown}, not one of this format ({allowed})"
-    for fname in (STATE_FILE, dcp_format.METADATA) if sharded else (STATE_FILE,):
+    for fname in (STATE_FILE, dcp_names.METADATA) if sharded else (STATE_FILE,):
         desc = files.get(fname)
         if not isinstance(desc, dict):
             return f"manifest does not list {fname} (its size and sha256 are unknown)"
@@ -611,6 +610,10 @@ def load_state(path: str | Path, map_location: str | torch.device = "cpu",
     """
     raw = _load_state_file(path, map_location)
     if full and not str(path).endswith(".pt") and is_sharded(path):
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        from . import dcp_format  # DCP itself: only for a sharded checkpoint (dcp_names)
+
         try:
             fs, p = _resolve(path)
             raw.update(dcp_format.load_full(p if _is_local(fs) else str(path)))

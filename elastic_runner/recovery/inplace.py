@@ -61,7 +61,7 @@ import torch
 import torch.distributed as dist
 
 from ..checkpoint.fencing import FencedOut
-from ..dist import is_peer_failure
+from ..dist import is_peer_failure, release_groups_of
 from ..logs import first_line
 from ..preempt import Preempted
 from .group_sockets import GroupSockets, NoSockets
@@ -87,6 +87,12 @@ from .rejoin import Live, Recoverable, RecoveryReport, rejoin, wire_device
 from .store import StoreLocation, connect, told
 
 log = logging.getLogger(__name__)
+
+OWN_ERROR_GRACE_S = 1.0
+"""Seconds a rank whose step failed with its own error (not a peer's death) waits for an
+announcement that a peer died before it leaves to be replaced: a rank that raised used to wait
+``recovery.detect_timeout_seconds`` (10 s) for a replacement of itself that only its exit
+brings."""
 
 ENV = "ELASTIC_RUNNER_INPLACE"  # the recovery store: a recovery_store.StoreLocation as JSON
 SPARE_ENV = "ELASTIC_RUNNER_SPARE"  # set on a spare only: "<node rank>.<number>"
@@ -328,12 +334,15 @@ class InPlaceRecovery:
             ``detect_timeout_s`` (the caller re-raises ``error``).
         """
         t0 = time.perf_counter()
+        # this rank's own error (not a peer's death): its agent replaces it, unless a peer's
+        # death that caused it is announced at once; a peer's: wait for the agents to name it
+        own = not is_peer_failure(error)
         try:
-            announced = self._next_announcement()
+            announced = self._next_announcement(OWN_ERROR_GRACE_S if own else None)
         except (RuntimeError, dist.DistError):  # the store is gone, and nobody moved it
             return None
         if announced is None:
-            if not is_peer_failure(error):  # this rank's own error: its agent replaces it
+            if own:
                 return None
             log.error("collective failed and no peer died within %.0f s "
                       "(recovery.detect_timeout_seconds): %s; restarting every worker",
@@ -390,17 +399,18 @@ class InPlaceRecovery:
         if trainer.checkpoints.sharded:
             trainer.checkpoints.abandon()
             self.live = Live.of(trainer)
+            release_groups_of(trainer.checkpoints.state["model"])  # freed now, not at exit
         dist.destroy_process_group()
 
-    def _next_announcement(self) -> dict[str, Any] | None:
-        """The next generation's announcement (or the restart path's), within
-        ``detect_timeout_s``; None when none came. A store that does not answer is followed to
-        where this node's agent moved it (:meth:`_follow_agent`).
+    def _next_announcement(self, timeout_s: float | None = None) -> dict[str, Any] | None:
+        """The next generation's announcement (or the restart path's), within ``timeout_s``
+        (default ``detect_timeout_s``); None when none came. A store that does not answer is
+        followed to where this node's agent moved it (:meth:`_follow_agent`).
 
         Raises:
             RuntimeError: the store is unreachable and no agent moved it (logged).
         """
-        deadline = time.monotonic() + self.detect_timeout_s
+        deadline = time.monotonic() + (self.detect_timeout_s if timeout_s is None else timeout_s)
         while True:
             try:
                 return self._wait_generation(self.generation + 1, deadline - time.monotonic())
@@ -607,6 +617,7 @@ class InPlaceRecovery:
         """
         self.join_waiting = False
         self.sockets.cut()
+        release_groups_of(trainer.checkpoints.state["model"])  # freed now, not at exit
         dist.destroy_process_group()
         raise Regroup(rank, world_size, generation, report)
 

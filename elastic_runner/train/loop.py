@@ -30,7 +30,7 @@ from ..config import Config
 from ..config_base import ConfigError
 from ..data.loader import ElasticDataLoader
 from ..data.sampler import ElasticSampler, shard_indices
-from ..dist import DistInfo, all_reduce_sums, broadcast_object, max_over_ranks
+from ..dist import DistInfo, all_reduce_sums, broadcast_object, max_over_ranks, release_groups_of
 from ..parallel.base import Parallelism, SingleProcess
 from ..preempt import PreemptionFlag
 from ..recovery.inplace import InPlaceRecovery, NoRecovery, StepRedo
@@ -109,8 +109,11 @@ class Trainer:
         recovery.bind(self)
 
     def close(self) -> None:
-        """Commit the in-flight checkpoint and stop the reporting threads (idempotent)."""
+        """Commit the in-flight checkpoint and stop the reporting threads (idempotent); a
+        sharded model's process groups are left to ``destroy_process_group`` to free
+        (:func:`~elastic_runner.dist.release_groups_of`)."""
         self.session.close()
+        release_groups_of(self.model)
 
     def resume(self) -> bool:
         """Load the newest valid checkpoint (chosen by rank 0, loaded by every rank)."""
