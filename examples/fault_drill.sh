@@ -4,7 +4,7 @@
 #
 #     bash examples/fault_drill.sh [DIR]     # DIR: where the two runs go (default runs/drill)
 #
-# The warm spare starts 2 s after the workers built the task here (the default,
+# The warm spare starts as soon as the workers built the task here (the default,
 # recovery.spare_delay_seconds, is 10 s: a short job never pays for one).
 #
 # In place (the default under `elastic-runner run`): the agent hands the dead worker's rank to
@@ -34,8 +34,8 @@ oldest_worker() {  # the oldest of job $1's own processes that runs `elastic_run
 drill() {  # $1: name; $2: the log line to wait for before the kill; then run's extra arguments
   local name=$1 ready=$2 log="$dir/$1.log"
   shift 2
-  elastic-runner run configs/digits.yaml training.max_epochs=60 early_stopping.enabled=false \
-    recovery.spare_delay_seconds=2 logging.tensorboard_dir=null checkpoint.dir="$dir/$name" \
+  elastic-runner run configs/digits.yaml training.max_epochs=20 early_stopping.enabled=false \
+    recovery.spare_delay_seconds=0 logging.tensorboard_dir=null checkpoint.dir="$dir/$name" \
     "$@" >"$log" 2>&1 &
   local job=$!
   until grep -q "$ready" "$log"; do

@@ -171,6 +171,25 @@ def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str
                           cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
+def cli_here(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
+    """``elastic-runner *args`` run in this process (the CLI's ``main``): its exit code and
+    what it printed. For commands after the test imported what they import: a subprocess
+    (:func:`run_cli`) would pay torch's (and transformers') import again, 2-5 s on 2 cores. On
+    one torch thread, as run_cli's subprocesses (OMP_NUM_THREADS=1)."""
+    import torch
+
+    from elastic_runner.cli import main
+
+    capsys.readouterr()  # what was printed before is not this command's
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        code = main(list(args))
+    finally:
+        torch.set_num_threads(threads)
+    return code, capsys.readouterr().out
+
+
 @pytest.fixture(scope="session")
 def startup_seconds() -> float:
     """Wall seconds of one ``python -c "import torch"`` on this machine, measured once per

@@ -18,9 +18,20 @@ What the sandbox needs from ``slurm.conf`` (what a real site sets differently is
 (no cgroup hierarchy inside a network namespace: ``ip netns exec`` mounts a fresh ``/sys``, and
 slurmd then fails with "No filesystem mounted on /sys/fs/cgroup" unless ``cgroup.conf`` names a
 directory; with these two plugins slurmd uses nothing in it), ``SlurmUser=root`` (the tests run
-as root), ``AuthInfo=...,cred_expire=10`` (a requeued job waits ``cred_expire`` seconds before it
-may start again; the default is 120 s) and ``SlurmdTimeout=10`` (how soon a lost node is marked
-DOWN; the default is 300 s).
+as root), and the waits that a requeue or a lost node costs, each cut down for a cluster on one
+machine (each default of Slurm 22.05 would add tens of seconds to a test):
+
+- ``AuthInfo=...,cred_expire=5``: a requeued job waits ``cred_expire`` + 1 seconds before it may
+  start again (the default is 120 s; 5 is the least that Slurm takes, below it falls back to the
+  default);
+- ``SlurmdTimeout=5`` and ``MessageTimeout=3``: slurmctld marks a lost node DOWN once it has not
+  answered for ``SlurmdTimeout`` seconds, pinging it every ``SlurmdTimeout``/3 seconds, and each
+  ping of a node that refuses the connection retries it for ``MessageTimeout`` seconds (at most
+  10) before the next ping may start: 10 to 13 s from the loss to DOWN here, 28 to 30 s with
+  ``SlurmdTimeout=10`` and the default ``MessageTimeout`` of 10 (the default ``SlurmdTimeout`` is
+  300 s). 3 s is still far more than any reply between the daemons takes on this machine;
+- ``bf_interval=1``: the backfill scheduler starts a requeued job within a second of the time it
+  may start (the default interval is 30 s).
 
 :func:`slurm_cluster` (session scope) starts one cluster for the whole tier; a missing daemon
 fails the test in CI and skips it elsewhere (:mod:`tests.needs`).
@@ -69,7 +80,7 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket={root}/munge/socket,cred_expire=10
+AuthInfo=socket={root}/munge/socket,cred_expire=5
 StateSaveLocation={root}/ctld
 SlurmctldPidFile={root}/ctld/slurmctld.pid
 SlurmctldLogFile={root}/ctld/slurmctld.log
@@ -81,12 +92,13 @@ TaskPlugin=task/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 SchedulerType=sched/backfill
-SchedulerParameters=bf_interval=2
+SchedulerParameters=bf_interval=1
 MpiDefault=none
 SwitchType=switch/none
 JobRequeue=1
 ReturnToService=2
-SlurmdTimeout=10
+SlurmdTimeout=5
+MessageTimeout=3
 KillWait=30
 MinJobAge=600
 AccountingStorageType=accounting_storage/none

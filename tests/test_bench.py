@@ -63,7 +63,7 @@ def test_metrics_overhead_smoke(tmp_path):
 
 @pytest.mark.slow
 def test_overhead_smoke(tmp_path, capsys):
-    summary = overhead.main(["--steps", "30", "--repeats", "1", "--variants", "runner",
+    summary = overhead.main(["--steps", "20", "--repeats", "1", "--variants", "runner",
                              "--tasks", "digits", "char_lm", "--json", str(tmp_path / "o.json")])
     assert set(summary["tasks"]) == {"digits", "char_lm"}
     for task, result in summary["tasks"].items():

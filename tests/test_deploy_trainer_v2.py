@@ -504,7 +504,12 @@ def test_trainer_rehearsal_pods_rendezvous_at_node_0_and_restart_together(launch
                      "metrics.address=127.0.0.1", "metrics.linger_seconds=0",
                      f"training.max_steps={REHEARSAL_STEPS}", "early_stopping.enabled=false",
                      "checkpoint.every_steps=5", "data.num_workers=0",
-                     f"audit.trace_dir={trace}"]
+                     f"audit.trace_dir={trace}",
+                     # pod 1's SIGKILL fails the other pod's collectives; its workers wait this
+                     # long for their agent to name a failed peer (none of theirs failed), then
+                     # exit to the SIGTERM of the JobSet restart (10 s by default; above
+                     # recovery.node_timeout_seconds, 5)
+                     "recovery.detect_timeout_seconds=6"]
             pods[rank] = launch(argv, name=f"node-{rank}-attempt-{attempt}", env=env)
         return pods
 

@@ -22,7 +22,7 @@ from .evidence import (
     assert_same_tensors,
 )
 from .needs import HF_EXTRA, require_modules
-from .procs import CONFIGS, Pace, cli, run_cli, wait_until
+from .procs import CONFIGS, Pace, cli, wait_until
 from .test_train_torchrun import final_state, results
 
 pytestmark = pytest.mark.slow
@@ -42,53 +42,58 @@ def committed(ck: Path) -> list[int]:
     return sorted(c.step for c in ckpt.list_checkpoints(ck) if c.kind == "step" and c.valid)
 
 
-def test_fsdp_kill_and_resume_is_bitwise_also_when_a_rank_dies_in_the_save(launch, tmp_path):
-    """The restart path (``recovery.mode: restart``), dropout on, 2 ranks. A rank SIGKILLed
-    after step 15 (restart from step 10), and a rank SIGKILLed while the checkpoint of step 10
-    is being written (after its snapshot, with the background write of the shards in flight:
-    nothing of step 10 may be published; the restart resumes from step 5): both end bitwise
-    equal to the uninterrupted run, weights and AdamW state."""
-    common = [DIGITS, *FSDP, "training.max_steps=30", "checkpoint.every_steps=5",
-              "checkpoint.keep_last=10", "checkpoint.at_epoch_end=false", "recovery.mode=restart"]
-    run_to_end(launch, "reference", *common, f"checkpoint.dir={tmp_path / 'ref'}")
-    want = final_state(tmp_path / "ref")
-    assert (Path(ckpt.latest_valid(tmp_path / "ref").path) / "__1_0.distcp").exists()
-
-    faults = {"after": ("{kind: sigkill, rank: 1, after_steps: 15}", 10),
-              "in_save": ("{kind: sigkill, rank: 1, after_steps: 10, during: checkpoint}", 5)}
-    for name, (fault, resumed) in faults.items():
-        ck = tmp_path / name
-        job = run_to_end(launch, name, *common, f"checkpoint.dir={ck}",
-                         f"faults.inject=[{fault}]", f"faults.once_dir={tmp_path / name}-once",
-                         "--max-restarts", "1")
-        out = job.output
-        assert f"resumed from {ck / f'step-{resumed:08d}'}: step {resumed}," in out, out[-3000:]
-        if name == "in_save":
-            assert "fault injection: rank 1 sigkill during the checkpoint of step 10" in out
-            # the first attempt published nothing of step 10; the second wrote it again
-            first_attempt = out.split("resumed from")[0]
-            assert "committed sharded checkpoint" in first_attempt
-            assert f"{ck / 'step-00000010'}" not in first_attempt
-        got = final_state(ck)
-        assert got["train_state"]["step"] == want["train_state"]["step"] == 30
-        assert_same_tensors(want["model"], got["model"])
-        assert_same_optimizer(want["optimizer"], got["optimizer"])
-        assert committed(ck) == list(range(5, 31, 5))
-        assert not [p for p in ck.iterdir() if p.name.startswith(".tmp")]
+# the uninterrupted run of the restart and in-place tests: one reference for both
+# (tests/references.py; the checkpoint cadence and the recovery settings are neutral)
+FSDP_RUN = [DIGITS, *FSDP, "training.max_steps=35", "checkpoint.at_epoch_end=false"]
 
 
-def test_fsdp_in_place_recovery_rolls_back_to_peer_copies_bitwise(launch, tmp_path):
+def test_fsdp_kill_and_resume_is_bitwise_also_when_a_rank_dies_in_the_save(launch, tmp_path,
+                                                                          reference):
+    """The restart path (``recovery.mode: restart``), dropout on, 2 ranks, one job: a rank
+    SIGKILLed while the checkpoint of step 10 is being written (after its snapshot, with the
+    background write of the shards in flight: nothing of step 10 may be published; the restart
+    resumes from step 5), then, in the restarted group, a rank SIGKILLed after step 15 (the
+    restart resumes from step 10). The run ends bitwise equal to the uninterrupted one,
+    weights and AdamW state."""
+    ref = reference(*FSDP_RUN, "--monitor-interval", "0.2")
+    want = final_state(ref)
+    assert (Path(ckpt.latest_valid(ref).path) / "__1_0.distcp").exists()
+
+    ck = tmp_path / "ck"
+    # the second fault fires in restart attempt 1 (attempts: 2), once (faults.once_dir)
+    faults = ("faults.inject=[{kind: sigkill, rank: 1, step: 10, during: checkpoint},"
+              " {kind: sigkill, rank: 1, step: 15, attempts: 2}]")
+    job = run_to_end(launch, "kills", *FSDP_RUN, "checkpoint.every_steps=5",
+                     "checkpoint.keep_last=10", "recovery.mode=restart", f"checkpoint.dir={ck}",
+                     faults, f"faults.once_dir={tmp_path / 'once'}", "--max-restarts", "2")
+    out = job.output
+    first_attempt, second, third = out.split("resumed from ")  # exactly two restarts
+    assert "fault injection: rank 1 sigkill during the checkpoint of step 10" in first_attempt
+    # the first attempt published nothing of step 10; the second wrote it again
+    assert "committed sharded checkpoint" in first_attempt, out[-3000:]
+    assert f"{ck / 'step-00000010'}" not in first_attempt
+    assert second.startswith(f"{ck / 'step-00000005'}: step 5,"), out[-3000:]
+    assert f"{ck / 'step-00000010'}" in second
+    assert "fault injection: rank 1 sigkill after step 15" in second
+    assert third.startswith(f"{ck / 'step-00000010'}: step 10,"), out[-3000:]
+    got = final_state(ck)
+    assert got["train_state"]["step"] == want["train_state"]["step"] == 35
+    assert_same_tensors(want["model"], got["model"])
+    assert_same_optimizer(want["optimizer"], got["optimizer"])
+    assert committed(ck) == list(range(5, 36, 5))
+    assert not [p for p in ck.iterdir() if p.name.startswith(".tmp")]
+
+
+def test_fsdp_in_place_recovery_rolls_back_to_peer_copies_bitwise(launch, tmp_path, reference):
     """``recovery.mode: in_place`` under FSDP2, 2 ranks, peer copies every 5 steps: rank 1
     SIGKILLed after step 23, then rank 0 while the sharded checkpoint of step 30 is being
     written. Each time the survivor keeps its process, the replacement (a warm spare) gets its
     shards from the survivor's copy, both roll back to the copies' step (20, then 25) and redo
     the steps after it; no checkpoint is read. The run ends bitwise equal to the uninterrupted
     one (weights and AdamW moments, dropout on), every sample of every step traced once."""
-    common = [DIGITS, *FSDP, "training.max_steps=40", "checkpoint.every_steps=10",
-              "checkpoint.at_epoch_end=false", "recovery.peer_copy_every_steps=5",
+    want = final_state(reference(*FSDP_RUN, "--monitor-interval", "0.2"))
+    common = [*FSDP_RUN, "checkpoint.every_steps=10", "recovery.peer_copy_every_steps=5",
               "recovery.spare_delay_seconds=0"]
-    run_to_end(launch, "reference", *common, f"checkpoint.dir={tmp_path / 'ref'}")
-    want = final_state(tmp_path / "ref")
 
     ck, trace = tmp_path / "ck", tmp_path / "trace"
     faults = ("faults.inject=[{kind: sigkill, rank: 1, after_steps: 23},"
@@ -104,24 +109,24 @@ def test_fsdp_in_place_recovery_rolls_back_to_peer_copies_bitwise(launch, tmp_pa
     assert "the sharded checkpoint in flight was abandoned" in out  # step 30's, on rank 1
     assert "3 committed step(s) redone" in out and "5 committed step(s) redone" in out
     got = final_state(ck)
-    assert got["train_state"]["step"] == want["train_state"]["step"] == 40
+    assert got["train_state"]["step"] == want["train_state"]["step"] == 35
     assert_same_tensors(want["model"], got["model"])
     assert_same_optimizer(want["optimizer"], got["optimizer"])
-    assert committed(ck)[-1] == 40
+    assert committed(ck)[-1] == 35
     # two ranks killed in place, each after committing steps: at most one entry each repaired
-    assert_exact_audit(trace, steps=40, global_batch=DIGITS_GLOBAL_BATCH,
+    assert_exact_audit(trace, steps=35, global_batch=DIGITS_GLOBAL_BATCH,
                        num_samples=DIGITS_TRAIN, repaired_at_most=2)
     steps = sorted(e["step"] for e in audit.read_entries(trace) if "indices" in e)
-    assert steps == sorted(list(range(1, 41)) * 2)
+    assert steps == sorted(list(range(1, 36)) * 2)
 
     # a shard that only rank 1 hashes (the ranks share the sha256 check: every 2nd file by
     # name) is corrupt: both ranks skip that checkpoint, resume the one before and end bitwise
-    shard = ck / "step-00000040" / "__0_0.distcp"
+    shard = ck / "step-00000035" / "__0_0.distcp"
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
     out = run_to_end(launch, "corrupt", *common, f"checkpoint.dir={ck}").output
-    assert (f"skipping checkpoint {ck / 'step-00000040'}: __0_0.distcp sha256 mismatch "
+    assert (f"skipping checkpoint {ck / 'step-00000035'}: __0_0.distcp sha256 mismatch "
             "(corrupt)") in out
     assert f"resumed from {ck / 'step-00000030'}: step 30," in out
     got = final_state(ck)
@@ -169,10 +174,11 @@ def test_fsdp_continue_shrunk_reshards_from_checkpoints_in_place(launch, tmp_pat
 
 
 def test_fsdp_reshards_2_3_1_2_from_a_ddp_checkpoint_with_every_sample_once(launch, tmp_path):
-    """A DDP run (rank-0 checkpoint) to step 4, then FSDP2 at 2, 3 (uneven shards), 1 and 2
-    ranks, then DDP again at 2 ranks writing DCP checkpoints (the replicated tensors spread over
-    the ranks), each resuming the previous one's checkpoint: the audit of the fetched sample ids
-    is exact over both epochs, and the loss continues the uninterrupted DDP run's."""
+    """A DDP run at 2 ranks (rank-0 checkpoint) to step 4, then FSDP2 at 3 (the DDP
+    checkpoint resharded, uneven shards), 1 and 2 ranks, then DDP again at 2 ranks writing DCP
+    checkpoints (the replicated tensors spread over the ranks), each resuming the previous one's
+    checkpoint: the audit of the fetched sample ids is exact over both epochs, and the loss
+    continues the uninterrupted DDP run's."""
     # global batch 48 = 2 x 4 x 6 = 3 x 4 x 4 = 1 x 4 x 12: 26 steps per epoch at any size
     common = [DIGITS, *FSDP[1:], "batch.micro_batch_size=4", "batch.global_batch_size=48",
               "schedule.name=constant", "schedule.warmup_steps=0", "model.dropout=0.0",
@@ -182,8 +188,9 @@ def test_fsdp_reshards_2_3_1_2_from_a_ddp_checkpoint_with_every_sample_once(laun
                "--trace-samples", str(ref_trace))
 
     ck, trace = tmp_path / "ck", tmp_path / "trace"
-    phases = [("2", "ddp", "auto", 4), ("2", "fsdp", "auto", 8), ("3", "fsdp", "auto", 20),
-              ("1", "fsdp", "auto", 32), ("2", "fsdp", "auto", 44), ("2", "ddp", "dcp", None)]
+    phases = [("2", "ddp", "auto", 4), ("3", "fsdp", "auto", 20), ("1", "fsdp", "auto", 32),
+              ("2", "fsdp", "auto", 44), ("2", "ddp", "dcp", None)]
+    resumed = [None, 4, 20, 32, 44]
     for i, (nproc, strategy, layout, limit) in enumerate(phases):
         job = run_to_end(launch, f"phase{i}-{strategy}-{nproc}", *common,
                          f"checkpoint.dir={ck}", f"distributed.strategy={strategy}",
@@ -191,7 +198,8 @@ def test_fsdp_reshards_2_3_1_2_from_a_ddp_checkpoint_with_every_sample_once(laun
                          *([f"training.max_steps={limit}"] if limit else []),
                          "--nproc-per-node", nproc, "--trace-samples", str(trace))
         if i:
-            assert "resumed from" in job.output
+            step = resumed[i]
+            assert f"resumed from {ck / f'step-{step:08d}'}: step {step}," in job.output
         if strategy == "fsdp":
             assert "FSDP2: 0 unit(s) + root on mesh" in job.output
     assert not ckpt.is_sharded(ck / "step-00000004")  # DDP's: one state.pt
@@ -206,7 +214,7 @@ def test_fsdp_reshards_2_3_1_2_from_a_ddp_checkpoint_with_every_sample_once(laun
     for r in reports:
         assert r.complete and r.seen_once == r.expected == DIGITS_TRAIN - r.dropped, r
     worlds = {e["step"]: e["world_size"] for e in audit.read_entries(trace) if "world_size" in e}
-    assert (worlds[8], worlds[9], worlds[20], worlds[21], worlds[32], worlds[33], worlds[45]) == (
+    assert (worlds[4], worlds[5], worlds[20], worlds[21], worlds[32], worlds[33], worlds[45]) == (
         2, 3, 3, 1, 1, 2, 2)
 
     ref, got = audit.loss_curve(ref_trace), audit.loss_curve(trace)
@@ -226,6 +234,7 @@ HF = ["task=causal_lm", "data.block_size=64", "data.vocab_size=512", "model.n_la
 
 def test_gpt2_trains_sharded_per_block_and_exports_for_from_pretrained(launch, tmp_path):
     require_modules("transformers", "tokenizers", install_hint=HF_EXTRA)
+    from elastic_runner.cli import main as cli_main
     from elastic_runner.tasks.export import model_from_checkpoint
 
     from .hf_helpers import fresh_load, runner_logits
@@ -240,9 +249,10 @@ def test_gpt2_trains_sharded_per_block_and_exports_for_from_pretrained(launch, t
     assert len(evals) == 2 and evals[1] < evals[0], evals
     assert results(ck)["step"] == 24
 
+    # the CLI's export in this process (it imports transformers for the runner's model below
+    # anyway; a subprocess would pay torch's and transformers' import again): its exit code
     out = tmp_path / "export"
-    exported = run_cli("export", str(ck), str(out), timeout=300)
-    assert exported.returncode == 0, exported.stderr[-3000:]
+    assert cli_main(["export", str(ck), str(out)]) == 0
     _, _, model, _ = model_from_checkpoint(None, ck)
     loaded = fresh_load(out, "AutoModelForCausalLM", ["def main(argv):\n    return 0\n"])
     assert loaded["model"] == "GPT2LMHeadModel"
@@ -250,13 +260,15 @@ def test_gpt2_trains_sharded_per_block_and_exports_for_from_pretrained(launch, t
                           rtol=0, atol=1e-4)
 
 
-def test_hsdp_2x2_recovers_from_a_replica_and_resumes_as_plain_fsdp(launch, tmp_path):
+def test_hsdp_2x2_recovers_from_a_replica_and_resumes_as_plain_fsdp(launch, tmp_path,
+                                                                    reference):
     """HSDP: 2 replicas x 2 shards on 4 ranks. A NaN loss on rank 3 skips that step on every
     rank (the vote rides on the gradients: reduce-scatter, all-reduce over replicas, the norm's
     all-reduce). Rank 2 SIGKILLed after step 5 is recovered in place from rank 0, the surviving
     replica of its shard: nothing is redone (no peer copy exists yet, none is needed) and the
     run ends bitwise equal to an uninterrupted one. Its checkpoint resumes at 2 ranks as plain
-    FSDP. 3 replicas at 4 ranks is refused with exit code 2 and one line naming the key."""
+    FSDP. 3 replicas, which do not divide the world size (2 ranks), are refused with exit code 2
+    and one line naming the key."""
     ck = tmp_path / "ck"
     common = [DIGITS, *FSDP, "batch.micro_batch_size=4", "batch.global_batch_size=32",
               "checkpoint.every_steps=3", "checkpoint.at_epoch_end=false",
@@ -264,9 +276,8 @@ def test_hsdp_2x2_recovers_from_a_replica_and_resumes_as_plain_fsdp(launch, tmp_
     hsdp = [*common, "distributed.fsdp.replicas=2", "training.max_steps=8",
             "faults.inject=[{kind: nan, rank: 3, step: 4}, {kind: sigkill, rank: 2, step: 5}]",
             f"faults.once_dir={tmp_path / 'once'}", "--nproc-per-node", "4"]
-    ref = tmp_path / "ref"
-    run_to_end(launch, "reference", *hsdp[:-4], "faults.inject=[{kind: nan, rank: 3, step: 4}]",
-               f"checkpoint.dir={ref}", *hsdp[-2:], timeout=400)
+    ref = reference(*hsdp[:-4], "faults.inject=[{kind: nan, rank: 3, step: 4}]", *hsdp[-2:],
+                    "--monitor-interval", "0.2")
     trace = tmp_path / "trace"
     job = run_to_end(launch, "hsdp", *hsdp, "--trace-samples", str(trace), timeout=400)
     out = job.output
@@ -293,9 +304,10 @@ def test_hsdp_2x2_recovers_from_a_replica_and_resumes_as_plain_fsdp(launch, tmp_
     assert set(committed(ck)) >= {9, 10, 11}  # by the clock, at every step
     assert committed(ck)[-1] == 11
 
+    # at 2 ranks, not 4: the same check (world size % replicas), half the processes to start
     bad = launch(cli("run", *common, "distributed.fsdp.replicas=3", "training.max_steps=14",
-                     "--nproc-per-node", "4", "--max-restarts", "0"), name="bad-mesh")
+                     "--nproc-per-node", "2", "--max-restarts", "0"), name="bad-mesh")
     assert bad.wait(timeout=300) == 2, bad.output[-3000:]
-    assert ("distributed.fsdp.replicas: 3 does not divide the world size 4; use a divisor of "
+    assert ("distributed.fsdp.replicas: 3 does not divide the world size 2; use a divisor of "
             "it (1: plain FSDP)") in bad.output
     assert committed(ck)[-1] == 11  # nothing written

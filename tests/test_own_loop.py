@@ -14,10 +14,11 @@ import pytest
 import torch
 
 from elastic_runner.checkpoint import storage as ckpt
+from elastic_runner.cli import main as cli_main
 from elastic_runner.data import audit
 
 from .evidence import assert_exact_audit, assert_same_optimizer, assert_same_tensors
-from .procs import REPO, cli, free_port, run_cli, wait_until
+from .procs import REPO, cli, free_port, wait_until
 
 EXAMPLES = REPO / "examples"
 pytestmark = pytest.mark.slow
@@ -83,50 +84,53 @@ def reference(tmp_path_factory):
     return model_state(ck)
 
 
-def test_kill_9_under_torchrun_resumes_bitwise(launch, tmp_path, reference):
-    ck = tmp_path / "ck"
-    job = launch(torchrun("--steps", "80", "--checkpoint-dir", str(ck)), name="kill",
-                 env={"ELASTIC_RUNNER_FAULTS": "[{kind: sigkill, rank: 1, step: 30}]"})
-    assert job.wait(timeout=240) == 0, job.output[-3000:]
-    assert f"resumed from {ck / 'step-00000020'}: step 20" in job.output
-    assert_same_tensors(reference, model_state(ck))
-
-
-def test_sigterm_checkpoints_that_step_exits_143_and_loses_nothing(launch, tmp_path,
-                                                                   reference):
+def test_sigterm_and_kill_9_under_torchrun_resume_bitwise_then_2_1_2_ranks_audit_exact(
+        launch, tmp_path, reference, capsys):
+    """One job at 2 ranks, 80 steps: rank 1 gets SIGTERM after step 27 (every rank discards
+    step 28, checkpoints step 27 and exits 143: nothing lost), then, in the restarted group,
+    SIGKILL after step 30 (the restart resumes step 27's checkpoint and redoes the steps after
+    it). It ends bitwise equal to the uninterrupted run. Its checkpoint then continues at world
+    size 1 and at 2 again: the sample audit is exact over the epochs across the changes."""
     ck, trace = tmp_path / "ck", tmp_path / "trace"
+    # the kill fires in restart attempt 1 (attempts: 2); attempt 0 ends at the SIGTERM first
+    faults = ("[{kind: sigterm, rank: 1, step: 27},"
+              " {kind: sigkill, rank: 1, step: 30, attempts: 2}]")
     job = launch(torchrun("--steps", "80", "--checkpoint-dir", str(ck), "--trace-dir",
-                          str(trace)), name="sigterm",
-                 env={"ELASTIC_RUNNER_FAULTS": "[{kind: sigterm, rank: 1, step: 27}]"})
+                          str(trace)), name="faults", env={"ELASTIC_RUNNER_FAULTS": faults})
     assert job.wait(timeout=240) == 0, job.output[-3000:]
     out = job.output
+    first, after_sigterm, after_kill = out.split("resumed from ")  # exactly two restarts
     # the signal lands after step 27; every rank discards step 28 and saves step 27
-    assert "preemption: checkpointing step 27" in out and "exitcode: 143" in out, out[-3000:]
-    assert f"resumed from {ck / 'step-00000027'}: step 27" in out
-    assert "sample trace: dropped" not in out  # zero lost steps
+    assert "preemption: checkpointing step 27" in first and "exitcode: 143" in out, out[-3000:]
+    assert after_sigterm.startswith(f"{ck / 'step-00000027'}: step 27"), out[-3000:]
+    assert "sample trace: dropped" not in after_sigterm  # zero lost steps
+    assert "fault injection: rank 1 sigkill after step 30" in after_sigterm
+    assert after_kill.startswith(f"{ck / 'step-00000027'}: step 27"), out[-3000:]
+    assert "entries of steps after 27 (lost work)" in after_kill  # the kill's: 28 to 30
     # own_loop.py: all 1797 samples, 16 per rank and step (global batch 32 at 2 ranks); the
-    # restart resumed the preemption's checkpoint: nothing repaired
+    # restarts resumed checkpoints every rank reached: nothing repaired
     epoch0 = assert_exact_audit(trace, steps=80, global_batch=32)[0]
     assert epoch0.complete and epoch0.seen_once == 56 * 32
     assert_same_tensors(reference, model_state(ck))
 
-
-def test_world_size_2_1_2_sample_audit_is_exact(launch, tmp_path):
-    ck, trace = tmp_path / "ck", tmp_path / "trace"
-    for i, (nproc, steps) in enumerate([(2, 30), (1, 100), (2, 140)]):
+    for i, (nproc, steps) in enumerate([(1, 150), (2, 170)]):
         job = launch(torchrun("--steps", str(steps), "--checkpoint-dir", str(ck),
-                              "--trace-dir", str(trace), nproc=nproc), name=f"phase{i}")
+                              "--trace-dir", str(trace), nproc=nproc), name=f"world-{nproc}")
         assert job.wait(timeout=240) == 0, job.output[-3000:]
-        if i:
-            assert "resumed from" in job.output
+        resumed = (80, 150)[i]
+        assert f"resumed from {ck / f'step-{resumed:08d}'}: step {resumed}" in job.output
     worlds = {e["step"]: e["world_size"] for e in audit.read_entries(trace) if "world_size" in e}
-    assert (worlds[30], worlds[31], worlds[100], worlds[101]) == (2, 1, 1, 2)
-    # epoch 0: 30 steps of 32 samples, then 52 of 16 (world size 1), 5 left as the tail
-    # the global batch is 16 per rank: 32, 16, then 32 again
-    first, second = assert_exact_audit(trace, steps=140, global_batch=None)
-    assert first.complete and first.seen_once == 1797 - 5 and first.dropped == 5
-    assert not second.duplicated and second.seen_once == 18 * 16 + 40 * 32
-    assert run_cli("audit", str(trace)).stdout.count(" ok ") == 1
+    assert (worlds[80], worlds[81], worlds[150], worlds[151]) == (2, 1, 1, 2)
+    # the global batch is 16 per rank: 32, 16, then 32 again. Epoch 0: 56 steps of 32 (5 left
+    # as the tail); epoch 1: 24 steps of 32, then 64 of 16 at world size 1 (5 left); epoch 2:
+    # 6 steps of 16, then 20 of 32
+    first, second, third = assert_exact_audit(trace, steps=170, global_batch=None)
+    for epoch in (first, second):
+        assert epoch.complete and epoch.seen_once == 1797 - 5 and epoch.dropped == 5, epoch
+    assert not third.complete and not third.duplicated and third.seen_once == 6 * 16 + 20 * 32
+    capsys.readouterr()
+    assert cli_main(["audit", str(trace)]) == 0  # the CLI's report, in this process
+    assert capsys.readouterr().out.count(" ok ") == 2
 
 
 def scrape(port: int) -> str:
@@ -171,9 +175,9 @@ def test_an_fsdp2_loop_resumes_bitwise_after_kill_9_and_reshards_to_3_ranks(laun
     bitwise equal to an uninterrupted run; then 3 ranks continue its checkpoint (resharded,
     uneven shards) with every sample of the epoch exactly once."""
     ref, ck, trace = tmp_path / "ref", tmp_path / "ck", tmp_path / "trace"
-    job = launch(fsdp_loop("--steps", "50", "--checkpoint-dir", str(ref)), name="reference")
+    job = launch(fsdp_loop("--steps", "40", "--checkpoint-dir", str(ref)), name="reference")
     assert job.wait(timeout=240) == 0, job.output[-3000:]
-    job = launch(fsdp_loop("--steps", "50", "--checkpoint-dir", str(ck), "--trace-dir",
+    job = launch(fsdp_loop("--steps", "40", "--checkpoint-dir", str(ck), "--trace-dir",
                            str(trace)), name="kill",
                  env={"ELASTIC_RUNNER_FAULTS": "[{kind: sigkill, rank: 1, step: 30}]"})
     assert job.wait(timeout=240) == 0, job.output[-3000:]
@@ -184,13 +188,13 @@ def test_an_fsdp2_loop_resumes_bitwise_after_kill_9_and_reshards_to_3_ranks(laun
     assert_same_tensors(want["model"], got["model"])
     assert_same_optimizer(want["optimizer"], got["optimizer"])
 
-    job = launch(fsdp_loop("--steps", "80", "--checkpoint-dir", str(ck), "--trace-dir",
+    job = launch(fsdp_loop("--steps", "55", "--checkpoint-dir", str(ck), "--trace-dir",
                            str(trace), nproc=3), name="three")
     assert job.wait(timeout=240) == 0, job.output[-3000:]
-    assert f"resumed from {ck / 'step-00000050'}: step 50" in job.output
+    assert f"resumed from {ck / 'step-00000040'}: step 40" in job.output
     worlds = {e["step"]: e["world_size"] for e in audit.read_entries(trace) if "world_size" in e}
-    assert (worlds[50], worlds[51]) == (2, 3)
-    # epoch 0: 56 steps of 32 samples at world size 2, then 48-sample steps (the restart after
-    # the kill resumed a checkpoint every rank reached: nothing repaired)
-    first = assert_exact_audit(trace, steps=80, global_batch=None)[0]
-    assert first.complete, first
+    assert (worlds[40], worlds[41]) == (2, 3)
+    # epoch 0: 40 steps of 32 samples at world size 2, then 10 of 48 (37 left as the tail);
+    # the restart after the kill resumed a checkpoint every rank reached: nothing repaired
+    first = assert_exact_audit(trace, steps=55, global_batch=None)[0]
+    assert first.complete and first.seen_once == 1797 - 37 and first.dropped == 37, first

@@ -10,7 +10,7 @@ from elastic_runner.checkpoint import storage as ckpt
 from elastic_runner.data import audit
 
 from .evidence import DIGITS_TRAIN, assert_exact_audit, assert_same_optimizer, assert_same_tensors
-from .procs import CONFIGS, cli, run_cli
+from .procs import CONFIGS, cli, cli_here
 from .test_train_torchrun import final_state
 
 pytestmark = pytest.mark.slow
@@ -25,7 +25,7 @@ def run_to_end(launch, name, *args, timeout=300):
     return job
 
 
-def test_world_size_2_1_2_within_an_epoch(launch, tmp_path):
+def test_world_size_2_1_2_within_an_epoch(launch, tmp_path, capsys):
     """Every sample of every epoch exactly once across 2 -> 1 -> 2 workers; with a constant
     global batch the loss curve continues as in an uninterrupted run."""
     # global batch 16: accumulation 2 at world size 2, 4 at world size 1; 78 steps per epoch
@@ -53,8 +53,8 @@ def test_world_size_2_1_2_within_an_epoch(launch, tmp_path):
         assert r.complete and r.seen_once == r.expected == DIGITS_TRAIN - r.dropped, r
     worlds = {e["step"]: e["world_size"] for e in audit.read_entries(trace) if "world_size" in e}
     assert worlds[10] == 2 and worlds[11] == 1 and worlds[25] == 1 and worlds[26] == 2
-    printed = run_cli("audit", str(trace))
-    assert printed.returncode == 0 and printed.stdout.count(" ok ") == 2, printed.stdout
+    code, printed = cli_here(capsys, "audit", str(trace))
+    assert code == 0 and printed.count(" ok ") == 2, printed
 
     ref, got = audit.loss_curve(ref_trace), audit.loss_curve(trace)
     assert ref.keys() == got.keys() and len(ref) == 2 * 78
@@ -76,8 +76,10 @@ def model_at(ck, step: int) -> dict[str, torch.Tensor]:
 
 def test_without_global_batch_the_log_names_the_change(launch, tmp_path):
     ck = tmp_path / "ck"
+    # keep_global_batch=false: the global batch follows the world size (by default the job's
+    # first is kept, and nothing changes)
     common = [DIGITS, *QUIET, f"checkpoint.dir={ck}", "batch.micro_batch_size=8",
-              "batch.grad_accum_steps=1"]
+              "batch.grad_accum_steps=1", "batch.keep_global_batch=false"]
     run_to_end(launch, "two", *common, "training.max_steps=4")
     job = launch(cli("train", *common, "training.max_steps=6"), name="one")  # world size 1
     assert job.wait(timeout=300) == 0, job.output[-3000:]
@@ -98,15 +100,17 @@ def corrupt(path, how: str) -> str:
     return "state.pt missing"
 
 
-def test_corrupt_newest_checkpoints_fall_back_to_the_newest_valid(launch, tmp_path):
+def test_corrupt_newest_checkpoints_fall_back_to_the_newest_valid(launch, tmp_path, capsys):
     ck = tmp_path / "ck"
     common = [DIGITS, *QUIET, f"checkpoint.dir={ck}", "checkpoint.every_steps=1",
               "checkpoint.keep_last=4"]
-    run_to_end(launch, "first", *common, "training.max_steps=6")
+    # world size 1, no launcher: the fastest way to checkpoints (the resume below is at 2)
+    first = launch(cli("train", *common, "training.max_steps=6"), name="first")
+    assert first.wait(timeout=300) == 0, first.output[-3000:]
     # the three newest are damaged three ways; the resume must skip each, naming why
     reasons = {step: corrupt(ck / f"step-{step:08d}", how)
                for step, how in ((6, "truncate"), (5, "bitflip"), (4, "delete"))}
-    listing = run_cli("checkpoints", str(ck), "--verify").stdout
+    listing = cli_here(capsys, "checkpoints", str(ck), "--verify")[1]
     assert listing.count("INVALID") == 3 and all(r in listing for r in reasons.values())
 
     job = run_to_end(launch, "again", *common, "training.max_steps=8")
@@ -119,14 +123,15 @@ def test_corrupt_newest_checkpoints_fall_back_to_the_newest_valid(launch, tmp_pa
     assert final_state(ck)["train_state"]["step"] == 8
 
 
-def test_char_lm_kill_and_resume_is_bitwise_identical(launch, tmp_path):
+def test_char_lm_kill_and_resume_is_bitwise_identical(launch, tmp_path, reference):
     """Both recovery paths: a restart of every worker from the checkpoint of step 10, and an
-    in-place recovery (the survivor keeps its process, the replacement gets its state)."""
+    in-place recovery (the survivor keeps its process, the replacement gets its state). Each
+    run ends 5 steps after the kill; the restart replays from step 10, where an evaluation and
+    a checkpoint coincide."""
     common = [str(CONFIGS / "char_lm.yaml"), *QUIET, "model.dropout=0.1",
-              "training.max_steps=40", "eval.every_steps=20", "checkpoint.every_steps=10",
+              "training.max_steps=20", "eval.every_steps=10", "checkpoint.every_steps=10",
               "faults.inject=[{kind: sigkill, rank: 1, after_steps: 15}]"]
-    run_to_end(launch, "reference", *common[:-1], f"checkpoint.dir={tmp_path / 'ref'}")
-    want = final_state(tmp_path / "ref")
+    want = final_state(reference(*common[:-1], "recovery.spare=false"))
     for mode in ("restart", "in_place"):
         job = run_to_end(launch, mode, *common, f"checkpoint.dir={tmp_path / mode}",
                          f"recovery.mode={mode}", f"faults.once_dir={tmp_path / mode}-once",
@@ -138,14 +143,17 @@ def test_char_lm_kill_and_resume_is_bitwise_identical(launch, tmp_path):
             assert "resumed from" not in job.output
             assert "in-place recovery 1 done: step 16 committed" in job.output
         got = final_state(tmp_path / mode)
-        assert want["train_state"]["step"] == got["train_state"]["step"] == 40
+        assert want["train_state"]["step"] == got["train_state"]["step"] == 20
         assert_same_tensors(want["model"], got["model"])
         assert_same_optimizer(want["optimizer"], got["optimizer"])
 
 
 def test_diverged_replicas_after_resume_fail_loudly(launch, tmp_path):
     ck = tmp_path / "ck"
-    run_to_end(launch, "first", DIGITS, *QUIET, f"checkpoint.dir={ck}", "training.max_steps=2")
+    # world size 1, no launcher: the fastest way to a checkpoint
+    first = launch(cli("train", DIGITS, *QUIET, f"checkpoint.dir={ck}", "training.max_steps=2"),
+                   name="first")
+    assert first.wait(timeout=300) == 0, first.output[-3000:]
     job = launch(cli("run", DIGITS, *QUIET, f"checkpoint.dir={ck}", "training.max_steps=4",
                      "faults.perturb_rank=1", "--max-restarts", "0"), name="diverged")
     assert job.wait(timeout=300) == 1

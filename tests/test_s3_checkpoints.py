@@ -23,7 +23,7 @@ from elastic_runner.checkpoint import storage as ckpt
 from elastic_runner.checkpoint.manager import CheckpointManager
 
 from .evidence import DIGITS_GLOBAL_BATCH, DIGITS_TRAIN, assert_exact_audit
-from .procs import CONFIGS, cli, run_cli, wait_until
+from .procs import CONFIGS, cli, wait_until
 from .s3 import S3Bucket, clear_s3fs_instances
 
 
@@ -209,7 +209,7 @@ STEPS = 24  # digits at world size 2: 19 steps per epoch (global batch 64), 5 in
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_run_sigkilled_resumes_from_s3_with_exact_audit(s3_bucket: S3Bucket, launch, tmp_path,
-                                                        strategy):
+                                                        strategy, capsys):
     """Rank 0's checkpoints (DDP) and sharded ones (FSDP2: every rank writes its DCP files to
     the checkpoint's prefix, rank 0 the manifest last) on S3: a worker SIGKILLed from outside,
     the restart resumes from the bucket, every sample once."""
@@ -252,11 +252,17 @@ def test_run_sigkilled_resumes_from_s3_with_exact_audit(s3_bucket: S3Bucket, lau
     final = ckpt.load_state(ckpt.latest_valid(url).path)
     assert final["train_state"]["step"] == STEPS
     assert json.loads(fs.cat_file(s3_bucket.key("run/results.json")))["step"] == STEPS
-    listing = run_cli("checkpoints", url, "--verify")  # the CLI finds the server by the env
-    assert listing.returncode == 0, listing.stderr
-    rows = [ln.split() for ln in listing.stdout.splitlines()[1:]]
+    # the CLI, in this process (s3_bucket set the server's env here; a new s3fs instance, as a
+    # new process has): it finds the server by the env
+    from elastic_runner.cli import main as cli_main
+
+    new_reader()
+    capsys.readouterr()
+    assert cli_main(["checkpoints", url, "--verify"]) == 0
+    listing = capsys.readouterr().out
+    rows = [ln.split() for ln in listing.splitlines()[1:]]
     assert [r[0] for r in rows if r[0].startswith("step-")] == [name(s) for s in steps]
-    assert all(r[-1] == "valid" for r in rows), listing.stdout
+    assert all(r[-1] == "valid" for r in rows), listing
     if strategy == "fsdp":  # both ranks' shards, listed and hashed in the manifest
         manifest = json.loads(fs.cat_file(s3_bucket.key(f"run/{name(STEPS)}/manifest.json")))
         assert sorted(manifest["files"]) == [".metadata", "__0_0.distcp", "__1_0.distcp",

@@ -32,7 +32,8 @@ from .test_train_torchrun import final_state
 pytestmark = pytest.mark.slow
 
 SCRIPT = REPO / "deploy" / "slurm" / "elastic-runner.sbatch"
-STEPS = 120  # 19 steps an epoch at world size 2
+STEPS = 60  # 19 steps an epoch at world size 2
+EVERY = 20  # the periodic checkpoints' cadence: the faults land after the first one
 CPU_PARTITION = ["--gpus-per-node=0", "--cpus-per-task=2"]  # the script asks for 8 GPUs
 JOB_TIMEOUT_S = 400
 PACE_S = 0.1  # rank 0's slow-down until the fault: the job is still training when it lands
@@ -46,7 +47,8 @@ class SlurmJob:
     def __init__(self, cluster: SlurmCluster, directory: Path, sbatch: list[str],
                  env: dict[str, str] | None = None, pace: Pace | None = None) -> None:
         self.cluster, self.dir = cluster, directory
-        args = [*common(steps=STEPS), f"checkpoint.dir={directory / 'ck'}",
+        args = [*(a for a in common(steps=STEPS) if not a.startswith("checkpoint.every_steps=")),
+                f"checkpoint.every_steps={EVERY}", f"checkpoint.dir={directory / 'ck'}",
                 *(pace.args if pace else []), "--trace-samples", str(directory / "trace")]
         self.id = cluster.sbatch([*CPU_PARTITION, *sbatch, str(SCRIPT), *args], cwd=directory,
                                  env={"GLOO_SOCKET_IFNAME": "eth0", "NPROC_PER_NODE": "1",
@@ -61,8 +63,8 @@ class SlurmJob:
         return wait_for_log(self.out, pattern, timeout)
 
     def training(self) -> None:
-        """Wait until both ranks trained 40 steps (the first periodic checkpoint)."""
-        self.wait_for(r"committed checkpoint \S+/step-00000040")
+        """Wait until both ranks trained ``EVERY`` steps (the first periodic checkpoint)."""
+        self.wait_for(rf"committed checkpoint \S+/step-{EVERY:08d}")
 
     def finish(self, state: str = "COMPLETED") -> dict[str, str]:
         record = self.cluster.wait_job(self.id, {state, "FAILED", "CANCELLED", "TIMEOUT",
@@ -111,12 +113,14 @@ def test_the_batch_script_runs_a_two_node_job_to_its_end(uninterrupted):
 
 def test_a_time_limit_signals_the_workers_which_checkpoint_and_the_job_requeues(
         slurm_cluster, uninterrupted, tmp_path):
-    # Slurm sends --signal up to 60 s early (sbatch(1); its time-limit check runs every 30 s):
-    # at 2 min with TERM@60 it lands 30 to 60 s into the run, while rank 0 is paced to train
-    # for longer; the requeued runs go at full speed (each one that Slurm signals again
-    # requeues again)
-    pace = Pace(tmp_path / "pace", 0.5)
-    job = SlurmJob(slurm_cluster, tmp_path, ["--time=2", "--signal=TERM@60"], pace=pace)
+    # slurmctld checks time limits every 30 s and sends --signal=TERM@T at the first check
+    # less than T + 30 s before the limit (send_job_warn_signal; sbatch(1): "up to 60 seconds
+    # earlier"): at 1 min with TERM@15 it lands 15 to 45 s into the run (with TERM@30 it came
+    # 0 s into one: before the workers train), while rank 0 is paced to train for longer (the
+    # workers train about 8 s into a run); the requeued runs go at full speed and end in about
+    # 10 s (each one that Slurm signals again requeues again)
+    pace = Pace(tmp_path / "pace", 0.9)
+    job = SlurmJob(slurm_cluster, tmp_path, ["--time=1", "--signal=TERM@15"], pace=pace)
     job.wait_for(r"srun exited with 143")
     pace.end()
     record = job.finish()
@@ -211,7 +215,7 @@ def test_a_lost_node_without_no_kill_ends_the_job_and_slurm_requeues_it(
     record = job.finish()
     assert record["Restarts"] == "1" and record["ExitCode"] == "0:0"
     resumed = [int(m[1]) for m in _RESUMED.finditer(job.output)]
-    assert len(resumed) == 1 and resumed[0] >= 40, job.output[-5000:]
+    assert len(resumed) == 1 and resumed[0] >= EVERY, job.output[-5000:]
     job.assert_audit_exact()
     assert_same_final_state(job, uninterrupted)
 
@@ -224,6 +228,6 @@ def test_scancel_ends_the_job_for_good_with_its_last_step_checkpointed(slurm_clu
     record = slurm_cluster.wait_job(job.id, {"CANCELLED"}, JOB_TIMEOUT_S)
     assert record["Restarts"] == "0", record
     (stopped,) = {int(m[1]) for m in _PREEMPTED.finditer(job.output)}
-    assert stopped >= 40 and storage.latest_valid(tmp_path / "ck").step == stopped
+    assert stopped >= EVERY and storage.latest_valid(tmp_path / "ck").step == stopped
     job.wait_for(r"srun exited with 143")
     assert slurm_cluster.job(job.id)["JobState"] == "CANCELLED"  # the script did not requeue it

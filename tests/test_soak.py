@@ -99,6 +99,7 @@ def test_no_trigger_file_is_a_null_object_and_the_key_loads():
 
 
 @pytest.mark.slow
+@pytest.mark.soak
 def test_ten_faults_of_every_class_on_two_nodes(tmp_path):
     require_command("etcd", debian("etcd-server"))
     plan = soak.make_plan(SEED, 10, hold_s=(1.0, 3.0))
@@ -132,6 +133,7 @@ def test_ten_faults_of_every_class_on_two_nodes(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.soak
 def test_nodes_that_leave_are_started_again_and_join_in_place(tmp_path):
     """``--min-nodes 1``, the classes of a node leaving (preempted, killed, a worker's SIGTERM)
     and a worker SIGKILL: the other node goes on without it in place (the recovery store
