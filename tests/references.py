@@ -36,18 +36,25 @@ NEUTRAL = (NEUTRAL_KEYS, NEUTRAL_FLAGS)
 
 
 def weights_key(args: tuple[str, ...] | list[str]) -> tuple[str, ...]:
-    """``args`` without the neutral ones (:data:`NEUTRAL`), in order: the cache key."""
+    """``args`` without the neutral ones (:data:`NEUTRAL`): the cache key. Config overrides
+    (``key=value``) count by key, the last one winning as in the config loader, in any order;
+    the other arguments (the config file, flags) in order."""
     kept: list[str] = []
+    overrides: dict[str, str] = {}
     skip = 0
     for a in args:
         if skip:
             skip -= 1
         elif a in NEUTRAL_FLAGS:
             skip = NEUTRAL_FLAGS[a]
-        elif not any(a.split("=", 1)[0] == k or (k.endswith(".") and a.startswith(k))
-                     for k in NEUTRAL_KEYS):
+        elif "=" in a and not a.startswith("-"):
+            key = a.split("=", 1)[0]
+            if not any(key == k or (k.endswith(".") and key.startswith(k))
+                       for k in NEUTRAL_KEYS):
+                overrides[key] = a
+        else:
             kept.append(a)
-    return tuple(kept)
+    return (*kept, *sorted(overrides.values()))
 
 
 @pytest.fixture(scope="session")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 import signal
+from pathlib import Path
 
 import psutil
 import pytest
@@ -55,11 +56,11 @@ def start_nodes(launch, nodes: Nodes, tmp_path, args: list[str], nproc: int,
     return jobs
 
 
-def reference(launch, tmp_path, args: list[str], world_size: int) -> Job:
+def uninterrupted(reference, args: list[str], world_size: int) -> Path:
     """The same training uninterrupted, on one node (gloo sums in the same order), at full
-    speed (the nodes' slow-down changes no number)."""
-    return launch(cli("run", *args, f"checkpoint.dir={tmp_path / 'ref'}", "--nproc-per-node",
-                      str(world_size)), name="reference")
+    speed (the nodes' slow-down changes no number), from the session's references: its
+    checkpoint directory."""
+    return reference(*args, "--nproc-per-node", str(world_size))
 
 
 def ranks(job: Job) -> dict[int, psutil.Process]:
@@ -84,7 +85,7 @@ def recoveries(jobs: list[Job]) -> dict[int, int]:
     return found
 
 
-def check_run(jobs: list[Job], ref: Job, tmp_path, generations: int, steps: int,
+def check_run(jobs: list[Job], ref: Path, tmp_path, generations: int, steps: int,
               world_size: int, killed: int) -> None:
     """Every node's run and the reference succeeded, ``generations`` recoveries committed, no
     checkpoint was read, the audit of ``steps`` steps is exact (digits at ``world_size`` ranks
@@ -93,20 +94,20 @@ def check_run(jobs: list[Job], ref: Job, tmp_path, generations: int, steps: int,
     state equal the reference's bitwise."""
     for job in jobs:
         assert job.wait(timeout=300) == 0, job.output[-4000:]
-    assert ref.wait(timeout=300) == 0, ref.output[-3000:]
     logs = "".join(job.output for job in jobs)
     assert "resumed from" not in logs  # every state came from a live peer
     assert sorted(recoveries(jobs)) == list(range(1, generations + 1))
     assert_exact_audit(tmp_path / "trace", steps=steps, global_batch=world_size * 16 * 2,
                        num_samples=DIGITS_TRAIN, repaired_at_most=killed)
-    ours, theirs = final_state(tmp_path / "ck"), final_state(tmp_path / "ref")
+    ours, theirs = final_state(tmp_path / "ck"), final_state(ref)
     assert_same_tensors(theirs["model"], ours["model"])
     assert_same_optimizer(theirs["optimizer"], ours["optimizer"])
 
 
-def test_c10d_two_nodes_crash_hang_and_the_store_hosts_worker(launch, netns_nodes, tmp_path):
+def test_c10d_two_nodes_crash_hang_and_the_store_hosts_worker(launch, netns_nodes, tmp_path,
+                                                              reference):
     args = common(steps=700)
-    ref = reference(launch, tmp_path, args, 2)
+    ref = uninterrupted(reference, args, 2)
     nodes, pace = netns_nodes(2), Pace(tmp_path / "pace", 0.05)
     host, other = start_nodes(launch, nodes, tmp_path, args, 1, [
         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{nodes.address(0)}:{RDZV_PORT}",
@@ -152,14 +153,14 @@ def bridged_etcd(tmp_path, netns_nodes):
 
 
 def test_etcd_two_nodes_of_two_a_crash_during_a_checkpoint_write_and_one_outside(
-        launch, bridged_etcd, tmp_path):
+        launch, bridged_etcd, tmp_path, reference):
     nodes, etcd = bridged_etcd
     # with more than two ranks, bitwise needs DDP's bucket layout to stay what it was: a new
     # DDP (every recovery makes one) rebuilds its buckets after its first step unless
     # find_unused_parameters is set, and gloo's ring sums each element in an order set by its
     # place in a bucket (measured without it: largest weight difference 3e-8 after one kill,
     # 9e-5 after two; bench/soak.py's EXACT_DDP says the same of restarts)
-    ref = reference(launch, tmp_path, [*common(steps=400), *EXACT_DDP], 4)
+    ref = uninterrupted(reference, [*common(steps=400), *EXACT_DDP], 4)
     # rank 0 dies while step 80's checkpoint is written (after the snapshot, in the background
     # write): on etcd no node is special, so its own node's spare replaces it
     args = [*common(400, "[{kind: sigkill, rank: 0, step: 80, during: checkpoint}]"),
