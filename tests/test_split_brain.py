@@ -107,7 +107,9 @@ def test_a_whole_group_frozen_with_its_agent_wakes_fenced_out(launch, tmp_path, 
     resumed_at, token_a = ckpt.latest_valid(ck).step, ckpt.latest_valid(ck).fence
     shutil.copytree(trace_a, trace_b)
 
-    pace_b = Pace(tmp_path / "pace-b", 0.05)  # B still trains when A wakes, and until A ends
+    # B still trains when A wakes, and until A ends: A's agent waits out its heartbeat limit
+    # (10 s) first; at 0.05 s a step B had finished before it (1 of 4 runs)
+    pace_b = Pace(tmp_path / "pace-b", 0.4)
     new = launch(cli("run", *common, f"checkpoint.dir={ck}", "--trace-samples", str(trace_b),
                      *pace_b.args), name="new")
     wait_until(lambda: any(s > resumed_at for s in committed(new.output)), 240,
