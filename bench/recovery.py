@@ -36,7 +36,8 @@ The scenarios above run the restart path (``recovery.mode=restart``: torchrun's 
 every worker). Two more compare it with in-place recovery (``recovery.mode=in_place``, the
 default of ``elastic-runner run`` on one node):
 
-* ``kill``: one node, 2 workers, digits and char_lm (``--tasks``); rank 1 is SIGKILLed from
+* ``kill``: one node, 2 workers, digits and char_lm in the built-in trainer and digits in a
+  user's own loop (``examples/own_loop.py``, ``own_loop``) (``--tasks``); rank 1 is SIGKILLed from
   outside (in place: once the warm spare is ready). Total = the kill -> the first optimizer
   step committed after the recovery. In-place phases come from the survivor's recovery line
   (``rejoin.RecoveryReport``): ``notice`` (kill -> the survivor's collective fails),
@@ -60,7 +61,7 @@ Times are medians over repeats (min-max in the JSON); every scenario runs in eac
 drift on this shared machine hits all alike.
 
     python -m bench.recovery [--repeats 2] [--scenarios sigkill node-leave kill ettr ...]
-                             [--backends c10d etcd-v2] [--tasks digits char_lm]
+                             [--backends c10d etcd-v2] [--tasks digits char_lm own_loop]
                              [--ettr-seconds 300] [--ettr-intervals 30 10] [--json out.json]
 """
 
@@ -83,7 +84,7 @@ import psutil
 
 from elastic_runner.data.audit import read_entries
 from elastic_runner.observe.metrics import GOODPUT_CAUSES
-from tests.procs import CONFIGS, Job, cli, wait_until
+from tests.procs import CONFIGS, REPO, Job, cli, wait_until
 
 from .common import etcd_server, free_port, spread
 
@@ -250,7 +251,7 @@ def node_leave_join(backend: str, endpoint: str, workdir: Path
 
 KILL_AFTER_STEP = 30
 _SPARE_READY = re.compile(r"spare \S+ ready")  # "spare 0" or "spare 0.0" (node.number)
-_DONE = re.compile(rf"^{_STAMP} \[rank\d\] WARNING elastic_runner\.train\.loop: in-place recovery \d+ "
+_DONE = re.compile(rf"^{_STAMP} \[rank\d\] WARNING elastic_runner\.(?:train\.loop|own_loop): in-place recovery \d+ "
                    r"done: step (\d+) committed [\d.]+ s after the failure \((.*)\)$", re.M)
 
 
@@ -264,6 +265,18 @@ def _task_argv(task: str, path: str, ck: Path, trace: Path, port: int, *extra: s
                "recovery.spare_delay_seconds=0",
                *extra, "--nproc-per-node", "2", "--max-restarts", "100",
                "--monitor-interval", "0.1", "--trace-samples", str(trace))
+
+
+OWN_LOOP = REPO / "examples" / "own_loop.py"
+
+
+def _own_loop_argv(path: str, ck: Path, trace: Path, port: int) -> list[str]:
+    """``examples/own_loop.py`` (digits, a user's DDP loop) under ``elastic-runner run``: one
+    node, 2 workers, c10d, a long run; ``--recovery PATH``."""
+    return cli("run", str(OWN_LOOP), "--nproc-per-node", "2", "--max-restarts", "100",
+               "--monitor-interval", "0.1", "--metrics-port", str(port), "--recovery", path,
+               "--", "--steps", "10000000", "--checkpoint-dir", str(ck), "--trace-dir",
+               str(trace))
 
 
 def _committed(trace: Path) -> dict[int, float]:
@@ -282,15 +295,19 @@ def kill_one(task: str, path: str, workdir: Path, overrides: tuple[str, ...] = (
     ck, trace = workdir / "ck", workdir / "trace"
     workdir.mkdir(parents=True)
     extra = ["checkpoint.every_steps=10"] + (["eval.every_steps=0"] if task == "digits" else [])
-    job = Job(_task_argv(task, path, ck, trace, free_port(), *extra, *overrides),
-              workdir / "node.log")
+    if task == "own_loop":  # the loop checkpoints every 20 steps itself
+        job = Job(_own_loop_argv(path, ck, trace, free_port()), workdir / "node.log",
+                  env={"ELASTIC_RUNNER_RECOVERY": "{spare_delay_seconds: 0}"})
+    else:
+        job = Job(_task_argv(task, path, ck, trace, free_port(), *extra, *overrides),
+                  workdir / "node.log")
     try:
         wait_until(lambda: max(_committed(trace), default=0) >= kill_after, RUN_TIMEOUT_S,
                    f"{kill_after} steps")
         if path == "in_place":
             wait_until(lambda: _SPARE_READY.search(job.output) is not None, RUN_TIMEOUT_S,
                        "the warm spare")
-        victim = job.workers()[1]
+        victim = job.workers(str(OWN_LOOP) if task == "own_loop" else "train")[1]
         t_kill = time.time()
         victim.kill()
         before = max(s for s, t in _committed(trace).items() if t <= t_kill)
@@ -431,7 +448,7 @@ def scrape_goodput(port: int, host: str = "127.0.0.1") -> dict[str, float]:
 
 
 def run_repeat(scenarios: list[str], backends: list[str], etcd: str | None,
-               workdir: Path, tasks: tuple[str, ...] = ("digits", "char_lm")
+               workdir: Path, tasks: tuple[str, ...] = ("digits", "char_lm", "own_loop")
                ) -> dict[str, dict[str, float]]:
     """One run of every (scenario, backend) pair; keyed ``"scenario/backend"`` (``kill``:
     ``"kill/task/path"``)."""
@@ -500,8 +517,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=SCENARIOS)
     p.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)
-    p.add_argument("--tasks", nargs="+", default=["digits", "char_lm"],
-                   choices=["digits", "char_lm"])
+    p.add_argument("--tasks", nargs="+", default=["digits", "char_lm", "own_loop"],
+                   choices=["digits", "char_lm", "own_loop"],
+                   help="the kill scenario's jobs: the built-in trainer's tasks, and own_loop "
+                        "(examples/own_loop.py, digits in a user's loop)")
     p.add_argument("--ettr-seconds", type=float, default=300.0)
     p.add_argument("--ettr-intervals", nargs="+", type=float, default=[30.0, 10.0])
     p.add_argument("--paths", nargs="+", default=list(PATHS), choices=PATHS,

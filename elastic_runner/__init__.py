@@ -61,7 +61,8 @@ _EXPORTS = {
     "StepEnd": "train.callbacks",
     "fault_tolerant": "own_loop",
     "FaultTolerantLoop": "own_loop",
-    "init_distributed": "dist",
+    "init_distributed": "recovery.script",
+    "DistInfo": "dist",
     "Trainer": "train.loop",
 }
 

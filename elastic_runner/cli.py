@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -128,6 +129,12 @@ def _add_run(sub: Any) -> None:
                    help="seconds between the agent's worker health checks (default 0.1 with "
                         "in-place recovery, else 1.0)")
     p.add_argument("--no-resume", action="store_true", help="ignore existing checkpoints")
+    p.add_argument("--recovery", dest="recovery_mode", choices=["in_place", "restart"],
+                   default=None,
+                   help="a script's recovery (default in_place: a failed worker is replaced "
+                        "from a warm spare, the others keep their process; restart: every "
+                        "worker restarts from the newest checkpoint); a config sets "
+                        "recovery.mode instead")
     p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
                    help="serve the node's metrics and health endpoints on PORT (same as "
                         "metrics.port=PORT)")
@@ -198,6 +205,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     if args.config.endswith(".py"):
         return _run_script(args)
+    if args.recovery_mode is not None:
+        raise ConfigError("--recovery applies to scripts; a config sets recovery.mode "
+                          f"(recovery.mode={args.recovery_mode})")
     args.overrides = _overrides(args)
     if args.metrics_port is not None:
         args.overrides.append(f"metrics.port={args.metrics_port}")
@@ -219,15 +229,23 @@ def _run_script(args: argparse.Namespace) -> int:
     from .agent.config import PreemptionConfig
     from .agent.launch import launch
     from .observe.config import MetricsConfig
+    from .recovery.script import script_recovery_config
+    from .script_env import NO_RESUME_ENV, TRACE_DIR_ENV
 
     if not Path(args.config).is_file():
         raise ConfigError(f"training script {args.config} not found")
-    if args.trace_samples or args.no_resume:
-        raise ConfigError("--trace-samples and --no-resume apply to configs; a script takes "
-                          "its own options (after '--')")
+    # the workers read them (own_loop.fault_tolerant), the spares and restarts too
+    if args.trace_samples:
+        os.environ[TRACE_DIR_ENV] = str(args.trace_samples)
+    if args.no_resume:
+        os.environ[NO_RESUME_ENV] = "1"
     args.script, args.script_args = args.config, list(args.overrides)
     args.shutdown_timeout = PreemptionConfig().grace_seconds
     args.metrics = MetricsConfig(port=args.metrics_port)
+    # in place when the script's loop is fault_tolerant (recovery/script.py); a script that
+    # is not recovers through the restart path all the same: its workers exit on a failure
+    args.recovery = script_recovery_config(args.recovery_mode)
+    args.batch = None  # the runner does not know a script's batch: any world size
     return launch(args)
 
 

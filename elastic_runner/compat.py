@@ -124,6 +124,15 @@ does when one is gone (required: exit code 2 with one line; optional: a warning,
    sharded survivor leaves its group), so that the group is freed while the interpreter runs.
    Without it a finished FSDP process may abort on its way out, and a group left by an
    in-place recovery keeps its threads and sockets.
+14. **A user's DDP moved to a new group in place** (``nn/parallel/distributed.py``:
+   ``DistributedDataParallel.__setstate__`` building the reducer on the default group from the
+   attributes ``__getstate__`` keeps, ``_build_params_for_reducer``, ``broadcast_bucket_size``,
+   ``parameters_to_ignore``, ``forward_sync_buffers``; the module functions
+   ``_verify_param_shape_across_processes`` and ``_sync_module_states``; optional, worker).
+   :func:`ddp_reattach` makes a script's own DDP object reduce over the group an in-place
+   recovery formed, and :func:`ddp_construction_collectives` runs, on a survivor, the
+   collectives a replacement's DDP constructor runs meanwhile. Without them a script's loop
+   takes the restart path.
 
 Check 1 is the only required one: losing it breaks elastic membership changes silently (a hang
 until the rendezvous times out). ``ELASTIC_RUNNER_IGNORE_TORCH_CHECK=1`` turns that error into a
@@ -133,6 +142,7 @@ warning for users who must run an untested torch.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import importlib
 import inspect
@@ -442,6 +452,67 @@ def _check_comm_hook_record() -> str | None:
     return None
 
 
+# --- 14. a user's DDP moved to a new group in place ---
+
+_DDP_GROUP_ATTRS = ("process_group", "reducer", "logger")  # what DDP's __getstate__ drops
+
+
+def ddp_reattach(ddp: DistributedDataParallel) -> None:
+    """Fix 14: make ``ddp`` (the user's object) reduce over the current default process group,
+    in place: a new reducer with fresh buckets and no comm hook, the same module and options.
+
+    Torch's own unpickling path (``DistributedDataParallel.__setstate__``: "the process group
+    should be the default one") builds the reducer from the DDP's attributes; its
+    ``__getstate__`` refuses a DDP whose group is no longer the default one, so the state it
+    would return (the attributes less :data:`_DDP_GROUP_ATTRS`) is taken here. Collective-free.
+    """
+    state = {k: v for k, v in ddp.__dict__.items() if k not in _DDP_GROUP_ATTRS}
+    for k in _DDP_GROUP_ATTRS:
+        ddp.__dict__.pop(k, None)  # the old reducer goes, and with it its autograd hooks
+    ddp.__setstate__(state)
+
+
+def ddp_construction_collectives(ddp: DistributedDataParallel, src_is_peer: bool) -> None:
+    """Fix 14: the collectives ``DistributedDataParallel(module)`` runs on construction
+    (``init_sync``: the parameter shapes all-gathered, the parameters and buffers broadcast from
+    rank 0), over the current default group, for a member whose peer constructs a DDP now (a
+    replacement running the user's script). ``src_is_peer``: rank 0 is that peer, whose
+    parameters are not the group's: they are received into a copy and dropped. Buffers are
+    broadcast when ``ddp`` syncs them in forward (``forward_sync_buffers``)."""
+    from torch.nn.parallel import distributed as ddp_module
+
+    group = dist.distributed_c10d._get_default_group()
+    parameters, _ = ddp._build_params_for_reducer()
+    ddp_module._verify_param_shape_across_processes(group, parameters)
+    module = copy.deepcopy(ddp.module) if src_is_peer else ddp.module
+    ddp_module._sync_module_states(
+        module=module, process_group=group, broadcast_bucket_size=ddp.broadcast_bucket_size,
+        src=0, params_and_buffers_to_ignore=ddp.parameters_to_ignore,
+        broadcast_buffers=getattr(ddp, "forward_sync_buffers", True))
+
+
+def ddp_reattach_supported() -> bool:
+    """Whether fix 14 applies on this torch (:func:`_check_ddp_reattach`)."""
+    try:
+        return _check_ddp_reattach() is None
+    except Exception:  # an internal so changed that inspecting it fails
+        return False
+
+
+def _check_ddp_reattach() -> str | None:
+    from torch.nn.parallel import distributed as ddp_module
+
+    for name in ("_verify_param_shape_across_processes", "_sync_module_states"):
+        if not callable(getattr(ddp_module, name, None)):
+            return f"torch.nn.parallel.distributed.{name} is gone"
+    if not _mentions_name(DistributedDataParallel.__setstate__, "_ddp_init_helper"):
+        return "DistributedDataParallel.__setstate__ no longer builds the reducer"
+    for name in ("_build_params_for_reducer", "broadcast_bucket_size"):
+        if not _mentions_name(DistributedDataParallel.__init__, name):
+            return f"DistributedDataParallel.__init__ no longer uses {name}"
+    return None
+
+
 # --- 6. etcd rendezvous options ---
 
 # (etcd-v2 spelling, legacy etcd spelling) of the same rendezvous option
@@ -720,6 +791,10 @@ FIXES = (
          ("worker",), False, _check_mesh_registry,
          "under FSDP a destroyed gloo group lives until the interpreter exits, where it may "
          "abort the finished process (SIGABRT); a replaced group keeps its threads and sockets"),
+    _Fix("a script's DDP moved to a new group in place (DDP's unpickling path and its "
+         "construction collectives)", ("worker",), False, _check_ddp_reattach,
+         "a script's own loop recovers through torch's restart path: a failed worker "
+         "restarts every worker"),
 )
 
 

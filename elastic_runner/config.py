@@ -48,6 +48,7 @@ from .data.config import AuditConfig, DataConfig
 from .observe.config import LoggingConfig, MetricsConfig, WatchdogConfig
 from .parallel.config import DDPConfig, FSDPConfig
 from .recovery.config import RecoveryConfig
+from .script_env import FAULTS_ENV
 from .train.config import (
     BatchConfig,
     DistributedConfig,
@@ -446,7 +447,7 @@ def _check_bounds(value: Any, path: str, depth: int = 0) -> None:
 
 def _env_faults() -> list[str]:
     """``ELASTIC_RUNNER_FAULTS`` as an override appending to ``faults.inject`` (for drills)."""
-    text = os.environ.get("ELASTIC_RUNNER_FAULTS")
+    text = os.environ.get(FAULTS_ENV)
     return [f"faults.inject+={text}"] if text else []
 
 

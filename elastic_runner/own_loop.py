@@ -33,22 +33,29 @@ where the next step begins (its RNG streams reseeded, its watchdog budget armed)
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import sys
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import yaml
 from torch import nn
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from . import compat
+from .checkpoint import storage
 from .checkpoint.manager import CheckpointManager
 from .data.loader import ElasticDataLoader
-from .dist import current_rank, release_groups_of
+from .data.sampler import ElasticSampler
+from .dist import DistInfo, current_rank, release_groups_of
 from .exit_codes import EXIT_PREEMPTED
 from .logs import setup_logging
 from .observe.config import MetricsConfig
@@ -57,9 +64,14 @@ from .observe.reporting import Budgets, FaultInjection, runner_callbacks
 from .observe.straggler import StragglerMonitor
 from .parallel.base import total_norm
 from .preempt import Preempted, PreemptionFlag
-from .train.callbacks import Callback, Callbacks
+from .recovery.inplace import InPlaceRecovery, NoRecovery
+from .recovery.rejoin import RecoveryReport, rejoin
+from .recovery.script import NoScriptRecovery, ScriptRecovery
+from .recovery.script import current as current_process
+from .script_env import FAULTS_ENV, FAULTS_TRIGGER_ENV, NO_RESUME_ENV, TRACE_DIR_ENV
+from .train.callbacks import JOINING, Callback, Callbacks
 from .train.config import EarlyStoppingConfig, FaultConfig, FaultSpec
-from .train.consensus import CommHook, make_consensus
+from .train.consensus import CommHook, StepConsensus, make_consensus
 from .train.early_stop import EarlyStopping
 from .train.faults import FaultInjector
 from .train.session import RollbackRequested, SessionOptions, TrainingFailed, TrainingSession
@@ -78,13 +90,26 @@ class FaultTolerantLoop:
         session: the underlying :class:`~elastic_runner.train.session.TrainingSession`.
     """
 
+    # what in-place recovery reads (recovery.rejoin.Recoverable): a script's batch is its own
+    # (any world size), no HSDP, and nodes join and leave through torch's restart path
+    batch = None
+    hsdp_replicas = 1
+    regroups = False
+
     def __init__(self, session: TrainingSession, params: list[nn.Parameter],
-                 closing: list[Any]) -> None:
+                 closing: list[Any], parts: _LoopParts) -> None:
         self.session, self._params, self._closing = session, params, closing
+        self._parts = parts
+        self.info, self.preempt, self.fingerprint = parts.info, parts.preempt, parts.fingerprint
+        self.recovery: InPlaceRecovery | NoRecovery = parts.process.recovery
+        self.after_done = 0  # the last step whose post-step work (the loop's own) is done
         self._loss: torch.Tensor | None = None
         self._saved_step = -1
         self._due = False  # step_done() asked for a checkpoint, taken at the next boundary
         self._begun = False  # the next step has begun (begin_step at the boundary)
+        self._discarded = False  # an in-place recovery discarded the step in flight
+        self._recovering: RecoveryReport | None = None  # done at the next committed step
+        self._t_recovered = 0.0
         self._epoch: int | None = None  # of the last step, and where its cursor ended
         self._end_cursor = 0
         self._closed = False
@@ -98,14 +123,37 @@ class FaultTolerantLoop:
     def epoch(self) -> int:
         return self.session.sampler.epoch
 
+    @property
+    def state(self) -> TrainState:
+        return self.session.state
+
+    @property
+    def sampler(self) -> ElasticSampler:
+        return self.session.sampler
+
+    @property
+    def checkpoints(self) -> CheckpointManager:
+        return self.session.checkpoints
+
     def resume(self) -> tuple[int, int]:
         """Load the newest valid checkpoint on every rank (collective); returns ``(step,
-        epoch)`` to continue from ((0, 0) without one)."""
-        if self.session.resume():
+        epoch)`` to continue from ((0, 0) without one). A replacement that joins a running
+        group in place (``elastic-runner run``) receives a survivor's state instead."""
+        if self._parts.process.joining:
+            self.session.callbacks.on_phase("recovering", JOINING, True)
+            rejoin(self, joining=True)  # the reporting opens at the group's step
             self._saved_step = self.step
-        self.session.start()
-        self._begin_step()
-        return self.step, self.epoch
+        else:
+            if _fresh_start():
+                log.info("--no-resume: not resuming from %s", self.checkpoints.directory)
+            elif self.session.resume():
+                self._saved_step = self.step
+                self._say_if_finished()
+            self.session.start()
+        self._mark_epoch()
+        self.after_done = self.step
+        self.recovery.announce_built(self.info.rank)
+        return self.step, self.epoch  # the next step begins at its first batch (or backward)
 
     def backward(self, loss: torch.Tensor, *, step_loss: torch.Tensor | None = None,
                  scaler: torch.amp.GradScaler | None = None) -> None:
@@ -120,11 +168,13 @@ class FaultTolerantLoop:
                 ``scaler.step`` and ``scaler.update`` are yours.
         """
         self._begin_step()
+        if self._discarded:  # a recovery at the step's boundary discarded it: no vote
+            return
         if self._epoch is not None and self.epoch != self._epoch:
             self._epoch_ended()
         self._epoch = self.epoch
         self._loss = (loss if step_loss is None else step_loss).detach()
-        self.session.backward(loss, step_loss, scaler)
+        self._collective(self.session.backward, loss, step_loss, scaler)
 
     def should_commit(self, grad_norm: torch.Tensor | None = None,
                       overflow_ok: bool = False) -> bool:
@@ -134,11 +184,19 @@ class FaultTolerantLoop:
         computed (on DDP the step's vote travels in it, see ``train/consensus.py``).
         ``overflow_ok``: fp16 with a GradScaler, whose ``step`` skips an overflowing update
         itself; such a step is then not counted as non-finite."""
-        if grad_norm is None:
-            grad_norm = total_norm(self._params, None)
-        elif isinstance(grad_norm, DTensor):  # FSDP2's clip_grad_norm_ result: the local part
-            grad_norm = grad_norm.full_tensor()
-        return self.session.should_commit(grad_norm, overflow_ok)
+        if self._discarded:  # in-place recovery discarded the step: nobody applies it
+            return False
+        decided: list[bool] = []
+
+        def decide() -> None:
+            norm = grad_norm
+            if norm is None:
+                norm = total_norm(self._params, None)
+            elif isinstance(norm, DTensor):  # FSDP2's clip_grad_norm_ result: the local part
+                norm = norm.full_tensor()
+            decided.append(self.session.should_commit(norm, overflow_ok))
+
+        return self._collective(decide) and decided[0]
 
     def step_done(self) -> int:
         """The step is over (after ``optimizer.step()``): move the cursor, report, and decide
@@ -151,8 +209,14 @@ class FaultTolerantLoop:
             TrainingFailed: ``max_bad_steps`` non-finite steps in a row (a restart resumes from
                 the last checkpoint).
         """
+        if self._discarded:  # redone from its first micro-batch, after the new boundary
+            self._discarded, self._begun = False, False
+            return self.step
         try:
-            step = self.session.end_step(self._loss)
+            if not self._collective(self.session.end_step, self._loss):
+                self._discarded, self._begun = False, False
+                return self.step
+            step = self.step
             self._end_cursor = self.session.sampler.cursor
         except Preempted as e:
             self._saved_step = self.step  # committed: a close() after this has nothing to save
@@ -163,6 +227,8 @@ class FaultTolerantLoop:
             raise TrainingFailed(f"{self.session.options.max_bad_steps} non-finite steps in a "
                                  f"row at step {self.step}; a restart resumes from the last "
                                  "checkpoint") from None
+        if self._recovering is not None:
+            self._recovered()
         self._due, self._begun = self.session.checkpoint_due(), False
         # the loop's own work on this step (an evaluation) gets the long budget
         self.session.callbacks.on_phase("training", f"the loop's work after step {step}", True)
@@ -176,8 +242,11 @@ class FaultTolerantLoop:
         self._begun = True
         if self._due:
             self._due = False
-            self.session.checkpoint()
+            while not self._collective(self.session.checkpoint):
+                pass  # recovered in place: the same step's checkpoint, in the new group
             self._saved_step = self.step
+        self._discarded = False  # a recovery here found no step in flight
+        self.after_done = self.step
         self.session.begin_step()
 
     def close(self) -> None:
@@ -186,12 +255,99 @@ class FaultTolerantLoop:
         (:func:`~elastic_runner.dist.release_groups_of`); a second call does nothing."""
         if self._closed:
             return
+        self._parts.closing[0] = True
         if self._saved_step != self.step:  # also what step_done() left pending
             self.session.checkpoint()
         if self._epoch is not None and self.session.sampler.steps_left_in_epoch() == 0:
             self._epoch_ended()
         self._close_reporting()
+        self.recovery.announce_finished(self.info.rank)
+        self._parts.process.close()
         release_groups_of(self.session.checkpoints.state["model"])
+
+    def _say_if_finished(self) -> None:
+        """A re-run of a finished job resumes its last checkpoint, written by ``close()``: say
+        so, since a loop that ends at that step then does nothing more."""
+        where = self.checkpoints.resumed_from
+        if self.info.rank != 0 or where is None or not storage.inspect(where).finished:
+            return
+        log.warning("%s was written by ft.close(): the run had finished at step %d; a loop "
+                    "that ends there does nothing more (start fresh: another checkpoint_dir, "
+                    "or elastic-runner run --no-resume)", where, self.step)
+
+    # ------------------------------------------------------------ in-place recovery
+
+    def _collective(self, call: Callable[..., Any], *args: Any) -> bool:
+        """``call(*args)``; when one of its collectives fails because a peer died (in-place
+        recovery on): the group is re-formed without leaving this process and False is
+        returned: the step in flight is discarded on every rank, and its micro-batches come
+        again from the loader.
+
+        Raises:
+            RuntimeError: the error, when no peer died or recovery is off (torch's restart
+                path).
+        """
+        try:
+            call(*args)
+        except RuntimeError as e:
+            if isinstance(e, TrainingFailed) or not self.recovery.active:
+                raise
+            self._recover(e)
+            return False
+        return True
+
+    def _recover(self, error: RuntimeError) -> None:
+        self.session.abandon_step()
+        for p in self._params:  # the failed step's partial gradients
+            p.grad = None
+        report = self.recovery.recover(error, self)
+        if report is None:
+            raise error
+        self._recovering, self._t_recovered = report, time.perf_counter()
+        self._discarded = True
+        self._mark_epoch()
+        self._parts.loader.restart()
+
+    def _mark_epoch(self) -> None:
+        """The epoch of the last committed step, and its cursor, as the state (loaded, or
+        received from a peer) says: the end of that epoch is recorded once the loop moves
+        past it (:meth:`_epoch_ended`), also by a rank 0 that took over just before."""
+        s = self.sampler
+        if not self.step:
+            return
+        if s.cursor == 0 and s.epoch > 0:  # the loop had begun the next epoch: set_epoch()
+            world_size, micro, accum = s.committed_geometry
+            size = world_size * micro * accum
+            self._epoch, self._end_cursor = s.epoch - 1, s.num_samples // size * size
+        else:
+            self._epoch, self._end_cursor = s.epoch, s.cursor
+
+    def _recovered(self) -> None:
+        """The first step after an in-place recovery is committed: report the recovery."""
+        report, self._recovering = self._recovering, None
+        assert report is not None
+        report.phases["first step"] = time.perf_counter() - self._t_recovered
+        log.warning("in-place recovery %d done: step %d committed %.3f s after %s (%s)",
+                    report.generation, self.step, report.seconds, report.cause,
+                    ", ".join(f"{k} {v:.3f} s" for k, v in report.phases.items()))
+        self.session.callbacks.on_recovery_report(report)
+
+    def group_formed(self, joining: list[int]) -> None:
+        """The new group exists; a replacement constructs its DDP now (the script's line
+        after ``init_distributed``): run the collectives of that construction with it."""
+        model = self._parts.model
+        if joining and isinstance(model, DDP) and self.info.rank not in joining:
+            compat.ddp_construction_collectives(model, src_is_peer=0 in joining)
+
+    def rewrap(self) -> None:
+        """On the new group: the script's DDP object reduces over it (its reducer rebuilt in
+        place, so the ``model`` the loop holds stays the one to call), and the vote and the
+        straggler exchange that go with it."""
+        parts, info = self._parts, self.info
+        if isinstance(parts.model, DDP):
+            compat.ddp_reattach(parts.model)
+        self.session.consensus = parts.vote()
+        self.session.straggler = StragglerMonitor(0.0, info.rank, info.world_size, info.device)
 
     def _epoch_ended(self) -> None:
         """The user's loop moved past epoch ``_epoch`` (its tail goes to the sample trace)."""
@@ -241,7 +397,8 @@ def fault_tolerant(model: nn.Module, optimizer: torch.optim.Optimizer,
         hang_timeout_seconds: a step that takes longer is a hang (None: no watchdog limit);
             the first step of an attempt and checkpoint I/O get ``long_op_timeout_seconds``.
         metrics: the ``metrics`` section (port, address, labels); default: recorded, not served.
-        trace_dir: write the sample audit trace (``elastic-runner audit DIR``) there.
+        trace_dir: write the sample audit trace (``elastic-runner audit DIR``) there
+            (``elastic-runner run script.py --trace-samples DIR`` sets another).
         comm_hook, hook_state: your own DDP comm hook, wrapped rather than replaced (the vote
             then costs one small all-reduce per step; without it, none).
         callbacks: your own :class:`~elastic_runner.train.callbacks.Callback` objects.
@@ -252,6 +409,7 @@ def fault_tolerant(model: nn.Module, optimizer: torch.optim.Optimizer,
     Raises:
         TypeError: a value of ``state`` is not ``Stateful``.
     """
+    trace_dir = os.environ.get(TRACE_DIR_ENV) or trace_dir
     inner = model.module if isinstance(model, DDP) else model
     device = next(inner.parameters()).device
     rank, sampler = current_rank(), loader.elastic_sampler
@@ -271,6 +429,9 @@ def fault_tolerant(model: nn.Module, optimizer: torch.optim.Optimizer,
         if rank == 0:
             log.info("fault_tolerant: no checkpoint cadence given (every_steps, "
                      "every_seconds): a checkpoint every %g s", every_seconds)
+    process = _in_place_process(model)
+    fingerprint = model_fingerprint(inner, sampler)
+    closing_flag = [False]  # the manifest's "finished": the checkpoint of close()
     train_state = TrainState()
     checkpoints = CheckpointManager(
         checkpoint_dir, {"model": inner, "optimizer": optimizer, "sampler": sampler,
@@ -278,10 +439,14 @@ def fault_tolerant(model: nn.Module, optimizer: torch.optim.Optimizer,
         every_steps=every_steps, every_seconds=every_seconds, async_save=async_save,
         keep_last=keep_last, keep_best=False, listener=reporting, rank=rank,
         meta=lambda: {"epoch": sampler.epoch, "cursor": sampler.cursor,
-                      "world_size": sampler.world_size})
+                      "world_size": sampler.world_size,
+                      "global_batch_size": sampler.global_batch_size,
+                      "config_hash": fingerprint, "finished": closing_flag[0]})
+    def vote() -> StepConsensus:
+        return make_consensus(model, lambda: preempt.requested, comm_hook, hook_state)
+
     session = TrainingSession(
-        state=train_state, sampler=sampler, checkpoints=checkpoints,
-        consensus=make_consensus(model, lambda: preempt.requested, comm_hook, hook_state),
+        state=train_state, sampler=sampler, checkpoints=checkpoints, consensus=vote(),
         stop=StopPolicy(None, sys.maxsize, EarlyStopping(EarlyStoppingConfig())),
         callbacks=reporting,
         straggler=StragglerMonitor(0.0, rank, sampler.world_size, device), device=device,
@@ -291,9 +456,78 @@ def fault_tolerant(model: nn.Module, optimizer: torch.optim.Optimizer,
         poisoned=injection.poisoned if injection else (lambda step: False),
         fetched=loader.take_fetched)
     params = [p for p in inner.parameters() if p.requires_grad]
-    loop = FaultTolerantLoop(session, params, closing)
+    info = _dist_info(rank, sampler.world_size, device)
+    parts = _LoopParts(info, preempt, fingerprint, process, model, loader, vote, closing_flag)
+    loop = FaultTolerantLoop(session, params, closing, parts)
+    loop.recovery.bind(loop)
     loader.before_hand_out = loop._begin_step  # the next step's first batch: its boundary
     return loop
+
+
+@dataclass
+class _LoopParts:
+    """What a :class:`FaultTolerantLoop` holds besides its session: where it runs, its
+    preemption flag, the fingerprint of what it trains, this process's in-place recovery, the
+    script's model object (DDP, FSDP2 or plain) and loader, and how to make its step vote."""
+
+    info: DistInfo
+    preempt: PreemptionFlag
+    fingerprint: str
+    process: ScriptRecovery | NoScriptRecovery
+    model: nn.Module
+    loader: ElasticDataLoader
+    vote: Callable[[], StepConsensus]
+    closing: list[bool]  # [True] once close() checkpoints: the manifest's "finished"
+
+
+def _in_place_process(model: nn.Module) -> ScriptRecovery | NoScriptRecovery:
+    """This process's in-place recovery (``recovery/script.py``), for a DDP or plain model; a
+    sharded one (FSDP2) asks the agents for torch's restart path at once: its in-place recovery
+    (peer copies, a regroup of its shards) is the built-in trainer's only, for now. So does a
+    torch on which a DDP cannot be moved to a new group (compat fix 14)."""
+    process = current_process()
+    if not isinstance(process, ScriptRecovery):
+        return process
+    if _sharded(model):
+        why = "in-place recovery of an FSDP2 loop is not supported yet"
+    elif not compat.ddp_reattach_supported():
+        why = f"torch {torch.__version__} cannot move a DDP to a new group (compat fix 14)"
+    else:
+        return process
+    log.warning("%s: a failed worker restarts every worker (torch's restart path)", why)
+    process.recovery.ask_restart()
+    process.close()
+    return NoScriptRecovery()
+
+
+def _fresh_start() -> bool:
+    """``--no-resume``, in the job's first attempt (:data:`NO_RESUME_ENV`)."""
+    return (os.environ.get(NO_RESUME_ENV) == "1"
+            and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) == 0)
+
+
+def _sharded(model: nn.Module) -> bool:
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def _dist_info(rank: int, world_size: int, device: torch.device) -> DistInfo:
+    return DistInfo(rank=rank, local_rank=int(os.environ.get("LOCAL_RANK", 0)),
+                    world_size=world_size,
+                    local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
+                    node_rank=int(os.environ.get("GROUP_RANK", 0)),
+                    restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
+                    device=device,
+                    backend=dist.get_backend() if dist.is_initialized() else "")
+
+
+def model_fingerprint(model: nn.Module, sampler: ElasticSampler) -> str:
+    """What a replacement must have built like the survivors: the model's parameter and
+    buffer names, shapes and dtypes, and the data's size and order (samples, seed,
+    micro-batch). Hex SHA-256."""
+    parts = [f"{n}:{tuple(t.shape)}:{t.dtype}" for n, t in model.state_dict().items()
+             if isinstance(t, torch.Tensor)]
+    parts.append(f"data:{sampler.num_samples}:{sampler.seed}:{sampler.micro_batch_size}")
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
 def _metrics(cfg: MetricsConfig) -> tuple[RankMetrics, list[Any]]:
@@ -306,10 +540,13 @@ def _metrics(cfg: MetricsConfig) -> tuple[RankMetrics, list[Any]]:
 
 
 def _faults(rank: int) -> FaultInjection | None:
-    """Fault drills through ``ELASTIC_RUNNER_FAULTS`` (a YAML list of fault specs)."""
-    text = os.environ.get("ELASTIC_RUNNER_FAULTS")
-    if not text:
+    """Fault drills through ``ELASTIC_RUNNER_FAULTS`` (a YAML list of fault specs) and
+    ``ELASTIC_RUNNER_FAULTS_TRIGGER`` (a trigger file: ``faults.trigger_file``)."""
+    text = os.environ.get(FAULTS_ENV)
+    trigger = os.environ.get(FAULTS_TRIGGER_ENV) or None
+    if not text and not trigger:
         return None
-    specs = [FaultSpec(**spec) for spec in yaml.safe_load(text)]
+    specs = [FaultSpec(**spec) for spec in yaml.safe_load(text or "[]")]
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-    return FaultInjection(FaultInjector(FaultConfig(inject=specs), rank, restart))
+    return FaultInjection(FaultInjector(FaultConfig(inject=specs, trigger_file=trigger), rank,
+                                        restart))

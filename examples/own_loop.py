@@ -40,10 +40,10 @@ def main() -> None:
     p.add_argument("--checkpoint-dir", default="runs/own_loop")
     p.add_argument("--trace-dir", default=None)  # sample audit: elastic-runner audit DIR
     args = p.parse_args()
-    er.init_distributed()  # a fresh store namespace per restart attempt
+    dataset = digits()
+    er.init_distributed()  # under elastic-runner run, a spare waits here to replace a rank
     rank = dist.get_rank()
     torch.manual_seed(args.seed)
-    dataset = digits()
     model = DDP(build_model())
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     loss_fn = nn.CrossEntropyLoss()

@@ -101,12 +101,14 @@ class Job:
             self._known[p.pid] = p
         return list(self._known.values())
 
-    def workers(self) -> dict[int, psutil.Process]:
-        """Live training workers by global rank (from each worker's RANK variable)."""
+    def workers(self, argument: str = "train") -> dict[int, psutil.Process]:
+        """Live training workers by global rank (from each worker's RANK variable): the
+        processes with ``argument`` on their command line (the worker's ``train``, or a
+        script's path)."""
         out = {}
         for p in self.descendants():
             try:
-                if p.is_running() and "train" in p.cmdline():
+                if p.is_running() and argument in p.cmdline():
                     out[int(p.environ().get("RANK", "-1"))] = p
             except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
                 continue

@@ -10,6 +10,7 @@ import pytest
 
 from elastic_runner.agent.launch import torchrun_argv
 from elastic_runner.cli import _overrides, build_parser, main
+from elastic_runner.config_base import ConfigError
 
 from .procs import CONFIGS, REPO, cli
 from .test_config import user_task
@@ -116,3 +117,24 @@ def test_task_module_not_importable(tmp_path, capsys):
 def test_schema_for_an_unknown_task(capsys):
     assert one_line_error(capsys, ["schema", "--task", "nosuch"]).startswith(
         "task: unknown task 'nosuch'")
+
+
+def test_a_scripts_recovery_settings_are_checked_naming_the_key(monkeypatch):
+    from elastic_runner.recovery.script import script_recovery_config
+    from elastic_runner.script_env import RECOVERY_ENV
+
+    monkeypatch.setenv(RECOVERY_ENV, "{heartbeat_timeout_seconds: 0}")
+    with pytest.raises(ConfigError, match=r"ELASTIC_RUNNER_RECOVERY: "
+                                          r"recovery\.heartbeat_timeout_seconds: .*greater"):
+        script_recovery_config()
+    monkeypatch.setenv(RECOVERY_ENV, "[1, 2]")
+    with pytest.raises(ConfigError, match="expected a mapping"):
+        script_recovery_config()
+    monkeypatch.setenv(RECOVERY_ENV, "{spare_delay_seconds: 0}")
+    cfg = script_recovery_config("restart")
+    assert (cfg.mode, cfg.spare_delay_seconds) == ("restart", 0)
+
+
+def test_recovery_flag_is_for_scripts_a_config_sets_recovery_mode(capsys):
+    assert main(["run", DIGITS, "--recovery", "restart"]) == 2
+    assert "--recovery applies to scripts; a config sets recovery.mode" in capsys.readouterr().err

@@ -382,3 +382,27 @@ def test_a_moved_dcp_fsspec_class_is_reported_and_fails_a_sharded_save_on_a_url(
         dcp_format.writer("s3://bucket/run/step-00000001")
     assert isinstance(dcp_format.writer("/tmp/local"), torch.distributed.checkpoint
                       .FileSystemWriter)  # local paths do not need it
+
+
+# --- 14. a user's DDP moved to a new group in place ---
+
+def test_a_ddp_reattached_to_a_new_group_reduces_over_it_as_the_same_object(group):
+    """The survivor's side of a script's in-place recovery: the user's DDP object, its
+    group destroyed and a new one made, reduces over the new group (a new reducer, fresh
+    buckets) and trains on; the construction collectives run on the new group too."""
+    torch.manual_seed(0)
+    ddp = DDP(torch.nn.Linear(3, 2))
+    ddp(torch.ones(4, 3)).sum().backward()
+    old_reducer = ddp.reducer
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    compat.ddp_reattach(ddp)
+    assert ddp.reducer is not old_reducer
+    assert ddp.process_group is dist.distributed_c10d._get_default_group()
+    before = {k: v.clone() for k, v in ddp.module.state_dict().items()}
+    compat.ddp_construction_collectives(ddp, src_is_peer=True)  # received into a copy
+    compat.ddp_construction_collectives(ddp, src_is_peer=False)
+    assert all(torch.equal(before[k], v) for k, v in ddp.module.state_dict().items())
+    ddp.module.zero_grad(set_to_none=True)
+    ddp(torch.ones(4, 3)).sum().backward()
+    assert torch.equal(ddp.module.bias.grad, torch.full((2,), 4.0))

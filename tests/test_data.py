@@ -206,3 +206,37 @@ def test_steps_yield_the_accumulation_micro_batches_of_each_remaining_step():
     assert len(steps) == N // 6 - 1
     assert steps[0] == [perm[6:9], perm[9:12]]
     assert [i for s in steps for mb in s for i in mb] == perm[6:(N // 6) * 6]
+
+
+def test_a_restarted_pass_hands_out_the_discarded_steps_batches_again():
+    """In-place recovery discards the step in flight: its micro-batch comes again, then the
+    rest of the epoch, each index once; a restart asked inside the boundary hook (a recovery
+    while the step's checkpoint is written) applies to the batch being handed out."""
+    lo = loader()
+    it = iter(lo)
+    first = next(it)["index"]
+    lo.elastic_sampler.advance()  # step 1 committed
+    second = next(it)["index"]  # step 2 fails: not advanced
+    lo.restart()
+    assert next(it)["index"] == second
+    lo.elastic_sampler.advance()
+    hooked = []
+
+    def recover_at_the_boundary() -> None:
+        if not hooked:
+            hooked.append(True)
+            lo.restart()
+
+    third = next(it)["index"]
+    lo.before_hand_out = recover_at_the_boundary
+    assert next(it)["index"] == third  # step 3 not committed, the boundary recovered
+    rest = [i for batch in it for i in batch["index"]]
+    assert sorted(first + second + third + rest) == sorted(
+        lo.elastic_sampler.permutation(0)[:N // B * B].tolist())
+
+
+def test_loader_sampler_is_the_elastic_sampler_as_a_distributed_samplers_loop_expects():
+    lo = loader()
+    lo.sampler.set_epoch(2)
+    assert lo.sampler is lo.elastic_sampler and lo.elastic_sampler.epoch == 2
+    assert len(lo) == N // B and len(list(lo)) == N // B

@@ -52,3 +52,30 @@ def test_each_attempt_gets_one_fresh_namespace_despite_stale_keys():
     server.set("elastic_runner/attempt/hello/1", "1")
     got = run_attempt(port, 2, {1: 0.2})
     assert len(set(got.values())) == 1 and got[0] not in seen
+
+
+def _init_in_child(queue) -> None:  # noqa: ANN001 - a multiprocessing.Queue
+    from elastic_runner.config_base import ConfigError
+    from elastic_runner.recovery.script import init_distributed
+
+    try:
+        init_distributed()
+        queue.put("no error")
+    except ConfigError as e:
+        queue.put(str(e))
+
+
+def test_a_scripts_worker_started_by_multiprocessing_is_told_to_use_a_launcher(monkeypatch):
+    """``torch.multiprocessing.spawn``'s workers (the DDP tutorial's way) without torchrun's
+    environment would each train alone at world size 1: one line names the launchers."""
+    import multiprocessing
+
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_init_in_child, args=(queue,))
+    child.start()
+    message = queue.get(timeout=60)
+    child.join(timeout=60)
+    assert "started by multiprocessing" in message and "elastic-runner run" in message, message

@@ -62,12 +62,9 @@ def test_node_loss_and_join_keep_every_sample_exactly_once(launch, etcd_server, 
     # B's loss in place: A's worker went on without it (if B's agent hosted the recovery
     # store, A's agent moved it to itself), no round; C joined in place: A's worker took it in
     # at a step boundary, no restart, one more round
-    # TODO(lead): this test used to accept a restart for B's loss (and below for C's
-    # eviction) as well as in place: B or C may host the recovery store (whichever agent
-    # became node rank 0). Pinned to in place, as the etcd successor fail-over
-    # (agent/inplace_agent.py _fail_over, membership.Policy.refuses) and test_deploy.py /
-    # test_membership_nodes.py (the store's host lost or preempted in place, on etcd-v2) say;
-    # the module docstring promised both.
+    # in place even when B or C hosts the recovery store (whichever agent became node rank
+    # 0): on etcd-v2 a remaining node's agent takes the store over (agent/inplace_agent.py
+    # _fail_over; test_membership_nodes.py loses and preempts the store's host)
     _, text = get(port)
     assert re.search(r"membership: node\(s\) \[\d+\] lost", a.output), a.output[-3000:]
     assert re.search(r"membership: node\(s\) \[\d+\] join after step", a.output), a.output[-3000:]

@@ -10,6 +10,7 @@ import signal
 import sys
 import urllib.request
 
+import psutil
 import pytest
 import torch
 
@@ -18,7 +19,10 @@ from elastic_runner.cli import main as cli_main
 from elastic_runner.data import audit
 
 from .evidence import assert_exact_audit, assert_same_optimizer, assert_same_tensors
-from .procs import REPO, cli, free_port, wait_until
+from .procs import REPO, Job, Pace, cli, free_port, wait_until
+from .test_inplace import done, replacements
+
+_READY = re.compile(r"spare \S+ ready")
 
 EXAMPLES = REPO / "examples"
 pytestmark = pytest.mark.slow
@@ -74,7 +78,6 @@ def model_state(ck) -> dict[str, torch.Tensor]:
 def reference(tmp_path_factory):
     """An uninterrupted 80-step run, shared by the tests that compare weights with it."""
     ck = tmp_path_factory.mktemp("own-loop-ref")
-    from .procs import Job
 
     job = Job(torchrun("--steps", "80", "--checkpoint-dir", str(ck)), ck / "job.log")
     try:
@@ -141,27 +144,59 @@ def scrape(port: int) -> str:
         return ""
 
 
-def test_kill_9_from_outside_under_elastic_runner_run_with_metrics(launch, tmp_path, reference):
-    """``elastic-runner run examples/own_loop.py``: the node endpoint serves both ranks' series;
-    SIGKILL of a worker from outside; the restarted group resumes, bitwise equal at the end."""
-    ck, port = tmp_path / "ck", free_port()
-    # rank 0 slows steps 21-60 by 50 ms (numerics unchanged): room to scrape and to kill
-    slow = "[{kind: slow, rank: 0, step: 21, count: 40, seconds: 0.05}]"
-    job = launch(cli("run", str(EXAMPLES / "own_loop.py"), "--nproc-per-node", "2",
-                     "--metrics-port", str(port), "--monitor-interval", "0.2", "--",
-                     "--steps", "80", "--checkpoint-dir", str(ck)),
-                 name="run", env={"ELASTIC_RUNNER_FAULTS": slow})
-    wait_until(lambda: (ck / "step-00000020").is_dir(), 120, "the checkpoint of step 20")
-    series = re.compile(r'^elastic_runner_step\{[^}]*rank="(\d)"[^}]*\} (\d+)', re.M)
-    wait_until(lambda: {m[1] for m in series.finditer(scrape(port))} == {"0", "1"}, 30,
-               "both ranks' step series on the node endpoint")
-    victim = next(p for p in job.descendants()
-                  if "own_loop.py" in " ".join(p.cmdline()) and p.environ().get("RANK") == "1")
-    victim.send_signal(signal.SIGKILL)
+IN_PLACE_STEPS = 240  # the faults end near step 120 (rank 0 paced until the last recovery)
+
+
+def test_three_kills_and_a_stop_under_elastic_runner_run_recover_in_place_bitwise(
+        launch, tmp_path):
+    """``elastic-runner run examples/own_loop.py``: the loop as written, in place. Three
+    SIGKILLs (rank 1, rank 0, rank 1) and one SIGSTOP (rank 0: the agent finds it silent and
+    kills it), each once a warm spare stands by: each time only the dead worker's process is
+    new (the survivor's pid is the same before and after), no checkpoint is read, the run ends
+    bitwise equal to the uninterrupted one (weights and AdamW state) with an exact sample audit;
+    the node's endpoint serves both ranks' series."""
+    ref = tmp_path / "ref"
+    job = Job(torchrun("--steps", str(IN_PLACE_STEPS), "--checkpoint-dir", str(ref)),
+              tmp_path / "ref.log")
     assert job.wait(timeout=240) == 0, job.output[-3000:]
-    resumed = re.search(r"resumed from \S+/step-(\d+): step (\d+)", job.output)
-    assert resumed and int(resumed[2]) >= 20, job.output[-3000:]
-    assert_same_tensors(reference, model_state(ck))
+
+    ck, trace, port = tmp_path / "ck", tmp_path / "trace", free_port()
+    # rank 0 paced until the last recovery: a spare is ready 2-4 s after the one before
+    pace = Pace(tmp_path / "pace", 0.1)
+    job = launch(cli("run", str(EXAMPLES / "own_loop.py"), "--nproc-per-node", "2",
+                     "--max-restarts", "5", "--metrics-port", str(port), "--",
+                     "--steps", str(IN_PLACE_STEPS), "--checkpoint-dir", str(ck),
+                     "--trace-dir", str(trace)), name="run",
+                 env={"ELASTIC_RUNNER_FAULTS_TRIGGER": str(pace.path),
+                      "ELASTIC_RUNNER_RECOVERY": "{spare_delay_seconds: 0, "
+                                                 "heartbeat_timeout_seconds: 3}"})
+    series = re.compile(r'^elastic_runner_step\{[^}]*rank="(\d)"[^}]*\} (\d+)', re.M)
+    wait_until(lambda: {m[1] for m in series.finditer(scrape(port))} == {"0", "1"}, 60,
+               "both ranks' step series on the node endpoint")
+    pids = {rank: p.pid for rank, p in job.workers(str(EXAMPLES / "own_loop.py")).items() if rank >= 0}
+    faults = [(1, signal.SIGKILL), (0, signal.SIGKILL), (1, signal.SIGKILL), (0, signal.SIGSTOP)]
+    for generation, (rank, sig) in enumerate(faults, start=1):
+        wait_until(lambda g=generation: len(_READY.findall(job.output)) >= g, 60,
+                   f"fault {generation}: a warm spare")
+        survivor = pids[1 - rank]
+        psutil.Process(pids[rank]).send_signal(sig)
+        wait_until(lambda g=generation: g in done(job.output), 60,
+                   f"fault {generation}: a step committed after the recovery")
+        new = replacements(job.output)[generation - 1]
+        assert new[0] == rank and new[4] == generation, new
+        pids[rank] = new[3]
+        assert psutil.Process(survivor).is_running() and pids[1 - rank] == survivor
+    pace.end()
+    assert job.wait(timeout=240) == 0, job.output[-4000:]
+
+    log = job.output
+    assert "resumed from" not in log  # every state came from the survivor
+    assert "sent no heartbeat for" in log  # the stopped rank, found silent and killed
+    assert [r[1] for r in replacements(log)] == [-9] * 4
+    assert_exact_audit(trace, steps=IN_PLACE_STEPS, global_batch=32, repaired_at_most=4)
+    want, got = (ckpt.load_state(ckpt.latest_valid(d).path) for d in (ref, ck))
+    assert_same_tensors(want["model"], got["model"])
+    assert_same_optimizer(want["optimizer"], got["optimizer"])
 
 
 def fsdp_loop(*args: str, nproc: int = 2) -> list[str]:

@@ -135,14 +135,19 @@ class InPlaceAgent(LocalElasticAgent):
     """See the module docstring. ``recovery``: the config's ``recovery`` section;
     ``location``: the rendezvous backend's store for a multi-node job (None: one node, this
     agent hosts the store); ``on_replacement``: called with each :class:`Replacement` (the
-    node's metrics)."""
+    node's metrics); ``script``: the workers run a user's script (``recovery/script.py``),
+    replaced in place only once its loop announced that it recovers in place."""
 
     def __init__(self, *args: Any, recovery: RecoveryConfig,
                  location: StoreLocation | None = None, on_replacement: Any = None,
                  policy: Policy | None = None, hosts_store: bool = False,
-                 **kwargs: Any) -> None:
+                 script: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._cfg = recovery
+        # a user's script recovers in place once its loop said it can (``built``, announced by
+        # a fault_tolerant loop's resume); before that, or in a script without one, a failure
+        # takes the restart path
+        self._script = script
         self._policy = policy or Policy()
         self._hosts_store = hosts_store  # c10d: this node is the rendezvous host
         self._watch: NodeWatch | None = None  # several nodes with node_timeout_seconds
@@ -525,7 +530,8 @@ class InPlaceAgent(LocalElasticAgent):
         # a failure while shrunk takes the restart path
         return (survivors and all(code is None for code in others)
                 and self._remaining_restarts > 0 and self._grow is None
-                and self._joining is None and not self._restart_asked())
+                and self._joining is None and not self._restart_asked()
+                and (not self._script or self._rs.store.check([self._rs.key("built")])))
 
     def _restart_asked(self) -> bool:
         """Whether a worker or agent of this attempt asked for torch's restart path, or the

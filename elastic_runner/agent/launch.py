@@ -199,10 +199,11 @@ def trainer_rendezvous(conf: str | None) -> tuple[str, str | None]:
 
 
 def in_place(args: argparse.Namespace) -> bool:
-    """Whether this ``run`` recovers in place (``recovery.mode: in_place``, the built-in
-    trainer); otherwise a failed worker makes torchrun restart all of them."""
+    """Whether this ``run`` recovers in place (``recovery.mode: in_place``: the built-in
+    trainer's config, or a script's ``--recovery``); otherwise a failed worker makes torchrun
+    restart all of them."""
     recovery = getattr(args, "recovery", None)
-    return not (recovery is None or recovery.mode != "in_place" or getattr(args, "script", None))
+    return recovery is not None and recovery.mode == "in_place"
 
 
 def hosts_c10d_store(targs: argparse.Namespace) -> bool:
@@ -302,6 +303,7 @@ def _launch_agent(args: argparse.Namespace, targs: argparse.Namespace) -> int:
         agent = compat.agent_class(functools.partial(
             InPlaceAgent, recovery=args.recovery, location=location, policy=policy,
             hosts_store=location is not None and hosts_c10d_store(targs),
+            script=bool(getattr(args, "script", None)),
             on_replacement=endpoint.monitor.replaced if endpoint is not None else None))
     try:
         with agent:

@@ -94,6 +94,7 @@ class CheckpointInfo:
     config_hash: str | None = None
     fence: int = 0  # the writer's fencing token (checkpoint/fencing.py); 0 before fencing existed
     global_batch_size: int | None = None  # samples per step; None: not recorded (older ones)
+    finished: bool = False  # written when training had finished (the run's last checkpoint)
 
     @property
     def order(self) -> tuple[int, int]:
@@ -531,7 +532,7 @@ def inspect(path: str | Path, verify: bool = False) -> CheckpointInfo:
     return CheckpointInfo(display, kind, manifest["step"], manifest.get("epoch"),
                           manifest.get("world_size"), manifest.get("time"), size, True, "",
                           manifest.get("config_hash"), int(manifest.get("fence", 0)),
-                          manifest.get("global_batch_size"))
+                          manifest.get("global_batch_size"), bool(manifest.get("finished")))
 
 
 def list_checkpoints(directory: str | Path) -> list[CheckpointInfo]:

@@ -87,26 +87,45 @@ class CollateWithIndices:
         return self.collate_fn(fetched.samples), fetched.indices
 
 
+Pairs = Iterator[tuple[Any, list[int]]]
+
+
 class _HandOut:
     """Iterates the DataLoader's ``(batch, indices)`` pairs: calls ``before`` (the loader's
-    :attr:`ElasticDataLoader.before_hand_out`), then yields the batch and appends its indices to
+    :attr:`ElasticDataLoader.before_hand_out`), takes a new pass from ``renewed`` when it gives
+    one (:meth:`ElasticDataLoader.restart`), then yields the batch and appends its indices to
     ``handed_out`` (in this process, when the loop takes the batch)."""
 
-    def __init__(self, pairs: Iterator[tuple[Any, list[int]]],
-                 handed_out: deque[list[int]], before: Callable[[], None]) -> None:
+    def __init__(self, pairs: Pairs, handed_out: deque[list[int]], before: Callable[[], None],
+                 renewed: Callable[[], Pairs | None]) -> None:
         self.pairs, self.handed_out, self.before = pairs, handed_out, before
+        self.renewed = renewed
+        self.left = len(pairs)  # type: ignore[arg-type]
 
     def __iter__(self) -> _HandOut:
         return self
 
+    def _renew(self) -> None:
+        pairs = self.renewed()
+        if pairs is not None:
+            self.pairs, self.left = pairs, len(pairs)  # type: ignore[arg-type]
+
     def __next__(self) -> Any:
+        # the end of the pass is known before ``before`` (the next step's boundary) runs: the
+        # step after the epoch's last begins with the next epoch's first batch, whether or not
+        # a recovery restarted the pass in between (its RNG streams are seeded by that epoch)
+        self._renew()
+        if self.left <= 0:
+            raise StopIteration
         self.before()
+        self._renew()  # a recovery at the boundary
         batch, indices = next(self.pairs)
+        self.left -= 1
         self.handed_out.append(indices)
         return batch
 
     def __len__(self) -> int:
-        return len(self.pairs)  # type: ignore[arg-type]
+        return self.left
 
 
 def _nothing() -> None:
@@ -137,6 +156,7 @@ class ElasticDataLoader(DataLoader):
                          collate_fn=CollateWithIndices(collate_fn), num_workers=num_workers,
                          pin_memory=pin_memory, generator=torch.Generator(), **kwargs)
         self._handed_out: deque[list[int]] = deque(maxlen=HANDED_OUT_LIMIT)
+        self._restart = False  # the pass in progress starts again at its next batch
         # called before each batch is handed to the loop: a session's step boundary
         # (own_loop.FaultTolerantLoop checkpoints there what step_done() left pending)
         self.before_hand_out: Callable[[], None] = _nothing
@@ -145,13 +165,41 @@ class ElasticDataLoader(DataLoader):
     def elastic_sampler(self) -> ElasticSampler:
         return self.batch_sampler  # type: ignore[return-value]
 
+    @property  # type: ignore[override]
+    def sampler(self) -> ElasticSampler:
+        """The elastic sampler too, so that a loop written for a ``DistributedSampler`` works
+        unchanged (``loader.sampler.set_epoch(epoch)``); the DataLoader's per-sample sampler
+        is unused (batches come from the batch sampler)."""
+        return self.elastic_sampler
+
+    @sampler.setter
+    def sampler(self, value: Any) -> None:  # DataLoader.__init__ sets its default one
+        self.__dict__["_sample_sampler"] = value
+
     def __iter__(self) -> Any:
         """A new pass from the sampler's cursor; what earlier passes handed out and no step
         took (an abandoned step's micro-batches) is forgotten."""
+        self._restart = False
+        return _HandOut(self._pass(), self._handed_out, lambda: self.before_hand_out(),
+                        self._renewed)
+
+    def _pass(self) -> Pairs:
         s = self.elastic_sampler
         self.generator.manual_seed(step_seed(s.seed, s.epoch, s.cursor, s.rank))
         self._handed_out.clear()
-        return _HandOut(super().__iter__(), self._handed_out, lambda: self.before_hand_out())
+        return super().__iter__()
+
+    def restart(self) -> None:
+        """The pass in progress starts again at the sampler's cursor (and the sampler's rank and
+        world size) at its next batch: an in-place recovery discarded the step in flight, whose
+        micro-batches the loop then gets again (``own_loop.FaultTolerantLoop``)."""
+        self._restart = True
+
+    def _renewed(self) -> Pairs | None:
+        if not self._restart:
+            return None
+        self._restart = False
+        return self._pass()
 
     def take_fetched(self) -> list[list[int]]:
         """The dataset indices of the micro-batches handed out since the last call (or since

@@ -236,8 +236,8 @@ class InPlaceRecovery:
         trainer.preempt.membership = lambda: self.join_waiting
         if trainer.info.rank == 0:
             with contextlib.suppress(RuntimeError, dist.DistError):
-                record_global_batch(self.store, self.key, trainer.cfg.batch.global_batch_size)
-                if self.multi_node:
+                record_global_batch(self.store, self.key, trainer.sampler.global_batch_size)
+                if self.multi_node and trainer.regroups:
                     self.store.set(self.key("joins_in_place"), "1")
 
     def watch(self) -> GenerationWatch | _NoWatch:
@@ -254,7 +254,7 @@ class InPlaceRecovery:
     def policy(self, trainer: Recoverable) -> Policy:
         """The departure policy: ``--nnodes`` MIN, and a world size the global batch
         divides."""
-        return Policy.for_batch(self.min_nodes, trainer.cfg.batch)
+        return Policy.for_batch(self.min_nodes, trainer.batch)
 
     def copy_due(self, step: int) -> bool:
         """Whether the peer copies are refreshed after ``step`` (the same on every rank)."""
@@ -377,6 +377,7 @@ class InPlaceRecovery:
             raise Regroup(trainer.info.rank, trainer.info.world_size, report.generation, report)
         self._form_group(trainer.info.rank, trainer.info.world_size, report.generation)
         report.generation = self.generation  # a later one if the replacement died too
+        trainer.group_formed(list(announced["failed"]))
         t3 = time.perf_counter()
         report.phases["group"] = t3 - t2
         try:

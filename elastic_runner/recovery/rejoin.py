@@ -34,10 +34,10 @@ from .peer_copies import (
 
 if TYPE_CHECKING:
     from ..checkpoint.manager import CheckpointManager
-    from ..config import Config
     from ..data.sampler import ElasticSampler
     from ..dist import DistInfo
     from ..preempt import PreemptionFlag
+    from ..train.config import BatchConfig
     from ..train.session import TrainingSession
     from ..train.state import TrainState
 
@@ -55,20 +55,29 @@ class RecoveryHooks(Protocol):
 
 
 class Recoverable(Protocol):
-    """What in-place recovery uses of one rank's trainer (the built-in
-    :class:`~elastic_runner.train.loop.Trainer` is one): its config and rank, its session,
-    state, sampler and checkpoints, its preemption flag, the task's fingerprint, the last step
-    whose post-step work is done, and the two calls that go on in a new group (``rewrap``: a
-    new DDP on it; ``resume``: from the newest checkpoint when no peer holds the state)."""
+    """What in-place recovery uses of one rank's training loop: the built-in
+    :class:`~elastic_runner.train.loop.Trainer` and a user's
+    :class:`~elastic_runner.own_loop.FaultTolerantLoop` both implement it. Its rank, session,
+    state, sampler and checkpoints, its preemption flag, the fingerprint of what it built, the
+    last step whose post-step work is done; ``batch``: the global batch policy a departure must
+    keep (None: any world size); ``hsdp_replicas``: the FSDP replica groups (1: none);
+    ``regroups``: whether it can go on at another world size in place (nodes joining and
+    leaving; else those take torch's restart path); and the calls that go on in a new group
+    (``group_formed``: the group exists, with ``joining`` its replacements' ranks; ``rewrap``:
+    a new DDP on it; ``resume``: from the newest checkpoint when no peer holds the state)."""
 
-    cfg: Config
     info: DistInfo
     session: TrainingSession
     preempt: PreemptionFlag
     fingerprint: str
     after_done: int
+    batch: BatchConfig | None
+    hsdp_replicas: int
+    regroups: bool
     rewrap: Callable[[], None]
     recovery: RecoveryHooks
+
+    def group_formed(self, joining: list[int]) -> None: ...
 
     @property
     def state(self) -> TrainState: ...
@@ -118,7 +127,7 @@ class Live:
     @classmethod
     def of(cls, trainer: Recoverable) -> Live | None:
         """``trainer``'s state, under HSDP only (``distributed.fsdp.replicas`` > 1)."""
-        if trainer.cfg.distributed.fsdp.replicas == 1:
+        if trainer.hsdp_replicas == 1:
             return None
         return cls(trainer.state.step, trainer.after_done, trainer.info.world_size,
                    trainer.checkpoints.local_copy())
@@ -176,7 +185,7 @@ def _rejoin_sharded(trainer: Recoverable, joining: bool, report: RecoveryReport 
     everyone = gather(trainer, {**copies.summary(), "joining": joining,
                                  "live": None if live is None else
                                  [live.step, live.after, live.world_size]})
-    replicas = plan_replicas(everyone, trainer.cfg.distributed.fsdp.replicas)
+    replicas = plan_replicas(everyone, trainer.hsdp_replicas)
     if replicas is not None:
         _from_replicas(trainer, live, *replicas, joining, report)
         return

@@ -36,6 +36,7 @@ from ..preempt import PreemptionFlag
 from ..recovery.inplace import InPlaceRecovery, NoRecovery, StepRedo
 from ..recovery.rejoin import RecoveryReport
 from ..tasks.base import TaskBundle, metric_sums
+from .config import BatchConfig
 from .engine import StepEngine, precision_dtype
 from .faults import planted_metric
 from .session import RollbackRequested, TrainingFailed, TrainingSession
@@ -100,6 +101,20 @@ class Trainer:
     @property
     def checkpoints(self) -> CheckpointManager:
         return self.session.checkpoints
+
+    # what in-place recovery reads (recovery.rejoin.Recoverable)
+    regroups = True  # nodes join and leave in place (worker.regroup rebuilds the trainer)
+
+    @property
+    def batch(self) -> BatchConfig:
+        return self.cfg.batch
+
+    @property
+    def hsdp_replicas(self) -> int:
+        return self.cfg.distributed.fsdp.replicas
+
+    def group_formed(self, joining: list[int]) -> None:
+        """A replacement's model is wrapped with the group's in ``rewrap``: nothing here."""
 
     def attach(self, recovery: InPlaceRecovery | NoRecovery) -> None:
         """Recover through ``recovery`` (in place, or not at all); a preemption of some nodes
