@@ -190,12 +190,30 @@ def single_node(kind: str, backend: str, endpoint: str, workdir: Path) -> dict[s
     return _measure(log, t_fault, trace, FAULT_STEP)
 
 
-def _measure(log: str, t_fault: float, trace: Path, last_done: int) -> dict[str, float]:
+def _measure(log: str, t_fault: float, trace: Path, last_done: int, script: bool = False
+             ) -> dict[str, float]:
+    """The restart path's phases (``script``: a user's loop, whose workers log no start-up
+    line: detection, stop, rendezvous, then the new workers' start to their first step)."""
     t_resumed, resumed_step = _resumed(log, t_fault)
     t_first = min(t for t, _, _ in _trace_steps(trace) if t > t_resumed)
-    out = phases(log, t_fault, t_first)
+    out = script_phases(log, t_fault, t_first) if script else phases(log, t_fault, t_first)
     out["steps_redone"] = last_done - resumed_step
     return out
+
+
+def script_phases(log: str, t_fault: float, first_step_time: float) -> dict[str, float]:
+    """:func:`phases` of a script's restart: its workers log no start-up split."""
+    day = datetime.fromtimestamp(t_fault).strftime("%Y-%m-%d")
+    times = {}
+    for name, pattern in (("detect", _DETECT), ("rdzv", _RDZV)):
+        t, m = next((t, m) for ln in log.splitlines() if (m := pattern.match(ln))
+                    and (t := _epoch(day, m[1] or m[2])) >= times.get("detect", t_fault) - 1e-3)
+        times[name], times[f"{name}_m"] = t, m
+    t_rdzv_start = times["rdzv"] - float(times["rdzv_m"][2])
+    return {"detection": times["detect"] - t_fault, "stop": t_rdzv_start - times["detect"],
+            "rendezvous": times["rdzv"] - t_rdzv_start,
+            "start to first step": first_step_time - times["rdzv"],
+            "total": first_step_time - t_fault}
 
 
 def _resumed(log: str, after: float) -> tuple[float, int]:
@@ -321,7 +339,7 @@ def kill_one(task: str, path: str, workdir: Path, overrides: tuple[str, ...] = (
             wait_until(lambda: "resumed from" in job.output and any(
                 t > _resumed(job.output, t_kill)[0] for t in _committed(trace).values()),
                 RUN_TIMEOUT_S, "the restarted group's first step")
-            out = _measure(job.output, t_kill, trace, before)
+            out = _measure(job.output, t_kill, trace, before, script=task == "own_loop")
     finally:
         job.kill_all()
     return out
@@ -487,8 +505,9 @@ def print_table(summary: dict[str, dict]) -> None:
             continue
         cols = [*cols, "total"]
         print(f"{'case':<24}" + "".join(f"{c:>14}" for c in cols) + f"{'redone':>8}")
-        for case, s in rows.items():
-            print(f"{case:<24}" + "".join(f"{s[c]['median']:>14.3f}" for c in cols)
+        for case, s in rows.items():  # a script's restart has no start-up split: "-"
+            print(f"{case:<24}" + "".join(f"{s[c]['median']:>14.3f}" if c in s else f"{'-':>14}"
+                                          for c in cols)
                   + f"{s['steps_redone']['median']:>8.0f}")
     print("(seconds, medians; fault -> first committed step after the recovery; see the module "
           "docstring for the phases)")

@@ -33,7 +33,8 @@ from .observe.health import MetricsServer
 from .observe.metrics import AGENT_ENV, RankMetrics
 from .preempt import Preempted
 from .recovery.heartbeat import Heartbeat
-from .recovery.inplace import SPARE_ENV, InPlaceRecovery, JobFinished, NoRecovery, Regroup
+from .recovery.inplace import InPlaceRecovery, JobFinished, NoRecovery, Regroup
+from .recovery.protocol import SPARE_ENV
 from .recovery.rejoin import rejoin
 from .tasks.base import TaskBundle
 from .train.build import build_optimizer, build_task, build_trainer
@@ -132,6 +133,11 @@ def _train(config_path: str, overrides: list[str], resume: bool, entered: float,
     finally:
         if trainer is not None:
             trainer.close()  # flushes TensorBoard: the worker may leave without teardown
+        # on its way out the process is not hung; the group's teardown and the collection
+        # below may keep the heartbeat thread from running (a heartbeat silent for 2 s after
+        # training ended got a finished worker killed as hung, and the job then waited for
+        # its replacement until the test's timeout)
+        heartbeat.close()
         if info is not None:
             destroy_distributed()
         # a sharded model's state holds its process groups: free them now, while the
@@ -141,7 +147,6 @@ def _train(config_path: str, overrides: list[str], resume: bool, entered: float,
         if server is not None:
             threading.Event().wait(linger)
             server.close()
-        heartbeat.close()
         watch.close()
     return EXIT_OK
 

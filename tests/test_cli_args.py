@@ -130,6 +130,9 @@ def test_a_scripts_recovery_settings_are_checked_naming_the_key(monkeypatch):
     monkeypatch.setenv(RECOVERY_ENV, "[1, 2]")
     with pytest.raises(ConfigError, match="expected a mapping"):
         script_recovery_config()
+    monkeypatch.setenv(RECOVERY_ENV, "{continue_shrunk: true}")
+    with pytest.raises(ConfigError, match="continue_shrunk: true applies to the built-in"):
+        script_recovery_config()
     monkeypatch.setenv(RECOVERY_ENV, "{spare_delay_seconds: 0}")
     cfg = script_recovery_config("restart")
     assert (cfg.mode, cfg.spare_delay_seconds) == ("restart", 0)

@@ -26,15 +26,15 @@ from elastic_runner.checkpoint.fencing import FencedOut
 from elastic_runner.config import RecoveryConfig
 from elastic_runner.preempt import Preempted
 from elastic_runner.recovery.group_sockets import GroupSockets, NoSockets
-from elastic_runner.recovery.heartbeat import HEARTBEAT_ENV, Heartbeat, NoHeartbeat
-from elastic_runner.recovery.inplace import ENV, SPARE_ENV, GenerationWatch, InPlaceRecovery
+from elastic_runner.recovery.heartbeat import Heartbeat, NoHeartbeat
+from elastic_runner.recovery.inplace import GenerationWatch, InPlaceRecovery
 from elastic_runner.recovery.membership import (
-    MIN_NODES_ENV,
     Policy,
     announce_departure,
     read_view,
     register,
 )
+from elastic_runner.recovery.protocol import ENV, HEARTBEAT_ENV, MIN_NODES_ENV, SPARE_ENV
 from elastic_runner.recovery.store import Attempt, StoreLocation, agree_attempt, connect
 
 from .procs import wait_until

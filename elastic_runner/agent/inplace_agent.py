@@ -5,13 +5,13 @@ elastic's agent API, not forked) with these changes, used by ``elastic-runner ru
 ``recovery.mode: in_place``, on one node or on each node of a multi-node job:
 
 * it names the attempt's **recovery store** to the workers in
-  :data:`~elastic_runner.recovery.inplace.ENV` (one node: a ``TCPStore`` it hosts on ``127.0.0.1``;
+  :data:`~elastic_runner.recovery.protocol.ENV` (one node: a ``TCPStore`` it hosts on ``127.0.0.1``;
   several nodes: the rendezvous backend's store that every node reaches, see
   :mod:`elastic_runner.recovery.store`); the workers' process groups live in it, one namespace
   per generation (:mod:`elastic_runner.recovery.inplace`), and any node's agent announces generations
   through one counter in it;
 * once the workers have built the task it starts a **spare**: the worker command with
-  :data:`~elastic_runner.recovery.inplace.SPARE_ENV` set, which imports torch, builds the task's data and
+  :data:`~elastic_runner.recovery.protocol.SPARE_ENV` set, which imports torch, builds the task's data and
   model and waits;
 * when a worker exits with a failure (not 0, not 2 = bad input, not 143 = preempted) while
   others of the node still run, :meth:`_monitor_workers` hands the dead worker's environment
@@ -31,7 +31,6 @@ attempt's ``restart`` key so that no other node's agent replaces anyone in place
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import shutil
@@ -53,24 +52,25 @@ from ..compat import leave_rendezvous_open
 from ..exit_codes import EXIT_BAD_INPUT, EXIT_FENCED, EXIT_HANG, EXIT_PREEMPTED
 from ..logs import first_line
 from ..recovery.config import RecoveryConfig
-from ..recovery.heartbeat import HEARTBEAT_ENV
-from ..recovery.inplace import ENV, GENERATION_ENV, SPARE_ENV
 from ..recovery.membership import (
-    MIN_NODES_ENV,
     THREAD_STORE_TIMEOUT_S,
     NoBeat,
     NodeBeat,
     NodeWatch,
     Policy,
     View,
+    admission,
     announce_departure,
     claim_node_id,
+    departure_of,
     read_global_batch,
     read_view,
+    refusal,
     register,
     request_join,
     seed,
 )
+from ..recovery.protocol import ENV, GENERATION_ENV, HEARTBEAT_ENV, MIN_NODES_ENV, SPARE_ENV
 from ..recovery.store import StoreLocation, claim_successor, connect, tell_workers
 from .store import AgentStore
 
@@ -110,7 +110,7 @@ class _Join:
 
     @property
     def spares(self) -> str:
-        """The workers' :data:`~elastic_runner.recovery.inplace.SPARE_ENV`: each appends its local
+        """The workers' :data:`~elastic_runner.recovery.protocol.SPARE_ENV`: each appends its local
         rank."""
         return f"{self.node}.join."
 
@@ -187,7 +187,7 @@ class InPlaceAgent(LocalElasticAgent):
                  for name in (ENV, HEARTBEAT_ENV, MIN_NODES_ENV, SPARE_ENV)}
         os.environ.update(self._worker_variables())
         try:
-            self._rs.store.check([self._rs.key("restart")])  # connect before the workers
+            self._rs.attempt.restart_asked()  # connect before the workers
             if joining:
                 self._stand_by_to_join(worker_group)
             else:
@@ -263,7 +263,7 @@ class InPlaceAgent(LocalElasticAgent):
         if failed:  # torch's restart path: release survivors (on every node) waiting for an
             # announcement, and keep the other nodes' agents from replacing anyone meanwhile
             with contextlib.suppress(RuntimeError, dist.DistError):
-                self._rs.store.set(self._rs.key("restart"), json.dumps({"restart": True}))
+                self._rs.attempt.ask_restart()
             return super()._monitor_workers(worker_group)
         try:
             if self._joining is not None:
@@ -322,7 +322,7 @@ class InPlaceAgent(LocalElasticAgent):
         if not self._rs.multi_node or self._joining is not None or self._grow is not None:
             return False
         try:
-            return (self._rs.store.check([self._rs.key("joins_in_place")])
+            return (self._rs.attempt.joins_in_place()
                     and not self._restart_asked())
         except (RuntimeError, dist.DistError):
             return False
@@ -362,35 +362,33 @@ class InPlaceAgent(LocalElasticAgent):
     def _follow_join(self, worker_group: WorkerGroup, pc: SubprocessContext) -> RunResult:
         """Joining: post the join request once every worker stands by, then hand each worker
         its place once the group announced the generation that takes this node in."""
-        join, store = self._joining, self._rs.store
+        join, store, attempt = self._joining, self._rs.store, self._rs.attempt
         assert join is not None
         if not join.request:
-            if all(store.check([self._rs.key("spare", join.spare(lr), "ready")])
-                   for lr in pc.subprocess_handlers):
+            if all(attempt.is_spare_ready(join.spare(lr)) for lr in pc.subprocess_handlers):
                 join.request = request_join(store, self._rs.key, join.node,
                                             len(pc.subprocess_handlers), self._rs.own)
                 log.info("membership: node %d ready to join (request %d)", join.node,
                          join.request)
             return RunResult(state=WorkerState.HEALTHY)
-        refused = self._rs.key("join", join.request, "refused")
-        if store.check([refused]):
-            log.error("membership: the running job did not take this node in: %s",
-                      store.get(refused).decode())
+        refused = refusal(store, self._rs.key, join.request)
+        if refused is not None:
+            log.error("membership: the running job did not take this node in: %s", refused)
             for handler in pc.subprocess_handlers.values():
                 handler.close(signal.SIGKILL)
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     handler.proc.wait(timeout=5)
             return self._leave(worker_group, "refused")
-        if not store.check([self._rs.key("admitted", join.node)]):
+        admitted = admission(store, self._rs.key, join.node)
+        if admitted is None:
             return RunResult(state=WorkerState.HEALTHY)
-        admitted = json.loads(store.get(self._rs.key("admitted", join.node)))
         generation, world_size = admitted["generation"], admitted["world_size"]
         for local_rank, rank in enumerate(admitted["ranks"]):
             env = {**pc.envs[local_rank], "RANK": str(rank), "WORLD_SIZE": str(world_size),
                    "GROUP_RANK": str(join.node), GENERATION_ENV: str(generation)}
             worker_group.workers[local_rank].global_rank = rank
             worker_group.workers[local_rank].world_size = world_size
-            store.set(self._rs.key("spare", join.spare(local_rank), "assign"), json.dumps(env))
+            attempt.assign(join.spare(local_rank), env)
         self._joining, self._generation = None, generation
         self._join_membership(worker_group, joined=True)
         log.warning("membership: node %d joined the running job in generation %d as rank(s) "
@@ -424,7 +422,7 @@ class InPlaceAgent(LocalElasticAgent):
             log.error("membership: node(s) %s lost (no heartbeat for %.1f s) and the rest may "
                       "not go on without them (%s): torch's restart path", sorted(lost),
                       silent, why)
-            self._rs.store.set(self._rs.key("restart"), json.dumps({"restart": True}))
+            self._rs.attempt.ask_restart()
             return
         done = announce_departure(self._rs.store, self._rs.key, view, sorted(lost), "lost",
                                   self._rs.client)
@@ -463,7 +461,7 @@ class InPlaceAgent(LocalElasticAgent):
         the new one, tell this node's workers and spares, and beat and watch there."""
         old = self._rs.location.describe()
         with contextlib.suppress(RuntimeError, dist.DistError):
-            self._rs.store.set(self._rs.key("moved", self._node), endpoint)
+            self._rs.attempt.acknowledge_move(self._node, endpoint)
         store = self._rs.client(endpoint)
         seed(store, self._rs.key, view, max(self._generation, view.generation))
         self._rs.use(endpoint, store)
@@ -484,12 +482,9 @@ class InPlaceAgent(LocalElasticAgent):
         if self._watch is None:
             return None
         try:
-            key = self._rs.key("departed", self._node)
-            if self._rs.store.check([key]):
-                return self._rs.store.get(key).decode().split(":")[0]
+            return departure_of(self._rs.store, self._rs.key, self._node)
         except (RuntimeError, dist.DistError):
-            pass
-        return None
+            return None
 
     def _leave(self, worker_group: WorkerGroup, reason: str) -> RunResult:
         """This node left the group (``reason``): end this agent without a restart and without
@@ -531,13 +526,13 @@ class InPlaceAgent(LocalElasticAgent):
         return (survivors and all(code is None for code in others)
                 and self._remaining_restarts > 0 and self._grow is None
                 and self._joining is None and not self._restart_asked()
-                and (not self._script or self._rs.store.check([self._rs.key("built")])))
+                and (not self._script or self._rs.attempt.built()))
 
     def _restart_asked(self) -> bool:
         """Whether a worker or agent of this attempt asked for torch's restart path, or the
         recovery store cannot be reached (c10d: the rendezvous host is gone)."""
         try:
-            return self._rs.store.check([self._rs.key("restart")])
+            return self._rs.attempt.restart_asked()
         except (RuntimeError, dist.DistError) as e:
             log.error("the recovery store (%s) is unreachable (%s): torch's restart path",
                       self._rs.location.describe(), first_line(e))
@@ -577,7 +572,7 @@ class InPlaceAgent(LocalElasticAgent):
         # (one node only: a shrunk group's bookkeeping lives in this agent)
         shrink = self._cfg.continue_shrunk and not warm and not self._rs.multi_node
         # one counter for the whole job: two nodes' agents never announce the same generation
-        self._generation = self._rs.store.add(self._rs.key("generations"), 2 if shrink else 1)
+        self._generation = self._rs.attempt.draw_generations(2 if shrink else 1)
         announce = self._generation - 1 if shrink else self._generation
         self._remaining_restarts -= 1
         # the replacement is the rank's next attempt: restarts used so far, as torch counts them
@@ -597,7 +592,7 @@ class InPlaceAgent(LocalElasticAgent):
                 worker_group.workers[local_rank].world_size = view.world_size
             # the dead worker's file goes before the spare can start beating into it
             (self._heartbeats / str(local_rank)).unlink(missing_ok=True)
-            self._rs.store.set(self._rs.key("spare", spare.name, "assign"), json.dumps(env))
+            self._rs.attempt.assign(spare.name, env)
             pc.subprocess_handlers[local_rank] = _Adopted(spare.proc, local_rank)  # type: ignore
             worker = worker_group.workers[local_rank]
             worker.id = spare.proc.pid
@@ -610,7 +605,7 @@ class InPlaceAgent(LocalElasticAgent):
                              if w.global_rank not in ranks)  # one node: every rank is here
             news.update(members=members, world_size=len(members))
             self._grow = (self._generation, spares)
-        self._rs.store.set(self._rs.key("gen", announce), json.dumps(news))
+        self._rs.attempt.announce(announce, news)
         replacement = Replacement(announce, tuple(ranks), tuple(failed.values()), warm,
                                   time.perf_counter() - t0)
         log.warning("rank(s) %s exited with code(s) %s: replaced in place by %s spare(s) "
@@ -626,9 +621,9 @@ class InPlaceAgent(LocalElasticAgent):
         if self._grow is None:
             return
         generation, spares = self._grow
-        if all(self._rs.store.check([self._rs.key("spare", s.name, "ready")])
+        if all(self._rs.attempt.is_spare_ready(s.name)
                for s in spares):
-            self._rs.store.set(self._rs.key("gen", generation), json.dumps({"grow": True}))
+            self._rs.attempt.announce(generation, {"grow": True})
             self._grow = None
             log.info("replacement(s) ready: generation %d brings the group back to full size",
                      generation)
@@ -652,13 +647,13 @@ class InPlaceAgent(LocalElasticAgent):
             self._spare = None
         spare = self._spare
         if spare is None and self._built_since is None \
-                and self._rs.store.check([self._rs.key("built")]):
+                and self._rs.attempt.built():
             self._built_since = time.monotonic()
         if spare is None and self._built_since is not None \
                 and time.monotonic() - self._built_since >= self._cfg.spare_delay_seconds:
             self._spare = self._start_spare(pc)
         elif (spare is not None and not spare.ready
-              and self._rs.store.check([self._rs.key("spare", spare.name, "ready")])):
+              and self._rs.attempt.is_spare_ready(spare.name)):
             spare.ready = True
             log.info("spare %s ready (task built) %.1f s after its start", spare.name,
                      time.monotonic() - spare.started)

@@ -17,6 +17,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from ..recovery.membership import read_view
+from ..recovery.protocol import AttemptKeys
 from ..recovery.store import StoreLocation, agree_attempt, connect
 
 log = logging.getLogger(__name__)
@@ -80,8 +81,13 @@ class AgentStore:
         """The attempt's key ``<prefix>/<part>/...``."""
         return "/".join([self.prefix, *map(str, parts)])
 
+    @property
+    def attempt(self) -> AttemptKeys:
+        """The attempt's keys in the store in use (``recovery/protocol.py``)."""
+        return AttemptKeys(self.store, self.key)
+
     def for_workers(self) -> StoreLocation:
-        """The location the workers and spares get (:data:`~elastic_runner.recovery.inplace.ENV`)."""
+        """The location the workers and spares get (:data:`~elastic_runner.recovery.protocol.ENV`)."""
         return self.location.at(self.location.endpoint, self.prefix)
 
     def client(self, endpoint: str) -> dist.Store:
@@ -123,10 +129,10 @@ class AgentStore:
             return
         if view.store_node == node:
             return
-        keys = [self.key("moved", n) for n in view.nodes]
+        hosted, nodes = AttemptKeys(self.hosted, self.key), list(view.nodes)
         deadline = time.monotonic() + timeout_s
-        while not self.hosted.check(keys) and time.monotonic() < deadline:
+        while not hosted.moves_acknowledged(nodes) and time.monotonic() < deadline:
             time.sleep(0.05)
         log.info("membership: the recovery store moved to node %d; %s", view.store_node,
-                 "every agent followed" if self.hosted.check(keys) else
+                 "every agent followed" if hosted.moves_acknowledged(nodes) else
                  "not every agent followed in time")

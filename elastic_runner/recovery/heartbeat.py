@@ -19,7 +19,9 @@ import os
 import threading
 from pathlib import Path
 
-HEARTBEAT_ENV = "ELASTIC_RUNNER_HEARTBEAT_DIR"
+from .protocol import HEARTBEAT_ENV
+
+__all__ = ["HEARTBEAT_ENV", "Heartbeat", "NoHeartbeat"]
 
 
 class Heartbeat:

@@ -1,7 +1,7 @@
 """In-place recovery, the workers' side: survivors keep their process when a peer dies.
 
 Under ``elastic-runner run`` (``recovery.mode: in_place``) every agent
-(:mod:`elastic_runner.agent.inplace_agent`) names the job's **recovery store** in :data:`ENV`: a
+(:mod:`elastic_runner.agent.inplace_agent`) names the job's **recovery store** in :data:`~elastic_runner.recovery.protocol.ENV`: a
 TCPStore in the agent on one node; across nodes the c10d rendezvous store, or with etcd a
 TCPStore in an agent that moves when its node leaves (:mod:`elastic_runner.recovery.store`). The process group of *generation* ``g`` lives under
 ``<prefix>/pg/<g>/`` of that store (a ``PrefixStore``, as
@@ -40,14 +40,13 @@ module cannot move to a new group. Each survivor leaves through :class:`Regroup`
 shards a new module on the new group, and the members roll back to the peer copies (or take a
 surviving HSDP replica's live state): :mod:`elastic_runner.recovery.rejoin`.
 
-A process started without :data:`ENV` (plain torchrun, ``recovery.mode: restart``, a user's own
+A process started without :data:`~elastic_runner.recovery.protocol.ENV` (plain torchrun, ``recovery.mode: restart``, a user's own
 script) gets :class:`NoRecovery`: errors propagate and torchrun restarts everyone.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import socket
@@ -65,9 +64,7 @@ from ..dist import is_peer_failure, release_groups_of
 from ..logs import first_line
 from ..preempt import Preempted
 from .group_sockets import GroupSockets, NoSockets
-from .heartbeat import HEARTBEAT_ENV
 from .membership import (
-    MIN_NODES_ENV,
     THREAD_STORE_TIMEOUT_S,
     Policy,
     View,
@@ -83,6 +80,7 @@ from .membership import (
     refuse_joins,
 )
 from .peer_copies import NoCopies, PeerCopies
+from .protocol import ENV, GENERATION_ENV, HEARTBEAT_ENV, MIN_NODES_ENV, AttemptKeys
 from .rejoin import Live, Recoverable, RecoveryReport, rejoin, wire_device
 from .store import StoreLocation, connect, told
 
@@ -94,9 +92,6 @@ announcement that a peer died before it leaves to be replaced: a rank that raise
 ``recovery.detect_timeout_seconds`` (10 s) for a replacement of itself that only its exit
 brings."""
 
-ENV = "ELASTIC_RUNNER_INPLACE"  # the recovery store: a recovery_store.StoreLocation as JSON
-SPARE_ENV = "ELASTIC_RUNNER_SPARE"  # set on a spare only: "<node rank>.<number>"
-GENERATION_ENV = "ELASTIC_RUNNER_GENERATION"  # set on a replacement: the group it joins
 _POLL_S = 0.005
 _SPARE_POLL_S = 0.01  # a spare's look for its assignment (seconds)
 
@@ -211,7 +206,7 @@ class InPlaceRecovery:
 
     @classmethod
     def from_env(cls, cfg: Any) -> InPlaceRecovery | NoRecovery:
-        """From the agent's :data:`ENV` (``cfg``: the ``recovery`` config section), else
+        """From the agent's :data:`~elastic_runner.recovery.protocol.ENV` (``cfg``: the ``recovery`` config section), else
         :class:`NoRecovery`. Set :attr:`backend` once the group exists."""
         address = os.environ.get(ENV)
         if not address or cfg.mode != "in_place":
@@ -238,7 +233,7 @@ class InPlaceRecovery:
             with contextlib.suppress(RuntimeError, dist.DistError):
                 record_global_batch(self.store, self.key, trainer.sampler.global_batch_size)
                 if self.multi_node and trainer.regroups:
-                    self.store.set(self.key("joins_in_place"), "1")
+                    self.attempt.allow_joins_in_place()
 
     def watch(self) -> GenerationWatch | _NoWatch:
         """Several nodes: a :class:`GenerationWatch` on this worker (close it at the end)."""
@@ -276,6 +271,11 @@ class InPlaceRecovery:
     def key(self, *parts: object) -> str:
         return "/".join([self.prefix, *map(str, parts)])
 
+    @property
+    def attempt(self) -> AttemptKeys:
+        """The attempt's keys in the store in use (``recovery/protocol.py``)."""
+        return AttemptKeys(self.store, self.key)
+
     def group_store(self, rank: int | None = None, world_size: int | None = None
                     ) -> dist.Store:
         """The store of the process group to create: the current generation's, once all
@@ -291,13 +291,12 @@ class InPlaceRecovery:
         assert world_size is not None
         deadline = time.monotonic() + self.join_timeout_s
         while True:
-            self.store.set(self.key("pg", self.generation, "present", rank), "1")
-            present = [self.key("pg", self.generation, "present", r) for r in range(world_size)]
-            newer = self.key("gen", self.generation + 1)
-            while not self.store.check(present):
-                if self.store.check([newer]):
+            attempt = self.attempt
+            attempt.show_up(self.generation, rank)
+            while not attempt.all_present(self.generation, world_size):
+                if attempt.announced(self.generation + 1):
                     break
-                if self.store.check([self.key("finished")]):
+                if attempt.finished():
                     raise JobFinished(f"the job's training finished while this process waited "
                                       f"to join generation {self.generation}: nothing to do")
                 if time.monotonic() > deadline:
@@ -306,7 +305,7 @@ class InPlaceRecovery:
                                        "(recovery.join_timeout_seconds)")
                 time.sleep(_POLL_S)
             else:
-                return dist.PrefixStore(self.key("pg", self.generation) + "/", self.store)
+                return attempt.group_store(self.generation)
             log.warning("generation %d was superseded while forming (another worker died); "
                         "joining %d", self.generation, self.generation + 1)
             self.generation += 1
@@ -315,14 +314,14 @@ class InPlaceRecovery:
         """Rank 0 tells the agent the workers have built the task: it may start the spare now
         without competing with the workers' start-up (and a task artifact exists)."""
         if rank == 0:
-            self.store.set(self.key("built"), "1")
+            self.attempt.announce_built()
 
     def announce_finished(self, rank: int) -> None:
         """Rank 0, once training is over: a replacement still waiting to join leaves with exit
         code 0 (:class:`JobFinished`) instead of waiting out ``join_timeout_s`` and failing."""
         if rank == 0:
             with contextlib.suppress(RuntimeError, dist.DistError):
-                self.store.set(self.key("finished"), "1")
+                self.attempt.announce_finished()
 
     # ------------------------------------------------------------ recovery
 
@@ -629,12 +628,12 @@ class InPlaceRecovery:
         Raises:
             RuntimeError: the store is unreachable.
         """
-        keys = [self.key("gen", generation), self.key("restart")]
         deadline = time.monotonic() + timeout_s
+        attempt = self.attempt
         while True:
-            for key in keys:
-                if self.store.check([key]):
-                    return json.loads(self.store.get(key))
+            announced = attempt.announcement(generation)
+            if announced is not None:
+                return announced
             if time.monotonic() > deadline:
                 return None
             time.sleep(_POLL_S)
@@ -642,7 +641,7 @@ class InPlaceRecovery:
     def ask_restart(self) -> None:
         """No agent replaces anyone in place in this attempt any more: torch's restart path."""
         with contextlib.suppress(RuntimeError, dist.DistError):
-            self.store.set(self.key("restart"), json.dumps({"restart": True}))
+            self.attempt.ask_restart()
 
     def _client(self, endpoint: str) -> dist.Store:
         """A client of the store at ``endpoint`` (``host:port``)."""
@@ -671,7 +670,8 @@ class InPlaceRecovery:
             if location is not None and location.endpoint != dead:
                 try:
                     self._switch(location.endpoint)
-                    raise_counter(self.store, self.key("generations"), self.generation)
+                    raise_counter(self.store, self.attempt.generations_counter(),
+                                  self.generation)
                 except (RuntimeError, dist.DistError):  # gone too (two nodes lost at once)
                     return False
                 log.warning("in-place recovery: the recovery store at %s does not answer; "
@@ -694,7 +694,7 @@ class InPlaceRecovery:
                                             timeout=timedelta(seconds=self.join_timeout_s))
                 return
             except (RuntimeError, dist.DistError) as e:
-                if not self.store.check([self.key("gen", self.generation + 1)]):
+                if not self.attempt.announced(self.generation + 1):
                     raise
                 log.warning("generation %d did not form (%s); joining %d", self.generation,
                             first_line(e), self.generation + 1)
@@ -712,8 +712,7 @@ class InPlaceRecovery:
         """
         if self.grow_generation is None:
             return
-        ready = trainer.info.rank == 0 and self.store.check([self.key("gen",
-                                                                      self.grow_generation)])
+        ready = trainer.info.rank == 0 and self.attempt.announced(self.grow_generation)
         flag = torch.tensor([1.0 if ready else 0.0], device=trainer.info.device
                             if self.backend == "nccl" else torch.device("cpu"))
         dist.all_reduce(flag)
@@ -731,15 +730,11 @@ class InPlaceRecovery:
     def wait_assignment(self, spare: str) -> dict[str, str]:
         """A spare (after building the task) tells the agent it is ready and blocks until the
         agent hands it a failed worker's place; returns that worker's environment (RANK,
-        LOCAL_RANK, ... and :data:`GENERATION_ENV`)."""
-        self.store.set(self.key("spare", spare, "ready"), "1")
-        key = self.key("spare", spare, "assign")
-        # polled, not Store.wait: a wait that times out makes c10d print a warning (a spare may
-        # stand by for hours), and one that never times out would hold off a signal's handler;
+        LOCAL_RANK, ... and :data:`~elastic_runner.recovery.protocol.GENERATION_ENV`)."""
+        attempt = self.attempt
+        attempt.spare_ready(spare)
         # a store that is gone (its agent died, or the store moved on) raises here: leave
-        while not self.store.check([key]):
-            time.sleep(_SPARE_POLL_S)
-        env = json.loads(self.store.get(key))
+        env = attempt.wait_assignment(spare, _SPARE_POLL_S)
         self.generation = int(env[GENERATION_ENV])
         # the node's id now (a node that joined claimed one after its spares started)
         self.node = int(env.get("GROUP_RANK", self.node))
@@ -789,14 +784,11 @@ class GenerationWatch:
         step boundary or a join: their announcer writes the announcement while every rank is
         in the same collective with it, which completes on its own (cut short, a rank of the
         membership soak hung in that broadcast until its step watchdog fired)."""
-        recovery = self.recovery
-        if self._store.check([recovery.key("restart")]):
+        keys = AttemptKeys(self._store, self.recovery.key)
+        if keys.restart_asked():
             return True
-        name = recovery.key("gen", generation)
-        if not self._store.check([name]):
-            return False
-        announced = json.loads(self._store.get(name))
-        return announced.get("reason") not in ("preempted", "joined")
+        announced = keys.announcement(generation)
+        return announced is not None and announced.get("reason") not in ("preempted", "joined")
 
     def _connect(self) -> dist.Store:
         """A client of the recovery store for this thread; its socket is never taken for a

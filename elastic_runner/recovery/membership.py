@@ -81,11 +81,10 @@ import torch.distributed as dist
 
 from ..config_base import ConfigError
 from ..train.config import BatchConfig
+from .protocol import Key
 
 log = logging.getLogger(__name__)
 
-Key = Callable[..., str]  # the attempt's key for the given parts
-MIN_NODES_ENV = "ELASTIC_RUNNER_MIN_NODES"  # --nnodes MIN, from the agent to its workers
 # the operation timeout of a watcher thread's own store client (seconds): a call blocked on an
 # unreachable store returns within it, so closing the thread can wait for it to end (a daemon
 # thread still inside a store call when the interpreter exits aborts the process)
@@ -514,3 +513,26 @@ class NodeWatch:
             elif now - seen[1] > self.timeout_s:
                 out[node] = now - seen[1]
         return out
+
+
+def departure_of(store: dist.Store, key: Key, node: int) -> str | None:
+    """Why node ``node`` left the group in place (``preempted``, ``lost``), None while it is a
+    member."""
+    if not store.check([key("departed", node)]):
+        return None
+    return store.get(key("departed", node)).decode().split(":")[0]
+
+
+def refusal(store: dist.Store, key: Key, request: int) -> str | None:
+    """Why join request ``request`` was refused (:func:`refuse_joins`), None while it was not."""
+    if not store.check([key("join", request, "refused")]):
+        return None
+    return store.get(key("join", request, "refused")).decode()
+
+
+def admission(store: dist.Store, key: Key, node: int) -> dict[str, Any] | None:
+    """Node ``node``'s admission (``generation``, ``world_size``, ``ranks``:
+    :func:`announce_join`), None while it is not admitted."""
+    if not store.check([key("admitted", node)]):
+        return None
+    return json.loads(store.get(key("admitted", node)))

@@ -40,7 +40,8 @@ from ..logs import first_line, setup_logging
 from ..script_env import RECOVERY_ENV
 from .config import RecoveryConfig
 from .heartbeat import Heartbeat, NoHeartbeat
-from .inplace import SPARE_ENV, GenerationWatch, InPlaceRecovery, JobFinished, NoRecovery, _NoWatch
+from .inplace import GenerationWatch, InPlaceRecovery, JobFinished, NoRecovery, _NoWatch
+from .protocol import SPARE_ENV
 
 log = logging.getLogger(__name__)
 
@@ -92,11 +93,15 @@ def script_recovery_config(mode: str | None = None) -> RecoveryConfig:
     if mode is not None:
         values = {**values, "mode": mode}
     try:
-        return RecoveryConfig.model_validate(values)
+        cfg = RecoveryConfig.model_validate(values)
     except ValidationError as e:
         err = e.errors()[0]
         key = ".".join(map(str, err["loc"])) or "(section)"
         raise ConfigError(f"{RECOVERY_ENV}: recovery.{key}: {err['msg']}") from None
+    if cfg.continue_shrunk:  # a script's loop cannot go on at another world size in place
+        raise ConfigError(f"{RECOVERY_ENV}: recovery.continue_shrunk: true applies to the "
+                          "built-in trainer; a script's loop waits for the replacement")
+    return cfg
 
 
 _current: list[ScriptRecovery | NoScriptRecovery] = [NoScriptRecovery()]
