@@ -170,10 +170,25 @@ class Trainer:
         recovery is off (torchrun then restarts every worker)."""
         self.session.abandon_step()
         self.optimizer.zero_grad(set_to_none=True)  # the failed step's partial gradients
+        epoch = self.sampler.epoch
         report = self.recovery.recover(error, self)
         if report is None:
             raise error
+        self._ended_by_peer(epoch)
         self.recovered_at(report)
+
+    def _ended_by_peer(self, epoch: int) -> None:
+        """The state a peer sent has this rank past the end of ``epoch``, which it had not
+        reached itself (that peer finished the epoch's evaluation, whose collective failed
+        here): record the epoch's end as :meth:`_end_epoch` would have (its dropped tail, by
+        the geometry the epoch ended with)."""
+        s = self.sampler
+        if s.epoch <= epoch or s.cursor != 0:
+            return
+        world_size, micro, accum = s.committed_geometry
+        end = s.num_samples // (world_size * micro * accum) * (world_size * micro * accum)
+        self.session.callbacks.on_epoch_end(
+            epoch, self.state.step, lambda: s.permutation(epoch)[end:].tolist())
 
     def recovered_at(self, report: RecoveryReport) -> None:
         """The group is re-formed: the first committed step completes ``report``."""
