@@ -481,7 +481,7 @@ def ddp_construction_collectives(ddp: DistributedDataParallel, src_is_peer: bool
     broadcast when ``ddp`` syncs them in forward (``forward_sync_buffers``)."""
     from torch.nn.parallel import distributed as ddp_module
 
-    group = dist.distributed_c10d._get_default_group()
+    group = dist.group.WORLD
     parameters, _ = ddp._build_params_for_reducer()
     ddp_module._verify_param_shape_across_processes(group, parameters)
     module = copy.deepcopy(ddp.module) if src_is_peer else ddp.module

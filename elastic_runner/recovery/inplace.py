@@ -157,11 +157,13 @@ class NoRecovery:
     def bind(self, trainer: Recoverable) -> None:
         pass
 
-    def watch(self) -> _NoWatch:
-        return _NoWatch()
+    def watch(self) -> NoWatch:
+        return NoWatch()
 
 
-class _NoWatch:
+class NoWatch:
+    """No generation watch (one node: a dead peer's connections reset on their own)."""
+
     def close(self) -> None:
         pass
 
@@ -235,9 +237,9 @@ class InPlaceRecovery:
                 if self.multi_node and trainer.regroups:
                     self.attempt.allow_joins_in_place()
 
-    def watch(self) -> GenerationWatch | _NoWatch:
+    def watch(self) -> GenerationWatch | NoWatch:
         """Several nodes: a :class:`GenerationWatch` on this worker (close it at the end)."""
-        return GenerationWatch(self) if self.multi_node else _NoWatch()
+        return GenerationWatch(self) if self.multi_node else NoWatch()
 
     def job_global_batch(self) -> int | None:
         """The global batch (samples) the group's rank 0 recorded: what a joiner builds for

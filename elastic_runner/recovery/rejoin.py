@@ -64,7 +64,8 @@ class Recoverable(Protocol):
     ``regroups``: whether it can go on at another world size in place (nodes joining and
     leaving; else those take torch's restart path); and the calls that go on in a new group
     (``group_formed``: the group exists, with ``joining`` its replacements' ranks; ``rewrap``:
-    a new DDP on it; ``resume``: from the newest checkpoint when no peer holds the state)."""
+    a new DDP on it); with no peer holding the state, the session loads the newest
+    checkpoint."""
 
     info: DistInfo
     session: TrainingSession
@@ -87,8 +88,6 @@ class Recoverable(Protocol):
 
     @property
     def checkpoints(self) -> CheckpointManager: ...
-
-    def resume(self) -> bool: ...
 
 
 @dataclass
@@ -165,7 +164,7 @@ def from_checkpoint(trainer: Recoverable, joining: bool) -> None:
 
     Raises:
         RuntimeError: there is no checkpoint and the state is not held by any member."""
-    if not trainer.resume() and trainer.checkpoints.sharded:
+    if not trainer.session.resume() and trainer.checkpoints.sharded:
         trainer.recovery.ask_restart()
         raise RuntimeError("in-place recovery: no peer copy and no checkpoint holds the "
                            "sharded state; restarting every worker")

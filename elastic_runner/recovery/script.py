@@ -6,7 +6,7 @@ to the runner) is where the process joins the job:
 
 * a worker of the job's start joins generation 0 of the recovery store
   (:mod:`elastic_runner.recovery.inplace`) instead of a group of its own;
-* a **spare** (the agent set :data:`~elastic_runner.recovery.inplace.SPARE_ENV`; it has run the
+* a **spare** (the agent set :data:`~elastic_runner.recovery.protocol.SPARE_ENV`; it has run the
   script's imports, so torch is loaded) tells its agent it is ready and blocks here until the agent
   hands it a failed worker's place; then it joins the running group as that rank, and the
   script goes on as it would: builds its model, wraps it in DDP (whose construction collectives
@@ -40,7 +40,7 @@ from ..logs import first_line, setup_logging
 from ..script_env import RECOVERY_ENV
 from .config import RecoveryConfig
 from .heartbeat import Heartbeat, NoHeartbeat
-from .inplace import GenerationWatch, InPlaceRecovery, JobFinished, NoRecovery, _NoWatch
+from .inplace import GenerationWatch, InPlaceRecovery, JobFinished, NoRecovery, NoWatch
 from .protocol import SPARE_ENV
 
 log = logging.getLogger(__name__)
@@ -61,7 +61,7 @@ class ScriptRecovery:
     and whether it joins a running group as a replacement (``joining``)."""
 
     def __init__(self, recovery: InPlaceRecovery, joining: bool,
-                 heartbeat: Heartbeat | NoHeartbeat, watch: GenerationWatch | _NoWatch) -> None:
+                 heartbeat: Heartbeat | NoHeartbeat, watch: GenerationWatch | NoWatch) -> None:
         self.recovery, self.joining = recovery, joining
         self._heartbeat, self._watch = heartbeat, watch
         self._closed = False
