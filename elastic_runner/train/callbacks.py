@@ -45,7 +45,9 @@ class StepEnd:
         global_samples: samples of the step over all ranks (the global batch).
         loss: this rank's loss of the step (scalar tensor on the device; reading it syncs).
         mean_loss: the loss averaged over ranks when a callback asked for it every step
-            (``needs_mean_loss``); None otherwise (logging steps get :class:`LogEvent`).
+            (``needs_mean_loss``); this rank's own loss when that average failed because a
+            peer died (the step is committed, the recovery follows); None otherwise (logging
+            steps get :class:`LogEvent`).
         lr: the learning rate after the step.
         committed: the update was applied (False: skipped for a non-finite loss/gradient).
         log_due: a logging step (``log_every_steps``).

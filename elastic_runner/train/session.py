@@ -275,19 +275,30 @@ class TrainingSession:
         """The step's event; its indices are ``fetched`` (the loader's record of the step's
         micro-batches) or, without one, the sampler's plan of the step at ``cursor``."""
         log_due = step % self.options.log_every_steps == 0
-        mean_loss = self.global_mean(loss) if self.callbacks.needs_mean_loss else None
         seconds = time.perf_counter() - self._t0
         gbs, lr = self.sampler.global_batch_size, self.lr()
+
+        def event(mean_loss: float | None, log: bool) -> StepEnd:
+            return StepEnd(
+                step=step, epoch=epoch, seconds=seconds, data_seconds=self._t_data - self._t0,
+                samples=gbs // self.world_size, global_samples=gbs, loss=loss,
+                mean_loss=mean_loss, lr=lr, committed=committed, log_due=log,
+                indices=lambda: [i for mb in (self.sampler.step_indices(cursor, epoch)
+                                              if fetched is None else fetched) for i in mb],
+                indices_fetched=fetched is not None)
+
+        try:
+            mean_loss = self.global_mean(loss) if self.callbacks.needs_mean_loss else None
+        except RuntimeError:
+            # the step is committed (applied and counted) when its loss collective fails (a
+            # peer died after the gradient all-reduce): its entry goes out with this rank's
+            # own loss before the recovery, which then repairs only the dead ranks' entries
+            self.callbacks.on_step_end(event(float(loss.item()), False))
+            raise
         if log_due:  # one asynchronous collective carries the loss and the straggler times
             self.straggler.start(loss)
             self._log = (step, epoch, lr, gbs / max(seconds, 1e-9))
-        return StepEnd(
-            step=step, epoch=epoch, seconds=seconds, data_seconds=self._t_data - self._t0,
-            samples=gbs // self.world_size, global_samples=gbs, loss=loss, mean_loss=mean_loss,
-            lr=lr, committed=committed, log_due=log_due,
-            indices=lambda: [i for mb in (self.sampler.step_indices(cursor, epoch)
-                                          if fetched is None else fetched) for i in mb],
-            indices_fetched=fetched is not None)
+        return event(mean_loss, log_due)
 
     def flush_log(self) -> None:
         """Report the pending logging step (all ranks, at the same point: it completes a
