@@ -316,9 +316,7 @@ class FaultTolerantLoop:
         if not self.step:
             return
         if s.cursor == 0 and s.epoch > 0:  # the loop had begun the next epoch: set_epoch()
-            world_size, micro, accum = s.committed_geometry
-            size = world_size * micro * accum
-            self._epoch, self._end_cursor = s.epoch - 1, s.num_samples // size * size
+            self._epoch, self._end_cursor = s.epoch - 1, s.previous_epoch_end()
         else:
             self._epoch, self._end_cursor = s.epoch, s.cursor
 

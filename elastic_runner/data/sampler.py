@@ -85,6 +85,13 @@ class ElasticSampler:
         self.cursor += self.global_batch_size
         self.committed_geometry = (self.world_size, self.micro_batch_size, self.grad_accum_steps)
 
+    def previous_epoch_end(self) -> int:
+        """Where the previous epoch's cursor ended (samples): its whole global batches at the
+        geometry its last step was committed with (the rest is its dropped tail)."""
+        world_size, b, accum = self.committed_geometry
+        size = world_size * b * accum
+        return self.num_samples // size * size
+
     def last_step(self, rank: int | None = None) -> tuple[int, int, list[int]]:
         """(epoch, world_size, indices of ``rank``) of the step that ended at the current
         position (the cursor, or the end of the previous epoch at an epoch's start), split as
@@ -95,7 +102,7 @@ class ElasticSampler:
         if self.cursor >= size:
             epoch, start = self.epoch, self.cursor - size
         else:
-            epoch, start = self.epoch - 1, (self.num_samples // size - 1) * size
+            epoch, start = self.epoch - 1, self.previous_epoch_end() - size
         perm = self.permutation(epoch)
         r = self.rank if rank is None else rank
         return epoch, world_size, [i for m in range(accum)

@@ -185,8 +185,7 @@ class Trainer:
         s = self.sampler
         if s.epoch <= epoch or s.cursor != 0:
             return
-        world_size, micro, accum = s.committed_geometry
-        end = s.num_samples // (world_size * micro * accum) * (world_size * micro * accum)
+        end = s.previous_epoch_end()
         self.session.callbacks.on_epoch_end(
             epoch, self.state.step, lambda: s.permutation(epoch)[end:].tolist())
 
