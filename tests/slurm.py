@@ -32,6 +32,11 @@ machine (each default of Slurm 22.05 would add tens of seconds to a test):
   300 s). 3 s is still far more than any reply between the daemons takes on this machine;
 - ``bf_interval=1``: the backfill scheduler starts a requeued job within a second of the time it
   may start (the default interval is 30 s).
+- ``OverTimeLimit=1``: a job past its time limit runs one more minute before Slurm ends it as
+  TIMEOUT. The limit's ``--signal`` still lands before the limit itself (slurmctld reckons it
+  from the job's end time); the minute is the margin a signalled run on a loaded machine needs
+  to checkpoint, stop and requeue itself (the default 0 left 15 s at ``--time=1
+  --signal=TERM@15``, and one CI run took longer).
 
 :func:`slurm_cluster` (session scope) starts one cluster for the whole tier; a missing daemon
 fails the test in CI and skips it elsewhere (:mod:`tests.needs`).
@@ -100,6 +105,7 @@ ReturnToService=2
 SlurmdTimeout=5
 MessageTimeout=3
 KillWait=30
+OverTimeLimit=1
 MinJobAge=600
 AccountingStorageType=accounting_storage/none
 JobAcctGatherType=jobacct_gather/none
