@@ -33,6 +33,7 @@ where the next step begins (its RNG streams reseeded, its watchdog budget armed)
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import os
@@ -64,7 +65,7 @@ from .observe.reporting import Budgets, FaultInjection, runner_callbacks
 from .observe.straggler import StragglerMonitor
 from .parallel.base import total_norm
 from .preempt import Preempted, PreemptionFlag
-from .recovery.inplace import InPlaceRecovery, NoRecovery
+from .recovery.inplace import InPlaceRecovery, NoRecovery, Regroup, StepRedo
 from .recovery.rejoin import RecoveryReport, rejoin
 from .recovery.script import NoScriptRecovery, ScriptRecovery
 from .recovery.script import current as current_process
@@ -91,10 +92,11 @@ class FaultTolerantLoop:
     """
 
     # what in-place recovery reads (recovery.rejoin.Recoverable): a script's batch is its own
-    # (any world size), no HSDP, and nodes join and leave through torch's restart path
+    # (its micro-batch at any world size), no HSDP, and nodes join and leave in place
+    # (:meth:`_regroup`)
     batch = None
     hsdp_replicas = 1
-    regroups = False
+    regroups = True
 
     def __init__(self, session: TrainingSession, params: list[nn.Parameter],
                  closing: list[Any], parts: _LoopParts) -> None:
@@ -288,25 +290,100 @@ class FaultTolerantLoop:
                 path).
         """
         try:
-            call(*args)
-        except RuntimeError as e:
-            if isinstance(e, TrainingFailed) or not self.recovery.active:
-                raise
-            self._recover(e)
+            try:
+                call(*args)
+            except RuntimeError as e:
+                if isinstance(e, TrainingFailed) or not self.recovery.active:
+                    raise
+                self._recover(e)
+                return False
+        except Regroup as r:  # nodes left or joined: this rank goes on in another group
+            self._regroup(r)
+            return False
+        except StepRedo:  # a membership boundary that changed nothing: the step is redone
+            self._forget_step()
+            self._parts.loader.restart()
             return False
         return True
 
-    def _recover(self, error: RuntimeError) -> None:
+    def guard_forward(self, ddp: DDP) -> None:
+        """The script's DDP forward carries collectives of its own (the buffers' broadcast,
+        the buckets' rebuild after a new reducer): when one fails because a peer died, the
+        group is re-formed there (:meth:`_collective`) and the forward returns the local
+        module's output without autograd, for a step that is discarded anyway (its
+        :meth:`backward` does nothing, :meth:`should_commit` answers False)."""
+        forward = ddp.forward
+
+        def guarded(*args: Any, **kwargs: Any) -> Any:
+            out: list[Any] = []
+            if self._collective(lambda: out.append(forward(*args, **kwargs))):
+                return out[0]
+            with torch.no_grad():
+                return ddp.module(*args, **kwargs)
+
+        ddp.forward = guarded  # type: ignore[method-assign]
+
+    def _forget_step(self) -> None:
         self.session.abandon_step()
-        for p in self._params:  # the failed step's partial gradients
+        for p in self._params:  # the step's partial gradients
             p.grad = None
+
+    def _recover(self, error: RuntimeError) -> None:
+        """A collective failed: re-form the group in place (or re-raise ``error``).
+
+        Raises:
+            Regroup: a node left or joined meanwhile (:meth:`_regroup` follows).
+        """
+        self._forget_step()
         report = self.recovery.recover(error, self)
         if report is None:
             raise error
+        self._go_on(report)
+
+    def _go_on(self, report: RecoveryReport) -> None:
+        """The group agreed on the state: the step in flight is discarded on every rank and
+        its micro-batches come again (the first committed step completes ``report``)."""
         self._recovering, self._t_recovered = report, time.perf_counter()
         self._discarded = True
         self._mark_epoch()
         self._parts.loader.restart()
+
+    def _regroup(self, r: Regroup) -> None:
+        """Go on as rank ``r.rank`` of ``r.world_size`` (nodes left, or joined at a step
+        boundary), in this process: the group re-formed, this rank's place (sampler split,
+        reporting, checkpoint writer) moved to it, the script's DDP reduces over it, and the
+        members agree on the state (a joining node's ranks receive it). The sampler's global
+        cursor keeps every sample once; the micro-batch stays, so the global batch follows the
+        world size."""
+        self._forget_step()
+        joining = list(range(self.info.world_size, r.world_size))  # after the members' ranks
+        report = r.report or RecoveryReport(r.generation, [], self.step)
+        t0 = time.perf_counter()
+        self.recovery.form_group(r.rank, r.world_size, r.generation)
+        t1 = time.perf_counter()
+        self._place(r.rank, r.world_size)
+        self.recovery.bind(self)
+        self.group_formed(joining)
+        rejoin(self, joining=False, report=report)
+        report.phases.update(group=t1 - t0, state=time.perf_counter() - t1)
+        self._go_on(report)
+
+    def _place(self, rank: int, world_size: int) -> None:
+        """This process is ``rank`` of ``world_size`` now: its environment, the sampler's
+        split, the session's numbers, the checkpoint writer and the rank-bound reporting."""
+        parts = self._parts
+        if rank != self.info.rank and parts.own_logging:
+            setup_logging(rank)
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size))
+        self.info = parts.info = dataclasses.replace(self.info, rank=rank,
+                                                     world_size=world_size)
+        sampler = self.sampler  # its committed geometry stays the old group's until a step
+        sampler.rank, sampler.world_size = rank, world_size
+        self.session.rank, self.session.world_size = rank, world_size
+        self.checkpoints.renumber(rank)
+        parts.metrics.world(world_size)
+        old, parts.reporting = parts.reporting, parts.runner(rank, world_size)
+        self.session.callbacks.swap(old, parts.reporting)
 
     def _mark_epoch(self) -> None:
         """The epoch of the last committed step, and its cursor, as the state (loaded, or
@@ -411,17 +488,22 @@ def fault_tolerant(model: nn.Module, optimizer: torch.optim.Optimizer,
     inner = model.module if isinstance(model, DDP) else model
     device = next(inner.parameters()).device
     rank, sampler = current_rank(), loader.elastic_sampler
-    if not logging.getLogger("elastic_runner").handlers and not logging.getLogger().handlers:
+    own_logging = (not logging.getLogger("elastic_runner").handlers
+                   and not logging.getLogger().handlers)
+    if own_logging:
         setup_logging(rank)  # the runner's lines (resumed from, checkpoints) unless you log
     preempt = PreemptionFlag()
     preempt.install()
     rank_metrics, closing = _metrics(metrics or MetricsConfig())
     injection = _faults(rank)
-    reporting = Callbacks([
-        *runner_callbacks(rank_metrics, Budgets(hang_timeout_seconds, long_op_timeout_seconds),
-                          rank, sampler.world_size, sampler.num_samples, 0, trace_dir,
-                          last_step=sampler.last_step),
-        *(callbacks or []), *([injection] if injection else [])])
+    budgets = Budgets(hang_timeout_seconds, long_op_timeout_seconds)
+
+    def runner(rank: int, world_size: int) -> list[Callback]:
+        return runner_callbacks(rank_metrics, budgets, rank, world_size, sampler.num_samples,
+                                0, trace_dir, last_step=sampler.last_step)
+
+    ours = runner(rank, sampler.world_size)
+    reporting = Callbacks([*ours, *(callbacks or []), *([injection] if injection else [])])
     if not every_steps and every_seconds is None:
         every_seconds = DEFAULT_EVERY_SECONDS
         if rank == 0:
@@ -440,8 +522,8 @@ def fault_tolerant(model: nn.Module, optimizer: torch.optim.Optimizer,
                       "world_size": sampler.world_size,
                       "global_batch_size": sampler.global_batch_size,
                       "config_hash": fingerprint, "finished": closing_flag[0]})
-    def vote() -> StepConsensus:
-        return make_consensus(model, lambda: preempt.requested, comm_hook, hook_state)
+    def vote() -> StepConsensus:  # a membership change's step boundary stops it too
+        return make_consensus(model, lambda: preempt.stop_asked, comm_hook, hook_state)
 
     session = TrainingSession(
         state=train_state, sampler=sampler, checkpoints=checkpoints, consensus=vote(),
@@ -455,9 +537,13 @@ def fault_tolerant(model: nn.Module, optimizer: torch.optim.Optimizer,
         fetched=loader.take_fetched)
     params = [p for p in inner.parameters() if p.requires_grad]
     info = _dist_info(rank, sampler.world_size, device)
-    parts = _LoopParts(info, preempt, fingerprint, process, model, loader, vote, closing_flag)
+    parts = _LoopParts(info, preempt, fingerprint, process, model, loader, vote, closing_flag,
+                       rank_metrics, runner, ours, own_logging)
     loop = FaultTolerantLoop(session, params, closing, parts)
     loop.recovery.bind(loop)
+    session.leave = lambda: loop.recovery.leave(loop)  # nodes leave and join in place
+    if isinstance(model, DDP) and isinstance(process, ScriptRecovery):
+        loop.guard_forward(model)
     loader.before_hand_out = loop._begin_step  # the next step's first batch: its boundary
     return loop
 
@@ -466,7 +552,8 @@ def fault_tolerant(model: nn.Module, optimizer: torch.optim.Optimizer,
 class _LoopParts:
     """What a :class:`FaultTolerantLoop` holds besides its session: where it runs, its
     preemption flag, the fingerprint of what it trains, this process's in-place recovery, the
-    script's model object (DDP, FSDP2 or plain) and loader, and how to make its step vote."""
+    script's model object (DDP, FSDP2 or plain) and loader, how to make its step vote, and
+    what a regroup rebuilds for another rank (the rank-bound reporting)."""
 
     info: DistInfo
     preempt: PreemptionFlag
@@ -476,6 +563,10 @@ class _LoopParts:
     loader: ElasticDataLoader
     vote: Callable[[], StepConsensus]
     closing: list[bool]  # [True] once close() checkpoints: the manifest's "finished"
+    metrics: RankMetrics
+    runner: Callable[[int, int], list[Callback]]  # the runner's callbacks for a rank, world size
+    reporting: list[Callback]  # those of this rank now
+    own_logging: bool  # the runner set up logging (a renumbered rank sets it up again)
 
 
 def _in_place_process(model: nn.Module) -> ScriptRecovery | NoScriptRecovery:

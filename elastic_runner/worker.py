@@ -183,7 +183,7 @@ def regroup(cfg: Config, old: Trainer, recovery: InPlaceRecovery | NoRecovery,
                                  model=old.parallelism.module_for_new_group(old.model))
     destroy_distributed()
     t0 = time.perf_counter()
-    recovery._form_group(r.rank, r.world_size, r.generation)
+    recovery.form_group(r.rank, r.world_size, r.generation)
     t1 = time.perf_counter()
     os.environ.update(RANK=str(r.rank), WORLD_SIZE=str(r.world_size))
     if r.rank != old.info.rank:  # renumbered: a new rank 0 logs what rank 0 logs

@@ -19,13 +19,14 @@ import pytest
 from .etcd import EtcdServer, etcd_on
 from .evidence import DIGITS_TRAIN, assert_exact_audit
 from .netns import Nodes
-from .procs import Job, Pace, cli, wait_until
+from .procs import REPO, Job, Pace, cli, wait_until
 from .test_inplace import DIGITS
 
 pytestmark = pytest.mark.slow
 
 RDZV_PORT = 29400
 GLOBAL_BATCH = 96  # micro-batch 16: world sizes 1, 2, 3 and 6 divide it
+DIGITS_SAMPLES = 1797  # examples/own_loop.py trains on all of scikit-learn's digits
 _CHANGE = re.compile(r"membership: node\(s\) \[([\d, ]+)\] (preempted|lost|join)\S*[^;]*; "
                      r"generation (\d+) goes on (?:without them )?at world size (\d+)")
 
@@ -272,3 +273,57 @@ def test_c10d_a_node_the_global_batch_cannot_take_is_refused_and_the_group_goes_
     assert {samples for _, samples in trace.values()} == {64}
     assert "resumed from" not in jobs[0].output
     check_samples(tmp_path, steps=300, global_batch=64)  # nothing killed
+
+
+def start_script(launch, nodes: Nodes, tmp_path, i: int, steps: int, pace: Pace,
+                 name: str = "") -> Job:
+    """``elastic-runner run examples/own_loop.py`` on node ``i`` (1 worker, c10d hosted by
+    node 0, no spare; rank 0 slowed by ``pace``)."""
+    argv = cli("run", str(REPO / "examples" / "own_loop.py"), "--nnodes", f"1:{nodes.count}",
+               "--nproc-per-node", "1", "--rdzv-id", "script", "--max-restarts", "3",
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{nodes.address(0)}:{RDZV_PORT}",
+               "--rdzv-conf", f"is_host={'true' if i == 0 else 'false'},last_call_timeout=1",
+               "--", "--steps", str(steps), "--checkpoint-dir", str(tmp_path / "ck"),
+               "--trace-dir", str(tmp_path / "trace"))
+    env = {**nodes.env(i), "ELASTIC_RUNNER_FAULTS_TRIGGER": str(pace.path),
+           "ELASTIC_RUNNER_RECOVERY": "{spare: false, node_timeout_seconds: 3}"}
+    return launch(nodes.argv(i, argv), name=name or f"node{i}", env=env)
+
+
+def test_c10d_an_own_loop_script_leaves_and_joins_in_place_2_1_2_1(launch, netns_nodes,
+                                                                  tmp_path):
+    """A user's own loop (``examples/own_loop.py``, unchanged) on two nodes at ``--nnodes
+    1:2``: node 1 is preempted (1), starts again and joins (2), is killed (1). Node 0's worker
+    keeps its process throughout and reads no checkpoint; the micro-batch stays, so each step's
+    global batch is the world size's, and every sample is trained once."""
+    nodes = netns_nodes(2)
+    total = 500
+    pace = Pace(tmp_path / "pace", 0.06)
+
+    def start_node(i: int, name: str = "") -> Job:
+        return start_script(launch, nodes, tmp_path, i, total, pace, name=name)
+
+    jobs = [start_node(i) for i in (0, 1)]
+    wait_until(lambda: len(steps(tmp_path / "trace")) >= 20, 180, "step 20")
+    kept = next(iter(jobs[0].workers(str(REPO / "examples" / "own_loop.py")).values()))
+
+    jobs[1].proc.send_signal(signal.SIGTERM)  # 1. preempted: it leaves at a step boundary
+    assert jobs[1].wait(timeout=60) == 143, jobs[1].output[-3000:]
+    wait_until(lambda: sizes_in_order(tmp_path / "trace")[-1] == 1, 60, "world size 1")
+    again = start_node(1, "node1-again")  # 2. it joins
+    wait_until(lambda: sizes_in_order(tmp_path / "trace")[-1] == 2, 180, "world size 2 again")
+    assert "joined the running job" in again.output
+    again.kill_all()  # 3. lost: found by its silent heartbeat
+    wait_until(lambda: sizes_in_order(tmp_path / "trace")[-1] == 1, 60, "world size 1 again")
+    assert kept.is_running()
+    pace.end()
+    assert jobs[0].wait(timeout=300) == 0, jobs[0].output[-4000:]
+
+    assert sizes_in_order(tmp_path / "trace") == [2, 1, 2, 1]
+    assert [c[1] for c in changes(jobs[0])] == ["preempted", "join", "lost"]
+    assert "resumed from" not in jobs[0].output + again.output  # no checkpoint read
+    trace = steps(tmp_path / "trace")
+    assert sorted(trace) == list(range(1, total + 1))
+    assert {(min(sizes), samples) for sizes, samples in trace.values()} == {(2, 32), (1, 16)}
+    assert_exact_audit(tmp_path / "trace", steps=total, global_batch=None,
+                       num_samples=DIGITS_SAMPLES, repaired_at_most=1)  # the killed worker

@@ -165,8 +165,23 @@ class CheckpointManager:
         self._writer = AsyncCheckpointer() if async_save and writes else _SyncWriter()
         self._group = checkpoint_group() if self.sharded and async_save else None
         self._last_save = time.monotonic()
+        self._fences = fencing
         self._fencing = fencing and self.rank == 0
         self.fence: Fence | NoFence = ckpt.UNFENCED
+
+    def renumber(self, rank: int) -> None:
+        """This process is ``rank`` now (a regroup of a script's loop renumbered it): rank 0
+        writes the replicated checkpoints and claims the fencing token (at the next
+        :meth:`claim`). The save in flight is committed first."""
+        if rank == self.rank:
+            return
+        self.wait()
+        self._writer.close()
+        self.rank = rank
+        writes = rank == 0 or self.sharded
+        self._writer = AsyncCheckpointer() if self._async and writes else _SyncWriter()
+        self._fencing = self._fences and rank == 0
+        self.fence = ckpt.UNFENCED
 
     def claim(self) -> None:
         """Rank 0: claim a fencing token for this group (once; :meth:`load_latest` and the

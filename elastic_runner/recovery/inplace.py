@@ -376,7 +376,7 @@ class InPlaceRecovery:
             raise Regroup(members.index(rank), len(members), report.generation, report)
         if trainer.checkpoints.sharded:  # FSDP2 cannot move a module's shards to a new group
             raise Regroup(trainer.info.rank, trainer.info.world_size, report.generation, report)
-        self._form_group(trainer.info.rank, trainer.info.world_size, report.generation)
+        self.form_group(trainer.info.rank, trainer.info.world_size, report.generation)
         report.generation = self.generation  # a later one if the replacement died too
         trainer.group_formed(list(announced["failed"]))
         t3 = time.perf_counter()
@@ -682,9 +682,9 @@ class InPlaceRecovery:
             time.sleep(0.01)
         return False
 
-    def _form_group(self, rank: int, world_size: int, generation: int) -> None:
+    def form_group(self, rank: int, world_size: int, generation: int) -> None:
         """Create generation ``generation``'s group (or a newer one's, see
-        :meth:`group_store`); a group that fails to form because a newer generation was
+        :meth:`group_store`; after a :class:`Regroup`, with its numbers); a group that fails to form because a newer generation was
         announced meanwhile moves on to that one."""
         self.generation = generation
         while True:

@@ -14,7 +14,7 @@ Long operations announce themselves with ``on_phase`` (checkpointing, evaluating
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -176,6 +176,13 @@ class Callbacks(Callback):
 
     def append(self, callback: Callback) -> None:
         self.__init__([*self.items, callback])  # type: ignore[misc]
+
+    def swap(self, old: Sequence[Callback], new: Sequence[Callback]) -> None:
+        """Close ``old`` and dispatch to ``new`` first in their stead (a regroup renumbered
+        the rank: the callbacks bound to its rank and world size are rebuilt)."""
+        for c in old:
+            c.close()
+        self.__init__([*new, *(c for c in self.items if c not in old)])  # type: ignore[misc]
 
     def on_step_begin(self, step: int, steps_this_attempt: int) -> None:
         for f in self._begin:
