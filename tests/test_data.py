@@ -240,3 +240,18 @@ def test_loader_sampler_is_the_elastic_sampler_as_a_distributed_samplers_loop_ex
     lo.sampler.set_epoch(2)
     assert lo.sampler is lo.elastic_sampler and lo.elastic_sampler.epoch == 2
     assert len(lo) == N // B and len(list(lo)) == N // B
+
+
+def test_len_is_the_epochs_and_a_used_up_epoch_says_what_starts_the_next():
+    """``len(loader)`` counts the whole epoch as a DataLoader over a DistributedSampler does,
+    ``len(iter(loader))`` what the pass has left; ``next(iter(loader))`` on a used-up epoch
+    names the call that starts the next one."""
+    lo = loader(rank=1, world_size=2)
+    per_epoch = N // (2 * B)
+    consume([loader(rank=0, world_size=2), lo], steps=1)
+    assert len(lo) == per_epoch and len(iter(lo)) == per_epoch - 1
+    lo.elastic_sampler.cursor = N  # every step of the epoch committed
+    assert len(lo) == per_epoch and len(iter(lo)) == 0
+    with pytest.raises(StopIteration, match=r"epoch 0 is used up .*set_epoch\(1\)"):
+        next(iter(lo))
+    assert list(lo) == []  # a for loop just ends

@@ -97,10 +97,11 @@ class _HandOut:
     ``handed_out`` (in this process, when the loop takes the batch)."""
 
     def __init__(self, pairs: Pairs, handed_out: deque[list[int]], before: Callable[[], None],
-                 renewed: Callable[[], Pairs | None]) -> None:
+                 renewed: Callable[[], Pairs | None], sampler: ElasticSampler) -> None:
         self.pairs, self.handed_out, self.before = pairs, handed_out, before
-        self.renewed = renewed
+        self.renewed, self.sampler = renewed, sampler
         self.left = len(pairs)  # type: ignore[arg-type]
+        self.taken = 0
 
     def __iter__(self) -> _HandOut:
         return self
@@ -116,16 +117,24 @@ class _HandOut:
         # a recovery restarted the pass in between (its RNG streams are seeded by that epoch)
         self._renew()
         if self.left <= 0:
-            raise StopIteration
+            raise StopIteration(self._used_up() if not self.taken else None)
         self.before()
         self._renew()  # a recovery at the boundary
         batch, indices = next(self.pairs)
-        self.left -= 1
+        self.left, self.taken = self.left - 1, self.taken + 1
         self.handed_out.append(indices)
         return batch
 
     def __len__(self) -> int:
+        """The micro-batches this pass has left to hand out."""
         return self.left
+
+    def _used_up(self) -> str:
+        """Why a pass yields nothing (a ``for`` loop ignores it; ``next(iter(loader))``
+        shows it)."""
+        s = self.sampler
+        return (f"epoch {s.epoch} is used up (the sampler's cursor is at sample {s.cursor} of "
+                f"{s.num_samples}): loader.sampler.set_epoch({s.epoch + 1}) starts the next")
 
 
 def _nothing() -> None:
@@ -181,7 +190,15 @@ class ElasticDataLoader(DataLoader):
         took (an abandoned step's micro-batches) is forgotten."""
         self._restart = False
         return _HandOut(self._pass(), self._handed_out, lambda: self.before_hand_out(),
-                        self._renewed)
+                        self._renewed, self.elastic_sampler)
+
+    def __len__(self) -> int:
+        """This rank's micro-batches in a whole epoch at the current world size (as a
+        ``DataLoader`` over a ``DistributedSampler`` counts: ``steps_per_epoch x
+        grad_accum_steps``); ``len(iter(loader))`` is what the pass from the sampler's cursor has
+        left."""
+        s = self.elastic_sampler
+        return s.steps_per_epoch() * s.grad_accum_steps
 
     def _pass(self) -> Pairs:
         s = self.elastic_sampler
