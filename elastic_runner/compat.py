@@ -134,6 +134,16 @@ does when one is gone (required: exit code 2 with one line; optional: a warning,
    collectives a replacement's DDP constructor runs meanwhile. Without them a script's loop
    takes the restart path.
 
+15. **A user's FSDP2 model moved to a new group in place** (``distributed/fsdp/_fully_shard``:
+   ``FSDPModule._get_fsdp_state``, the state's ``_fsdp_param_groups``, each group's and
+   parameter's ``mesh_info``/``post_forward_mesh_info``, whose ``FSDPMeshInfo`` caches
+   ``shard_process_group`` at construction and which ``FSDPParamGroup`` reads for its
+   all-gathers and reduce-scatters; ``DeviceMesh`` resolving its group by name; optional,
+   worker). :func:`fsdp_reattach` resolves those cached groups again once an in-place recovery
+   re-formed the default group at the same world size (a re-formed default group gets the
+   default group's name again, which a 1-D mesh over the world holds). Without it a script's
+   FSDP2 loop takes the restart path.
+
 Check 1 is the only required one: losing it breaks elastic membership changes silently (a hang
 until the rendezvous times out). ``ELASTIC_RUNNER_IGNORE_TORCH_CHECK=1`` turns that error into a
 warning for users who must run an untested torch.
@@ -513,6 +523,98 @@ def _check_ddp_reattach() -> str | None:
     return None
 
 
+# --- 15. a user's FSDP2 model moved to a new group in place ---
+
+
+def fsdp_reattach(model: torch.nn.Module) -> None:
+    """Fix 15: make the FSDP2 modules of ``model`` (the user's object, sharded with
+    ``fully_shard`` on a 1-D mesh over the default group: :func:`fsdp_reattach_refusal`) all-gather
+    and reduce-scatter over the current default group, in place: each mesh info's cached
+    groups are resolved again from its device mesh, which names its group (a re-formed default
+    group has the same name). Shards keep their shapes: the same world size only.
+    Collective-free."""
+    for info in _fsdp_mesh_infos(model):
+        info.shard_process_group = info.mesh.get_group(info.shard_mesh_dim)
+        info.reduce_scatter_process_group = None  # a dedicated one went with the old group
+    _reset_iteration(model)
+
+
+def _reset_iteration(model: torch.nn.Module) -> None:
+    """The failed iteration's FSDP2 state dropped (torch's public ``reset_iter_state`` on the
+    root module, torch >= 2.13: shards registered again, in-flight reductions discarded);
+    where that is missing or fails, each module reshards (public ``reshard``): the failed
+    group's work raising again while it is waited on, or torch 2.13's reset on a root that never
+    ran a forward (a replacement's: its comm context has no ``all_gather_state`` yet,
+    AttributeError)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    reset = getattr(model, "reset_iter_state", None)
+    if isinstance(model, FSDPModule) and callable(reset):
+        try:
+            reset()
+            return
+        except (RuntimeError, dist.DistError, AttributeError) as e:
+            log.debug("FSDP2 reset_iter_state after the recovery: %s", e)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
+def fsdp_reattach_refusal(model: torch.nn.Module) -> str | None:
+    """Why ``model``'s FSDP2 modules cannot move to a re-formed default group in place (None:
+    they can): fix 15 does not apply on this torch, or a mesh is not 1-D over the default group
+    (HSDP, a 2-D mesh, a subgroup), whose groups a re-formed default group does not bring
+    back."""
+    problem = _check_fsdp_reattach()
+    if problem is not None:
+        return f"torch {torch.__version__}: {problem} (compat fix 15)"
+    world = dist.group.WORLD.group_name if dist.is_initialized() else None
+    for info in _fsdp_mesh_infos(model):
+        if info.mesh.ndim != 1 or hasattr(info, "replicate_process_group"):
+            return "an FSDP2 mesh of more than one dimension (HSDP or a 2-D mesh)"
+        if info.mesh.get_group().group_name != world:
+            return "an FSDP2 mesh over a group other than the default one"
+    return None
+
+
+def _fsdp_mesh_infos(model: torch.nn.Module) -> list[Any]:
+    """The distinct FSDP mesh infos of ``model``'s FSDP2 modules (their param groups' and
+    parameters', for the forward and after it)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    infos: dict[int, Any] = {}
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        state = module._get_fsdp_state()
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:  # a torch with one param group per module
+            groups = [g for g in (getattr(state, "_fsdp_param_group", None),) if g is not None]
+        for group in groups:
+            for info in (group.mesh_info, group.post_forward_mesh_info,
+                         *(i for p in group.fsdp_params
+                           for i in (p.mesh_info, p.post_forward_mesh_info))):
+                if info is not None:
+                    infos[id(info)] = info
+    return list(infos.values())
+
+
+def _check_fsdp_reattach() -> str | None:
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard import _fsdp_common, _fsdp_param_group
+
+    if not callable(getattr(FSDPModule, "_get_fsdp_state", None)):
+        return "FSDPModule._get_fsdp_state is gone"
+    if not _mentions_name(_fsdp_common.FSDPMeshInfo.__post_init__, "shard_process_group"):
+        return "FSDPMeshInfo no longer caches shard_process_group"
+    group = _fsdp_param_group.FSDPParamGroup
+    for name in ("_all_gather_process_group", "_reduce_scatter_process_group"):
+        prop = getattr(group, name, None)
+        if not isinstance(prop, property) or not _mentions_name(prop.fget, "shard_process_group"):
+            return f"FSDPParamGroup.{name} no longer reads the mesh info's shard_process_group"
+    return None
+
+
 # --- 6. etcd rendezvous options ---
 
 # (etcd-v2 spelling, legacy etcd spelling) of the same rendezvous option
@@ -794,6 +896,10 @@ FIXES = (
     _Fix("a script's DDP moved to a new group in place (DDP's unpickling path and its "
          "construction collectives)", ("worker",), False, _check_ddp_reattach,
          "a script's own loop recovers through torch's restart path: a failed worker "
+         "restarts every worker"),
+    _Fix("a script's FSDP2 model moved to a new group in place (its mesh infos' cached "
+         "process groups)", ("worker",), False, _check_fsdp_reattach,
+         "a script's FSDP2 loop recovers through torch's restart path: a failed worker "
          "restarts every worker"),
 )
 

@@ -96,7 +96,6 @@ class FaultTolerantLoop:
     # (:meth:`_regroup`)
     batch = None
     hsdp_replicas = 1
-    regroups = True
 
     def __init__(self, session: TrainingSession, params: list[nn.Parameter],
                  closing: list[Any], parts: _LoopParts) -> None:
@@ -115,6 +114,12 @@ class FaultTolerantLoop:
         self._epoch: int | None = None  # of the last step, and where its cursor ended
         self._end_cursor = 0
         self._closed = False
+
+    @property
+    def regroups(self) -> bool:
+        """Whether nodes may leave and join in place: an FSDP2 loop's shards cannot take
+        another world size in its process (those take torch's restart path)."""
+        return not self.checkpoints.sharded
 
     @property
     def step(self) -> int:
@@ -247,6 +252,10 @@ class FaultTolerantLoop:
             while not self._collective(self.session.checkpoint):
                 pass  # recovered in place: the same step's checkpoint, in the new group
             self._saved_step = self.step
+        # FSDP2: the peer copies of this step (none of step 0: the optimizer has no state yet,
+        # and DCP's state_dict would make it with a step of AdamW)
+        if self.step and self.recovery.copy_due(self.step):
+            self._collective(self.recovery.keep_copy, self)
         self._discarded = False  # a recovery here found no step in flight
         self.after_done = self.step
         self.session.begin_step()
@@ -323,6 +332,29 @@ class FaultTolerantLoop:
 
         ddp.forward = guarded  # type: ignore[method-assign]
 
+    def guard_call(self, module: nn.Module) -> None:
+        """The script's FSDP2 root module gathers its shards in forward hooks: when a
+        collective of its call fails because a peer died, the group is re-formed there
+        (:meth:`_collective`) and the call returns zeros shaped as this process's last output,
+        for a step that is discarded anyway. Its class becomes a subclass with that
+        ``__call__``, as ``fully_shard`` itself swaps the class."""
+        cls, loop = type(module), self
+        last: list[Any] = []
+
+        def guarded(mod: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            out: list[Any] = []
+            if loop._collective(lambda: out.append(cls.__call__(mod, *args, **kwargs))):
+                last[:] = [_each_tensor(_meta, out[0])]
+                return out[0]
+            if not last:  # recovered before any output: nothing to stand in for it
+                loop.recovery.ask_restart()
+                raise RuntimeError("a peer died in this process's first forward: every "
+                                   "worker restarts from the newest checkpoint")
+            return _each_tensor(_zeros, last[0])
+
+        module.__class__ = type(cls.__name__, (cls,), {"__call__": guarded,
+                                                      "__module__": cls.__module__})
+
     def _forget_step(self) -> None:
         self.session.abandon_step()
         for p in self._params:  # the step's partial gradients
@@ -356,8 +388,15 @@ class FaultTolerantLoop:
         cursor keeps every sample once; the micro-batch stays, so the global batch follows the
         world size."""
         self._forget_step()
-        joining = list(range(self.info.world_size, r.world_size))  # after the members' ranks
         report = r.report or RecoveryReport(r.generation, [], self.step)
+        if r.world_size == self.info.world_size:  # FSDP2's replacements (recover())
+            joining = list(report.failed_ranks)
+        else:  # a join's ranks follow the members'
+            joining = list(range(self.info.world_size, r.world_size))
+        if self.checkpoints.sharded and r.world_size != self.info.world_size:
+            self.recovery.ask_restart()
+            raise RuntimeError(f"an FSDP2 loop cannot go on at world size {r.world_size} in "
+                               "its process: every worker restarts from the newest checkpoint")
         t0 = time.perf_counter()
         self.recovery.form_group(r.rank, r.world_size, r.generation)
         t1 = time.perf_counter()
@@ -409,18 +448,24 @@ class FaultTolerantLoop:
 
     def group_formed(self, joining: list[int]) -> None:
         """The new group exists; a replacement constructs its DDP now (the script's line
-        after ``init_distributed``): run the collectives of that construction with it."""
+        after ``init_distributed``): run the collectives of that construction with it. Under
+        FSDP2 it makes its checkpoint group: so does this rank."""
         model = self._parts.model
         if joining and isinstance(model, DDP) and self.info.rank not in joining:
             compat.ddp_construction_collectives(model, src_is_peer=0 in joining)
+        if self.checkpoints.sharded:  # as a replacement's CheckpointManager makes it
+            with self.recovery.sockets.forming(subgroups=True):
+                self.checkpoints.renew_group()
 
     def rewrap(self) -> None:
         """On the new group: the script's DDP object reduces over it (its reducer rebuilt in
-        place, so the ``model`` the loop holds stays the one to call), and the vote and the
-        straggler exchange that go with it."""
+        place, so the ``model`` the loop holds stays the one to call), or its FSDP2 modules
+        gather and scatter over it; and the vote and the straggler exchange that go with it."""
         parts, info = self._parts, self.info
         if isinstance(parts.model, DDP):
             compat.ddp_reattach(parts.model)
+        elif self.checkpoints.sharded:
+            compat.fsdp_reattach(parts.model)
         self.session.consensus = parts.vote()
         self.session.straggler = StragglerMonitor(0.0, info.rank, info.world_size, info.device)
 
@@ -542,8 +587,11 @@ def fault_tolerant(model: nn.Module, optimizer: torch.optim.Optimizer,
     loop = FaultTolerantLoop(session, params, closing, parts)
     loop.recovery.bind(loop)
     session.leave = lambda: loop.recovery.leave(loop)  # nodes leave and join in place
-    if isinstance(model, DDP) and isinstance(process, ScriptRecovery):
-        loop.guard_forward(model)
+    if isinstance(process, ScriptRecovery):
+        if isinstance(model, DDP):
+            loop.guard_forward(model)
+        elif checkpoints.sharded:
+            loop.guard_call(model)
     loader.before_hand_out = loop._begin_step  # the next step's first batch: its boundary
     return loop
 
@@ -570,15 +618,17 @@ class _LoopParts:
 
 
 def _in_place_process(model: nn.Module) -> ScriptRecovery | NoScriptRecovery:
-    """This process's in-place recovery (``recovery/script.py``), for a DDP or plain model; a
-    sharded one (FSDP2) asks the agents for torch's restart path at once: its in-place recovery
-    (peer copies, a regroup of its shards) is the built-in trainer's only, for now. So does a
-    torch on which a DDP cannot be moved to a new group (compat fix 14)."""
+    """This process's in-place recovery (``recovery/script.py``), for a DDP, FSDP2 or plain
+    model; the agents are asked for torch's restart path at once where the model cannot move to
+    a re-formed group: an FSDP2 mesh that is not 1-D over the default group, or a torch on
+    which compat fix 14 (DDP) or 15 (FSDP2) does not apply."""
     process = current_process()
     if not isinstance(process, ScriptRecovery):
         return process
     if _sharded(model):
-        why = "in-place recovery of an FSDP2 loop is not supported yet"
+        why = compat.fsdp_reattach_refusal(model)
+        if why is None:
+            return process
     elif not compat.ddp_reattach_supported():
         why = f"torch {torch.__version__} cannot move a DDP to a new group (compat fix 14)"
     else:
@@ -587,6 +637,36 @@ def _in_place_process(model: nn.Module) -> ScriptRecovery | NoScriptRecovery:
     process.recovery.ask_restart()
     process.close()
     return NoScriptRecovery()
+
+
+def _each_tensor(fn: Callable[[Any], Any], x: Any) -> Any:
+    """``x`` (a model's output: a tensor, or tuples, lists and dicts of them) with ``fn``
+    applied to each tensor or :class:`_Meta`."""
+    if isinstance(x, (torch.Tensor, _Meta)):
+        return fn(x)
+    if isinstance(x, dict):  # a ModelOutput too
+        return type(x)({k: _each_tensor(fn, v) for k, v in x.items()})
+    if isinstance(x, tuple) and hasattr(x, "_fields"):  # a namedtuple
+        return type(x)(*(_each_tensor(fn, v) for v in x))
+    if isinstance(x, (list, tuple)):
+        return type(x)(_each_tensor(fn, v) for v in x)
+    return x
+
+
+def _meta(x: torch.Tensor) -> _Meta:
+    """A tensor's shape, dtype and device (what :func:`_zeros` makes again)."""
+    return _Meta(x.shape, x.dtype, x.device)
+
+
+def _zeros(x: _Meta) -> torch.Tensor:
+    return torch.zeros(x.shape, dtype=x.dtype, device=x.device)
+
+
+@dataclass(frozen=True)
+class _Meta:
+    shape: torch.Size
+    dtype: torch.dtype
+    device: torch.device
 
 
 def _fresh_start() -> bool:

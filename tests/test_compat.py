@@ -406,3 +406,37 @@ def test_a_ddp_reattached_to_a_new_group_reduces_over_it_as_the_same_object(grou
     ddp.module.zero_grad(set_to_none=True)
     ddp(torch.ones(4, 3)).sum().backward()
     assert torch.equal(ddp.module.bias.grad, torch.full((2,), 4.0))
+
+
+# --- 15. a user's FSDP2 model moved to a new group in place ---
+
+def test_an_fsdp2_model_reattached_to_a_new_group_gathers_over_it_as_the_same_object(group):
+    """The survivor's side of a script's FSDP2 recovery: the user's sharded model, its group
+    destroyed and a new one made, gathers over the new group once re-attached and trains on;
+    a mesh that is not 1-D over the default group is refused, named."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    def step(model: torch.nn.Module) -> None:
+        model(torch.ones(4, 3)).sum().backward()
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    fully_shard(model[0], mesh=init_device_mesh("cpu", (1,)))
+    fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+    assert compat.fsdp_reattach_refusal(model) is None
+    step(model)
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    world = dist.distributed_c10d._get_default_group()
+    cached = {id(i.shard_process_group) for i in compat._fsdp_mesh_infos(model)}
+    assert cached and id(world) not in cached  # the destroyed group, until re-attached
+    compat.fsdp_reattach(model)
+    assert {id(i.shard_process_group) for i in compat._fsdp_mesh_infos(model)} == {id(world)}
+    model.zero_grad(set_to_none=True)
+    step(model)
+    assert model[1].bias.grad.full_tensor().tolist() == [4.0, 4.0]
+
+    two_d = torch.nn.Linear(3, 2)
+    fully_shard(two_d, mesh=init_device_mesh("cpu", (1, 1), mesh_dim_names=("r", "s")))
+    assert "more than one dimension" in compat.fsdp_reattach_refusal(two_d)

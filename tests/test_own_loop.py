@@ -233,3 +233,50 @@ def test_an_fsdp2_loop_resumes_bitwise_after_kill_9_and_reshards_to_3_ranks(laun
     # the restart after the kill resumed a checkpoint every rank reached: nothing repaired
     first = assert_exact_audit(trace, steps=55, global_batch=None)[0]
     assert first.complete and first.seen_once == 1797 - 37 and first.dropped == 37, first
+
+
+FSDP_IN_PLACE_STEPS = 160  # the faults end near step 70 (rank 0 paced until the last one)
+
+
+def test_an_fsdp2_loop_recovers_in_place_from_peer_copies_bitwise(launch, tmp_path):
+    """``elastic-runner run examples/own_loop_fsdp.py``, the loop as written: rank 1, then
+    rank 0 SIGKILLed once a warm spare stands by. Each time the survivor keeps its process and
+    its model object (its FSDP2 modules re-attached to the new group), every rank rolls back
+    to the peer copies (no checkpoint is read), and the run ends bitwise equal to the
+    uninterrupted one (weights and AdamW state) with an exact sample audit."""
+    ref, ck, trace = tmp_path / "ref", tmp_path / "ck", tmp_path / "trace"
+    job = launch(fsdp_loop("--steps", str(FSDP_IN_PLACE_STEPS), "--checkpoint-dir", str(ref)),
+                 name="reference")
+    assert job.wait(timeout=240) == 0, job.output[-3000:]
+
+    script = str(EXAMPLES / "own_loop_fsdp.py")
+    pace = Pace(tmp_path / "pace", 0.1)
+    job = launch(cli("run", script, "--nproc-per-node", "2", "--max-restarts", "3", "--",
+                     "--steps", str(FSDP_IN_PLACE_STEPS), "--checkpoint-dir", str(ck),
+                     "--trace-dir", str(trace)), name="run",
+                 env={"ELASTIC_RUNNER_FAULTS_TRIGGER": str(pace.path),
+                      "ELASTIC_RUNNER_RECOVERY": "{spare_delay_seconds: 0, "
+                                                 "peer_copy_every_steps: 5}"})
+    wait_until(lambda: len([r for r in job.workers(script) if r >= 0]) == 2, 60, "two ranks")
+    pids = {rank: p.pid for rank, p in job.workers(script).items() if rank >= 0}
+    for generation, rank in enumerate([1, 0], start=1):
+        wait_until(lambda g=generation: len(_READY.findall(job.output)) >= g, 60,
+                   f"fault {generation}: a warm spare")
+        survivor = pids[1 - rank]
+        psutil.Process(pids[rank]).kill()
+        wait_until(lambda g=generation: g in done(job.output), 60,
+                   f"fault {generation}: a step committed after the recovery")
+        new = replacements(job.output)[generation - 1]
+        assert new[0] == rank and new[4] == generation, new
+        pids[rank] = new[3]
+        assert psutil.Process(survivor).is_running()
+    pace.end()
+    assert job.wait(timeout=240) == 0, job.output[-4000:]
+
+    log = job.output
+    assert "resumed from" not in log  # every state came from the peer copies
+    assert log.count("(peer copies; replacements") >= 2, log[-4000:]  # rank 0's, each time
+    assert_exact_audit(trace, steps=FSDP_IN_PLACE_STEPS, global_batch=32, repaired_at_most=2)
+    want, got = (ckpt.load_state(ckpt.latest_valid(d).path) for d in (ref, ck))
+    assert_same_tensors(want["model"], got["model"])
+    assert_same_optimizer(want["optimizer"], got["optimizer"])

@@ -169,6 +169,13 @@ class CheckpointManager:
         self._fencing = fencing and self.rank == 0
         self.fence: Fence | NoFence = ckpt.UNFENCED
 
+    def renew_group(self) -> None:
+        """The default group was re-formed in place (a script's FSDP2 loop): the background
+        checkpoint group again, as the constructor made it. Collective: every member calls it
+        where a replacement's constructor does."""
+        if self.sharded and self._async:
+            self._group = checkpoint_group()
+
     def renumber(self, rank: int) -> None:
         """This process is ``rank`` now (a regroup of a script's loop renumbered it): rank 0
         writes the replicated checkpoints and claims the fencing token (at the next
