@@ -136,11 +136,11 @@ def test_a_restart_asked_for_ends_the_wait_for_a_generation():
                            timeout=timedelta(seconds=10))
     worker = InPlaceRecovery(connect(StoreLocation("tcp", f"127.0.0.1:{server.port}"), 10),
                              "p", 0, detect_timeout_s=0.2, join_timeout_s=5)
-    assert worker._wait_generation(1, 0.2) is None  # nothing announced: times out
+    assert worker.formation.wait_generation(1, 0.2) is None  # nothing announced: times out
     server.set("p/gen/1", json.dumps({"failed": [1]}))
-    assert worker._wait_generation(1, 5) == {"failed": [1]}
+    assert worker.formation.wait_generation(1, 5) == {"failed": [1]}
     worker.ask_restart()
-    assert worker._wait_generation(2, 5) == {"restart": True}
+    assert worker.formation.wait_generation(2, 5) == {"restart": True}
 
 
 def test_cut_sockets_make_the_peer_read_end_of_file_and_leave_others_alone():
@@ -264,7 +264,7 @@ def test_a_rank_of_a_departed_node_leaves_as_its_node_did(reason, raised, says):
                  "members": [0, 1]}
     trainer = SimpleNamespace(state=SimpleNamespace(step=7))
     with pytest.raises(raised, match=re.escape(says)):
-        recovery._follow_departure(announced, trainer, time.perf_counter())
+        recovery.nodes.follow_departure(announced, trainer, time.perf_counter())
 
 
 def test_the_generation_watch_cuts_a_collective_only_when_a_peer_cannot_finish_it():
@@ -277,7 +277,8 @@ def test_the_generation_watch_cuts_a_collective_only_when_a_peer_cannot_finish_i
     location = StoreLocation("node0", f"127.0.0.1:{server.port}", "attempt")
     recovery = InPlaceRecovery(server, "attempt", 4, detect_timeout_s=1, join_timeout_s=5,
                                location=location, node=0, nnodes=2)
-    watch = GenerationWatch(recovery, interval_s=60)  # looked at here, not by its thread
+    watch = GenerationWatch(recovery.client, recovery.formation, recovery.nodes,
+                            interval_s=60)  # looked at here, not by its thread
     try:
         assert not watch._must_leave_collective(5)  # nothing announced
         for announced, cut in [({"departed": [1], "reason": "preempted"}, False),

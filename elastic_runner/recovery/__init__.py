@@ -1,4 +1,8 @@
 """In-place recovery, the workers' side and the protocol both sides share: where the job's
-recovery store lives (:mod:`.store`), generations and the replacement joining a running group
-(:mod:`.inplace`), nodes that leave and join (:mod:`.membership`), cutting a broken group's
-connections (:mod:`.group_sockets`) and the heartbeat an agent watches (:mod:`.heartbeat`)."""
+recovery store lives (:mod:`.store`) and a worker's client that follows it (:mod:`.store_client`),
+the worker's recovery composed (:mod:`.inplace`) from a generation's group (:mod:`.group_formation`),
+the recovery after a failed collective (:mod:`.failure`), nodes that leave and join at a step
+boundary (:mod:`.node_changes`, with the store's records in :mod:`.membership`), the signals to
+the agents (:mod:`.signals`) and the watch for a newer generation (:mod:`.generation_watch`);
+cutting a broken group's connections (:mod:`.group_sockets`) and the heartbeat an agent watches
+(:mod:`.heartbeat`)."""

@@ -14,7 +14,8 @@ peer then reads end-of-file, which is what it would see if this process had died
 collective fails with "Connection closed by peer" and it follows the same recovery. Shutting
 down the reading side as well (``SHUT_RD``/``SHUT_RDWR``) also fails *this* process's own
 waiting collective the same way: a partitioned peer sends nothing, no reset and no error, and
-this is how a rank leaves such a collective (:class:`~elastic_runner.recovery.inplace.GenerationWatch`).
+this is how a rank leaves such a collective
+(:class:`~elastic_runner.recovery.generation_watch.GenerationWatch`).
 The group's *listening* socket is never shut down: gloo's accept loop then raises
 ``gloo::EnforceNotMet`` ("accept: Invalid argument") outside any handler, which aborts the
 process (measured with three ranks, one of them stopped). torchft solves the same
@@ -78,8 +79,8 @@ class GroupSockets:
     @contextlib.contextmanager
     def outside(self) -> Iterator[None]:
         """Sockets another thread opens inside the ``with`` block are never the group's, even
-        when a group forms meanwhile (seen: a :class:`~elastic_runner.recovery.inplace.GenerationWatch`
-        that reconnected to a moved store while the main thread formed the next group had its
+        when a group forms meanwhile (seen: a
+        :class:`~elastic_runner.recovery.generation_watch.GenerationWatch` that reconnected to a moved store while the main thread formed the next group had its
         client recorded, and the next :meth:`cut` broke it for good)."""
         before = _sockets()
         try:

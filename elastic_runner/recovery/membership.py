@@ -322,7 +322,7 @@ def pending_joins(store: dist.Store, key: Key, admitted: int) -> dict[int, dict[
 
 def joins_waiting(store: dist.Store, key: Key) -> bool:
     """Whether a join request is posted and not yet answered (two reads; polled by every
-    worker's :class:`~elastic_runner.recovery.inplace.GenerationWatch`)."""
+    worker's :class:`~elastic_runner.recovery.generation_watch.GenerationWatch`)."""
     posted = store.add(key("joins"), 0)
     return bool(posted) and posted > answered_joins(store, key)
 
