@@ -81,7 +81,8 @@ does when one is gone (required: exit code 2 with one line; optional: a warning,
    as under plain torchrun. Before torch's poll (``SubprocessContext._poll``, which closes the
    remaining workers with a fixed 30 s SIGTERM -> SIGKILL gap when one failed), the wrapper
    stops what is left of a failed (not preempted) group itself, with
-   ``restart_budget.FAILED_STOP_SECONDS``.
+   ``restart_budget.FAILED_STOP_SECONDS``; the ranks that had exited before that are the ones
+   its one line names (``agent/first_death.py``: torch's poll would name a rank it stopped).
 
 9. **In-place recovery** (``launcher/api.py``: ``launch_agent`` constructs the module global
    ``LocalElasticAgent``; ``elastic/multiprocessing/api.py``: ``SubprocessContext`` keeps one
@@ -185,6 +186,7 @@ from torch.distributed.run import config_from_args, determine_local_world_size, 
 from torch.nn.parallel import DistributedDataParallel
 from torch.torch_version import TorchVersion
 
+from .agent.first_death import exited, log_first_death
 from .agent.restart_budget import (
     FAILED_STOP_SECONDS,
     PEER_SETTLE_SECONDS,
@@ -701,6 +703,7 @@ def _restart_budget_by_cause(monitor: Callable[[Any, Any], Any]) -> Callable[[An
     def wrapper(self: SimpleElasticAgent, worker_group: Any) -> Any:
         handlers = getattr(getattr(self, "_pcontext", None), "subprocess_handlers", {})
         _let_peers_settle(handlers)
+        seen = exited(handlers)  # before the rest is stopped: who died on their own
         _stop_failed_group(handlers)
         result = monitor(self, worker_group)
         failures = failures_of(result)
@@ -712,6 +715,7 @@ def _restart_budget_by_cause(monitor: Callable[[Any, Any], Any]) -> Callable[[An
             # a refunded restart still counts as one in TORCHELASTIC_RESTART_COUNT
             # (max_restarts - remaining): the limit grows with the refund
             worker_group.spec.max_restarts += max(0, self._remaining_restarts - before)
+            log_first_death(result.failures, seen, self._remaining_restarts > 0)
         return result
 
     setattr(wrapper, _MARK, True)

@@ -63,8 +63,8 @@ def test_node_loss_and_join_keep_every_sample_exactly_once(launch, etcd_server, 
     # store, A's agent moved it to itself), no round; C joined in place: A's worker took it in
     # at a step boundary, no restart, one more round
     # in place even when B or C hosts the recovery store (whichever agent became node rank
-    # 0): on etcd-v2 a remaining node's agent takes the store over (agent/inplace_agent.py
-    # _fail_over; test_membership_nodes.py loses and preempts the store's host)
+    # 0): on etcd-v2 a remaining node's agent takes the store over (agent/store_failover.py
+    # StoreFailover.fail_over; test_membership_nodes.py loses and preempts the store's host)
     _, text = get(port)
     assert re.search(r"membership: node\(s\) \[\d+\] lost", a.output), a.output[-3000:]
     assert re.search(r"membership: node\(s\) \[\d+\] join after step", a.output), a.output[-3000:]

@@ -20,10 +20,11 @@ from types import SimpleNamespace
 import pytest
 import torch.distributed as dist
 
-from elastic_runner.agent.inplace_agent import InPlaceAgent
+from elastic_runner.agent.hang_watch import HangWatch
+from elastic_runner.agent.node_attempt import NodeAttempt
+from elastic_runner.agent.spares import Spares
 from elastic_runner.agent.store import AgentStore
 from elastic_runner.checkpoint.fencing import FencedOut
-from elastic_runner.config import RecoveryConfig
 from elastic_runner.preempt import Preempted
 from elastic_runner.recovery.group_sockets import GroupSockets, NoSockets
 from elastic_runner.recovery.heartbeat import Heartbeat, NoHeartbeat
@@ -206,16 +207,15 @@ def test_the_agent_kills_a_worker_whose_heartbeat_stopped(tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "0")])
     try:
         wait_until(lambda: (tmp_path / "0").exists(), 60, "the first beat")
-        agent = SimpleNamespace(_cfg=RecoveryConfig(heartbeat_timeout_seconds=0.5),
-                                _heartbeats=tmp_path)
+        watch = HangWatch(tmp_path, 0.5)  # recovery.heartbeat_timeout_seconds
         pc = SimpleNamespace(subprocess_handlers={0: SimpleNamespace(proc=proc)})
         deadline = time.monotonic() + 2
         while time.monotonic() < deadline:  # beating: never killed
-            InPlaceAgent._kill_hung(agent, pc)
+            watch.kill_hung(pc)
             assert proc.poll() is None
             time.sleep(0.05)
         os.kill(proc.pid, signal.SIGSTOP)
-        wait_until(lambda: (InPlaceAgent._kill_hung(agent, pc), proc.poll())[1] is not None,
+        wait_until(lambda: (watch.kill_hung(pc), proc.poll())[1] is not None,
                    30, "the agent killing the frozen process")
         assert proc.returncode == -signal.SIGKILL and not (tmp_path / "0").exists()
     finally:
@@ -225,20 +225,18 @@ def test_the_agent_kills_a_worker_whose_heartbeat_stopped(tmp_path):
 
 
 def test_a_spare_reads_what_the_workers_read_from_its_agent(tmp_path):
-    """A spare (a real process started by the agent's ``_start_spare``) gets the recovery
+    """A spare (a real process started by the agent's ``Spares.start``) gets the recovery
     store, the heartbeat directory and ``--nnodes`` MIN as the workers do: without MIN a
     replacement that was then preempted took its node out of a ``--nnodes 2:2`` job (the soak:
     it left in place instead of taking the restart path)."""
-    agent = InPlaceAgent.__new__(InPlaceAgent)
     location = StoreLocation("tcp", "127.0.0.1:1", "attempt/1")
-    agent._node, agent._spares, agent._heartbeats = 1, 0, tmp_path / "beats"
-    agent._rs = SimpleNamespace(for_workers=lambda: location)
-    agent._policy = Policy(min_nodes=2)
+    attempt = NodeAttempt(SimpleNamespace(for_workers=lambda: location),  # type: ignore[arg-type]
+                          tmp_path / "beats", Policy(min_nodes=2), node=1)
     out = tmp_path / "env.json"
     code = "import json, os, sys; json.dump(dict(os.environ), open(sys.argv[1], 'w'))"
     pc = SimpleNamespace(entrypoint=sys.executable, args={0: ("-c", code, str(out))},
                          envs={0: {"LOCAL_RANK": "0", "RANK": "3", "GROUP_RANK": "1"}})
-    spare = InPlaceAgent._start_spare(agent, pc)
+    spare = Spares(attempt).start(pc)
     assert spare.proc.wait(timeout=60) == 0
     env = json.loads(out.read_text())
     assert env[MIN_NODES_ENV] == "2" and env[HEARTBEAT_ENV] == str(tmp_path / "beats")

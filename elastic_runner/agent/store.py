@@ -2,7 +2,7 @@
 
 Where the store lives and how it moves between nodes is :mod:`elastic_runner.recovery.store`;
 :class:`AgentStore` is the agent's state in that scheme, kept apart from the agent's worker
-handling (:mod:`elastic_runner.agent.inplace_agent`): the ``TCPStore`` this agent hosts, the location
+handling (:mod:`elastic_runner.agent.inplace_agent` and its parts): the ``TCPStore`` this agent hosts, the location
 and a client of the store in use, the attempt's key prefix, and the wait of a leaving host for
 the agents that follow its store to another node.
 """

@@ -101,7 +101,7 @@ class AgentMonitor(te_metrics.MetricHandler):
             self.state = "succeeded"
 
     def replaced(self, replacement: Any) -> None:
-        """An in-place replacement (:class:`~elastic_runner.agent.inplace_agent.Replacement`): the
+        """An in-place replacement (:class:`~elastic_runner.agent.replacement.Replacement`): the
         group stays running."""
         with self._lock:
             self.restarts["in_place"] += 1

@@ -6,7 +6,7 @@ Under ``elastic-runner run`` with in-place recovery the agent names a directory 
 does, so the file goes stale only when the whole process stops: SIGSTOP, a freeze in the kernel
 (``D`` state), a C call that holds the GIL. The agent SIGKILLs a worker whose file is older than
 ``recovery.heartbeat_timeout_seconds`` and replaces it in place
-(:meth:`elastic_runner.agent.inplace_agent.InPlaceAgent._kill_hung`). A live process stuck in a
+(:meth:`elastic_runner.agent.hang_watch.HangWatch.kill_hung`). A live process stuck in a
 collective keeps beating; its step watchdog (:mod:`elastic_runner.observe.watchdog`) handles it.
 
 A file, not a key in the recovery store: the agent watches only its own node's workers, so the

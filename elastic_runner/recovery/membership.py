@@ -18,7 +18,7 @@ no process starts and no checkpoint is read. Two ways a node leaves:
 
 A node that **joins** (a replacement pod, a new node within ``--nnodes`` MAX) is a generation
 too: torch's rendezvous lets it in (the running agents take the new round without stopping their
-workers: :mod:`elastic_runner.agent.inplace_agent`), its workers build the task and wait, its agent
+workers: :mod:`elastic_runner.agent.joins`), its workers build the task and wait, its agent
 posts a join request (:func:`request_join`); the running ranks stop at their next step boundary
 (the step vote again), rank 0 announces the generation with the node's ranks appended
 (:func:`announce_join`), and the group re-forms at the larger world size, the joiners getting
@@ -64,7 +64,7 @@ rendezvous' own and leaves with its host, the restart path): the announcer picks
 successor, the lowest remaining node id (:meth:`View.successor`), seeds that node's store with
 the new view, the departure claims and the generation counter (:func:`seed`), and only then
 publishes the departure in the old store, naming the new one; every process follows from
-there (:mod:`elastic_runner.agent.inplace_agent`).
+there (:mod:`elastic_runner.agent.store_failover`).
 """
 
 from __future__ import annotations

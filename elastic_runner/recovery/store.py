@@ -140,7 +140,7 @@ def agree_attempt(round_store: dist.Store, node_rank: int, nnodes: int, run_id: 
                   endpoint: str, running: tuple[str, str] | None = None) -> Attempt:
     """This attempt's key prefix and the recovery store's endpoint, the same on every node.
     Every agent of the round says whether its workers still run an attempt (``running``: its
-    prefix and endpoint; a round that only lets nodes join, see ``inplace_agent``); node rank
+    prefix and endpoint; a round that only lets nodes join, see ``agent/joins.py``); node rank
     0's agent reads all ``nnodes`` answers and sets the running attempt, or a new prefix with
     its own ``endpoint`` offer, in ``round_store`` (the round's store, new every round); every
     agent reads that (blocking until it is there, within the store's timeout)."""
