@@ -30,6 +30,10 @@ exit on their own before torch stops them, so a local crash is judged a crash.
 A refunded restart still counts in ``TORCHELASTIC_RESTART_COUNT``. What is left of a failed group
 (not a preempted one) is stopped with a SIGKILL :data:`FAILED_STOP_SECONDS` after the SIGTERM,
 not torch's fixed 30 s: a stopped or hung rank would otherwise hold up every restart.
+
+:func:`apply_agent_fixes` puts the budget into torch's ``LocalElasticAgent`` (its
+``_monitor_workers``); :mod:`elastic_runner.compat` (fix 8) lists and checks the torch internals
+that relies on.
 """
 
 from __future__ import annotations
