@@ -27,8 +27,8 @@ from torch.utils.data import DataLoader, default_collate
 
 from elastic_runner.config import load_config, task_builder
 from elastic_runner.dist import init_distributed
-from elastic_runner.train.build import build_trainer
 from elastic_runner.train.callbacks import Callback
+from elastic_runner.trainer.build import build_trainer
 
 from .gpu import CONFIG, GPT2_SMALL
 

@@ -34,8 +34,8 @@ import torch
 
 from elastic_runner.config import load_config
 from elastic_runner.dist import init_distributed
-from elastic_runner.train.build import build_trainer
 from elastic_runner.train.callbacks import Callback
+from elastic_runner.trainer.build import build_trainer
 
 _SYNC_WARNING = "synchronizing CUDA operation"
 _TORCH = str(Path(torch.__file__).parent) + "/"  # torch's own frames are not the cause

@@ -48,7 +48,7 @@ def build(task: str, workdir: Path) -> tuple[Callable[[int], None], Callable[[in
     trainer (to close)."""
     from elastic_runner.config import load_config
     from elastic_runner.dist import init_distributed
-    from elastic_runner.train.build import build_trainer
+    from elastic_runner.trainer.build import build_trainer
 
     cfg = load_config(TASK_CONFIGS[task], [f"checkpoint.dir={workdir}", *QUIET])
     trainer = build_trainer(cfg, init_distributed("gloo"))

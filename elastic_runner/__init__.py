@@ -52,7 +52,7 @@ _EXPORTS = {
     "make_consensus": "train.consensus",
     "StopPolicy": "train.stop",
     "StopReason": "train.stop",
-    "StepEngine": "train.engine",
+    "StepEngine": "trainer.engine",
     "to_device": "data.batches",
     "batch_loss": "data.batches",
     "TrainingSession": "train.session",
@@ -63,7 +63,7 @@ _EXPORTS = {
     "FaultTolerantLoop": "own_loop",
     "init_distributed": "recovery.script",
     "DistInfo": "dist",
-    "Trainer": "train.loop",
+    "Trainer": "trainer.loop",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -73,7 +73,9 @@ does when one is gone (required: exit code 2 with one line; optional: a warning,
    ``LocalElasticAgent._monitor_workers`` returning a ``RunResult`` whose ``failures`` hold each
    failed rank's ``ProcessFailure.exitcode`` and ``message``; ``api.py``:
    ``SimpleElasticAgent._invoke_run`` restarting while ``self._remaining_restarts > 0`` and
-   subtracting one; optional, agent). :func:`apply_agent_fixes` wraps ``_monitor_workers`` so
+   subtracting one; optional, agent).
+   :func:`elastic_runner.agent.restart_budget.apply_agent_fixes` (the agent's policy, checked
+   here by :func:`check_monitor_workers`) wraps ``_monitor_workers`` so
    that ``restart_budget.RestartBudget`` sets the remaining restarts after each failed attempt:
    0 after bad input (exit 2), a fenced-out writer (exit 3) or a crash loop; one more (refunding
    torch's subtraction) after a preemption (143) or a lost peer (4). Torch has no switch for it
@@ -159,8 +161,6 @@ import importlib
 import inspect
 import logging
 import os
-import signal
-import subprocess
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -186,23 +186,16 @@ from torch.distributed.run import config_from_args, determine_local_world_size, 
 from torch.nn.parallel import DistributedDataParallel
 from torch.torch_version import TorchVersion
 
-from .agent.first_death import exited, log_first_death
-from .agent.restart_budget import (
-    FAILED_STOP_SECONDS,
-    PEER_SETTLE_SECONDS,
-    RestartBudget,
-    failures_of,
-)
 from .config_base import ConfigError
-from .exit_codes import EXIT_BAD_INPUT, EXIT_PEER_LOST, EXIT_PREEMPTED
+from .exit_codes import EXIT_BAD_INPUT
 from .logs import first_line
 
 __all__ = [
-    "AGENT_STORE_ENV", "BELOW_TORCH", "DEFAULT_JOIN_TIMEOUT_S", "ETCD_OPTION_SPELLINGS",
+    "AGENT_STORE_ENV", "BELOW_TORCH", "DEFAULT_JOIN_TIMEOUT_S", "ETCD_BACKENDS", "ETCD_OPTION_SPELLINGS",
     "EXIT_BAD_INPUT", "IGNORE_CHECK_ENV", "METRICS_GROUP", "MIN_TORCH", "RDZV_SWITCHES", "REMAINING_RESTARTS",
     "RENDEZVOUS_DURATION", "RENDEZVOUS_SUCCESS", "SHARE_STORE_SWITCH", "SUPPORTED_TORCH",
     "WORKERS_STARTED", "WORKERS_STOPPED", "WORKER_GROUP", "TorchCompatError", "agent_store",
-    "apply_agent_fixes", "apply_rendezvous_fixes", "check_torch", "config_from_args", "determine_local_world_size",
+    "apply_rendezvous_fixes", "check_monitor_workers", "check_torch", "config_from_args", "determine_local_world_size",
     "get_args_parser", "in_supported_range", "parse_rendezvous_endpoint", "registered_comm_hook",
     "shares_agent_store", "shutdown_timeout_supported",
 ]
@@ -619,107 +612,23 @@ def _check_fsdp_reattach() -> str | None:
 
 # --- 6. etcd rendezvous options ---
 
+ETCD_BACKENDS = ("etcd-v2", "etcd")  # torchrun's --rdzv-backend names of its two etcd backends
 # (etcd-v2 spelling, legacy etcd spelling) of the same rendezvous option
 ETCD_OPTION_SPELLINGS = (("ca_cert", "cacert"), ("ssl_cert", "cert"), ("ssl_cert_key", "key"),
                          ("join_timeout", "timeout"))
 DEFAULT_JOIN_TIMEOUT_S = 600  # both backends' default join timeout, seconds
 
 
-# --- 8. bad input is not restarted ---
+# --- 8. restart budget by cause (the policy and its patch: agent/restart_budget.py) ---
 
-_BUDGET = [RestartBudget()]  # the agent process's restart budget (apply_agent_fixes sets it)
-
-
-def _check_monitor_workers() -> str | None:
+def check_monitor_workers() -> str | None:
+    """Fix 8's internals: None when they look as expected, else what changed."""
     fn = getattr(LocalElasticAgent, "_monitor_workers", None)
     if fn is None or list(inspect.signature(fn).parameters) != ["self", "worker_group"]:
         return "LocalElasticAgent._monitor_workers(self, worker_group) is gone"
     if not _mentions_name(SimpleElasticAgent._invoke_run, "_remaining_restarts"):
         return "SimpleElasticAgent._invoke_run no longer counts self._remaining_restarts"
     return None
-
-
-def apply_agent_fixes(cls: type = LocalElasticAgent, budget: RestartBudget | None = None
-                      ) -> bool:
-    """Patch ``cls`` (torch's ``LocalElasticAgent``) in this process with fix 8: each failed
-    attempt's remaining restarts are judged by ``budget`` (``agent/restart_budget.py``: no restart
-    after bad input or a fenced-out writer or in a crash loop; preemptions and lost peers do
-    not spend ``--max-restarts``), and the rest of a failed group is SIGKILLed
-    ``FAILED_STOP_SECONDS`` after its SIGTERM. Idempotent; a later call replaces the budget.
-    Returns False, without patching, when the methods no longer look as expected
-    (:func:`check_torch` has said so)."""
-    if budget is not None:
-        _BUDGET[0] = budget
-    if getattr(cls.__dict__.get("_monitor_workers"), _MARK, False):
-        return True
-    if _check_monitor_workers() is not None:
-        return False
-    cls._monitor_workers = _restart_budget_by_cause(cls._monitor_workers)  # type: ignore
-    return True
-
-
-def _let_peers_settle(handlers: Mapping[int, Any]) -> None:
-    """When a worker exited because it lost a peer (exit 4) and the others still run, wait up
-    to ``PEER_SETTLE_SECONDS`` for them to exit on their own: torch's poll stops them all at
-    the first failure it sees, and the crash that caused it would be recorded as a SIGTERM."""
-    codes = {lr: h.proc.poll() for lr, h in handlers.items()}
-    if EXIT_PEER_LOST not in codes.values() or None not in codes.values() \
-            or set(codes.values()) - {None, 0, EXIT_PEER_LOST}:
-        return
-    deadline = time.monotonic() + PEER_SETTLE_SECONDS
-    while time.monotonic() < deadline and any(h.proc.poll() is None for h in handlers.values()):
-        time.sleep(0.05)
-
-
-def _stop_failed_group(handlers: Mapping[int, Any]) -> None:
-    """When a worker exited for good (a crash, a lost peer, a hang, a signal: not 0, not 143)
-    while others still run, stop those now: SIGTERM, then SIGKILL ``FAILED_STOP_SECONDS``
-    later. torch's poll would close them with its fixed 30 s gap, which a stopped or hung rank
-    (it never reacts to SIGTERM) spends in full before every restart. A preempted group keeps
-    torch's gap: its rank 0 may still be committing the preemption checkpoint."""
-    codes = {lr: h.proc.poll() for lr, h in handlers.items()}
-    running = [h for lr, h in handlers.items() if codes[lr] is None]
-    if not running or not set(codes.values()) - {None, 0, EXIT_PREEMPTED}:
-        return
-    log.info("stopping the rest of the failed group (SIGKILL %.0f s after SIGTERM)",
-             FAILED_STOP_SECONDS)
-    for h in running:
-        with contextlib.suppress(ProcessLookupError):
-            h.close(death_sig=signal.SIGTERM)
-    deadline = time.monotonic() + FAILED_STOP_SECONDS
-    for h in running:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            h.proc.wait(max(0.0, deadline - time.monotonic()))
-    for h in running:
-        if h.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                h.close(death_sig=signal.SIGKILL)
-            with contextlib.suppress(subprocess.TimeoutExpired):  # not in the kernel (D state)
-                h.proc.wait(FAILED_STOP_SECONDS)
-
-
-def _restart_budget_by_cause(monitor: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
-    @functools.wraps(monitor)
-    def wrapper(self: SimpleElasticAgent, worker_group: Any) -> Any:
-        handlers = getattr(getattr(self, "_pcontext", None), "subprocess_handlers", {})
-        _let_peers_settle(handlers)
-        seen = exited(handlers)  # before the rest is stopped: who died on their own
-        _stop_failed_group(handlers)
-        result = monitor(self, worker_group)
-        failures = failures_of(result)
-        # an agent whose node left the running job in place ends (inplace_agent: its workers'
-        # exit 143 is a departure, not a preemption to restart after)
-        if failures and not getattr(self, "left_the_job", False):
-            before = self._remaining_restarts
-            self._remaining_restarts = _BUDGET[0].judge(failures, before)
-            # a refunded restart still counts as one in TORCHELASTIC_RESTART_COUNT
-            # (max_restarts - remaining): the limit grows with the refund
-            worker_group.spec.max_restarts += max(0, self._remaining_restarts - before)
-            log_first_death(result.failures, seen, self._remaining_restarts > 0)
-        return result
-
-    setattr(wrapper, _MARK, True)
-    return wrapper
 
 
 # --- 9. in-place recovery ---
@@ -870,7 +779,7 @@ FIXES = (
          "a node whose rank changes between rounds may hang the restarted group"),
     _Fix("the rendezvous outage tolerance", ("agent",), False, _check_outage_patch,
          "an unreachable rendezvous backend fails the job, as under plain torchrun"),
-    _Fix("the restart budget by cause", ("agent",), False, _check_monitor_workers,
+    _Fix("the restart budget by cause", ("agent",), False, check_monitor_workers,
          "every failure spends one of --max-restarts: bad input (exit 2), preemptions (143) "
          "and crash loops alike"),
     _Fix("in-place recovery", ("agent",), False, _check_inplace_agent,

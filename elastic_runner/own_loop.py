@@ -62,7 +62,6 @@ from .logs import setup_logging
 from .observe.config import MetricsConfig
 from .observe.metrics import RankMetrics
 from .observe.reporting import Budgets, FaultInjection, runner_callbacks
-from .observe.straggler import StragglerMonitor
 from .parallel.base import total_norm
 from .preempt import Preempted, PreemptionFlag
 from .recovery.inplace import InPlaceRecovery, NoRecovery, Regroup, StepRedo
@@ -78,6 +77,7 @@ from .train.faults import FaultInjector
 from .train.session import RollbackRequested, SessionOptions, TrainingFailed, TrainingSession
 from .train.state import RNGState, TrainState
 from .train.stop import StopPolicy
+from .train.straggler import StragglerMonitor
 
 log = logging.getLogger(__name__)
 

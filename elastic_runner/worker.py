@@ -37,9 +37,9 @@ from .recovery.inplace import InPlaceRecovery, JobFinished, NoRecovery, Regroup
 from .recovery.protocol import SPARE_ENV
 from .recovery.rejoin import rejoin
 from .tasks.base import TaskBundle
-from .train.build import build_optimizer, build_task, build_trainer
 from .train.callbacks import JOINING
-from .train.loop import Trainer, TrainingFailed
+from .trainer.build import build_optimizer, build_task, build_trainer
+from .trainer.loop import Trainer, TrainingFailed
 
 log = logging.getLogger("elastic_runner.worker")
 

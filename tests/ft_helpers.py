@@ -13,13 +13,13 @@ from torch.utils.data import TensorDataset
 from elastic_runner.checkpoint.manager import CheckpointManager
 from elastic_runner.config import EarlyStoppingConfig
 from elastic_runner.data.loader import ElasticDataLoader
-from elastic_runner.observe.straggler import StragglerMonitor
 from elastic_runner.train.callbacks import Callback, Callbacks, LogEvent, StepEnd
 from elastic_runner.train.consensus import LocalConsensus
 from elastic_runner.train.early_stop import EarlyStopping
 from elastic_runner.train.session import SessionOptions, TrainingSession
 from elastic_runner.train.state import TrainState
 from elastic_runner.train.stop import StopPolicy, StopReason
+from elastic_runner.train.straggler import StragglerMonitor
 
 CPU = torch.device("cpu")
 

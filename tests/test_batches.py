@@ -23,7 +23,7 @@ from elastic_runner.data.batches import (
     to_device,
 )
 from elastic_runner.tasks.base import TaskBundle, metric_sums, weight_decay_groups
-from elastic_runner.train.build import build_optimizer, build_scheduler
+from elastic_runner.trainer.build import build_optimizer, build_scheduler
 
 
 class Recorder(nn.Module):

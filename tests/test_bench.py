@@ -105,7 +105,7 @@ def test_bare_loop_steps_the_runners_lr_schedule(config):
     # --steps, which bench.overhead also passes to the runner as training.max_steps)
     from bench import bare_ddp
     from elastic_runner.config import load_config
-    from elastic_runner.train.loop import lr_factor
+    from elastic_runner.trainer.loop import lr_factor
 
     cfg = load_config(REPO / config, [])
     s, total = cfg.schedule, 300

@@ -11,7 +11,7 @@ import torch
 from elastic_runner.checkpoint import storage as ckpt
 from elastic_runner.config import load_config
 from elastic_runner.dist import init_distributed
-from elastic_runner.train.build import build_trainer
+from elastic_runner.trainer.build import build_trainer
 
 from .procs import CONFIGS
 

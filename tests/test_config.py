@@ -190,7 +190,7 @@ def test_the_global_batch_of_the_first_world_size_is_kept_by_default(tmp_path):
     job's first world size sets the global batch, and a restart at another world size keeps
     the newest checkpoint's (its manifest); keep_global_batch: false lets it follow."""
     from elastic_runner.checkpoint import storage as ckpt
-    from elastic_runner.train.build import keep_global_batch
+    from elastic_runner.trainer.build import keep_global_batch
 
     cfg = load_config(CONFIGS / "digits.yaml", [f"checkpoint.dir={tmp_path}"])
     assert cfg.batch.global_batch_size is None and not cfg.batch.follows_world_size

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from elastic_runner.data.loader import elastic_dataloader
-from elastic_runner.train.engine import StepEngine, batch_loss, precision_dtype, to_device
+from elastic_runner.trainer.engine import StepEngine, batch_loss, precision_dtype, to_device
 
 from .evidence import assert_same_tensors
 from .ft_helpers import CPU, build_session, regression_data, weights

@@ -13,7 +13,7 @@ import pytest
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-from elastic_runner import compat
+from elastic_runner.agent import restart_budget
 from elastic_runner.agent.first_death import describe, first_death, log_first_death
 
 from .test_restart_budget import IGNORES_SIGTERM, _Handler
@@ -58,11 +58,11 @@ def test_a_rank_that_exited_before_the_stop_comes_first():
     (0, "was killed by SIGKILL; not restarting")])
 def test_the_agent_names_the_killed_rank_before_torchs_summary(monkeypatch, caplog, remaining,
                                                                says):
-    """The agent's monitor (compat's wrapper around torch's) with real processes: local rank 1
+    """The agent's monitor (restart_budget's wrapper around torch's) with real processes: local rank 1
     SIGKILLed, local rank 0 running until the wrapper stops it; torch's poll (here: every
     failure stamped in the same second, as torch's whole-second timestamps do) follows."""
-    monkeypatch.setattr(compat, "FAILED_STOP_SECONDS", 0.5)
-    monkeypatch.setattr(compat, "_BUDGET", [compat.RestartBudget(crash_loop=0)])
+    monkeypatch.setattr(restart_budget, "FAILED_STOP_SECONDS", 0.5)
+    monkeypatch.setattr(restart_budget, "_BUDGET", [restart_budget.RestartBudget(crash_loop=0)])
     survivor = _Handler(IGNORES_SIGTERM)
     killed = _Handler("import os, signal; os.kill(os.getpid(), signal.SIGKILL)")
     killed.proc.wait(timeout=60)
@@ -79,7 +79,7 @@ def test_the_agent_names_the_killed_rank_before_torchs_summary(monkeypatch, capl
     group = SimpleNamespace(spec=SimpleNamespace(max_restarts=3))
     try:
         with caplog.at_level(logging.WARNING, logger="elastic_runner.agent.first_death"):
-            compat._restart_budget_by_cause(torch_monitor)(agent, group)
+            restart_budget._restart_budget_by_cause(torch_monitor)(agent, group)
     finally:
         for h in handlers.values():
             if h.proc.poll() is None:

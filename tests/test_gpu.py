@@ -21,9 +21,9 @@ import torch
 from elastic_runner.checkpoint import storage as ckpt
 from elastic_runner.config import load_config
 from elastic_runner.dist import init_distributed
-from elastic_runner.train.build import build_trainer
 from elastic_runner.train.callbacks import Callback
 from elastic_runner.train.consensus import LaggedConsensus
+from elastic_runner.trainer.build import build_trainer
 
 from .evidence import assert_same_optimizer, assert_same_tensors
 from .procs import CONFIGS, cli, free_port, wait_until

@@ -15,9 +15,9 @@ import torch
 from elastic_runner.config import ConfigError, load_config
 from elastic_runner.dist import init_distributed
 from elastic_runner.preempt import Preempted
-from elastic_runner.train.build import build_trainer
 from elastic_runner.train.callbacks import Callback
 from elastic_runner.train.consensus import LaggedConsensus, LocalConsensus, skips_on_device
+from elastic_runner.trainer.build import build_trainer
 
 from .evidence import assert_same_tensors
 from .ft_helpers import weights

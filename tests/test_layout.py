@@ -1,6 +1,33 @@
 """The package's layout: no import cycle among ``elastic_runner``'s modules (``TYPE_CHECKING``
 imports and imports inside functions included: a lower module must not import the trainer,
-not even for its types), every subpackage says what it holds, and the public API resolves."""
+not even for its types), no two folders importing each other, the floors below, every
+subpackage says what it holds, and the public API resolves.
+
+A *folder* is a subpackage (``train/``, ``trainer/``, ...) or a top-level module
+(``config.py``, ``worker.py``, ...). The folders stand on floors, from the bottom up:
+
+1. the base: ``config_base``, ``dist``, ``exit_codes``, ``logs``, ``preempt``,
+   ``script_env`` and ``compat`` (every reliance on torch internals); they know no training;
+2. the parts a step holds: ``checkpoint/``, ``data/`` (the sampler, the loader, a position's
+   seed), ``parallel/`` (DDP and FSDP2);
+3. the step protocol any loop follows: ``train/`` (the session, the vote, the stop policy, the
+   state, the callback events, the straggler timing, fault injection);
+4. what plugs into the step: ``observe/`` (the reporting callbacks, metrics, goodput, the
+   watchdog) and ``recovery/`` (the workers' side of in-place recovery and membership);
+5. the node agent: ``agent/`` (launch, in-place replacement, the recovery store it hosts, the
+   restart budget and its patch of torch's agent); it starts the workers as processes and
+   imports no loop, no task and no config schema;
+6. a run: ``config`` (the config file's schema, composing each folder's own section, the
+   agent's too) and ``tasks/`` (the task interface and the built-in tasks);
+7. the loops: ``trainer/`` (the built-in trainer: its step engine, its loop, its assembly from a
+   config), ``worker`` (one rank's process under ``elastic-runner run``) and ``own_loop`` (the
+   session for a user's own loop);
+8. the command line: ``cli``, ``__main__``.
+
+A folder imports its own floor or lower ones; an import that runs up (from a lower floor to a
+higher one) is named in :data:`IMPORTS_UP`, at most 3 of them. The package's ``__init__`` (the
+lazy public names) stands outside the floors.
+"""
 
 from __future__ import annotations
 
@@ -105,3 +132,72 @@ def test_the_public_api_resolves_lazily():
         assert getattr(elastic_runner, name) is not None, name
     assert importlib.import_module("elastic_runner").fault_tolerant.__module__ == \
         "elastic_runner.own_loop"
+
+
+FLOORS: tuple[tuple[str, ...], ...] = (  # bottom up; see the module docstring
+    ("config_base", "dist", "exit_codes", "logs", "preempt", "script_env", "compat"),
+    ("checkpoint", "data", "parallel"),
+    ("train",),
+    ("observe", "recovery"),
+    ("agent",),
+    ("config", "tasks"),
+    ("trainer", "worker", "own_loop"),
+    ("cli", "__main__"),
+)
+IMPORTS_UP: tuple[str, ...] = ()  # "importer -> imported" modules; at most 3
+MAX_IMPORTS_UP = 3
+
+
+def folder(name: str) -> str | None:
+    """The folder of module ``name``: its subpackage, or itself at the top (None: the package)."""
+    parts = name.split(".")
+    return parts[1] if len(parts) > 1 else None
+
+
+def folder_imports(files: dict[str, Path] | None = None) -> dict[tuple[str, str], list[str]]:
+    """(importer's folder, imported folder) -> its imports, as "module -> module"."""
+    if files is None:
+        files = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    edges: dict[tuple[str, str], list[str]] = {}
+    for name, path in files.items():
+        for target in imports(path, set(files)):
+            a, b = folder(name), folder(target)
+            if a and b and a != b:
+                edges.setdefault((a, b), []).append(f"{name} -> {target}")
+    return edges
+
+
+def mutual_pairs(edges: dict[tuple[str, str], list[str]]) -> dict[tuple[str, str], list[str]]:
+    """The folder pairs that import each other, with the imports both ways."""
+    return {(a, b): sorted(edges[a, b] + edges[b, a]) for (a, b) in sorted(edges)
+            if a < b and (b, a) in edges}
+
+
+def imports_up(edges: dict[tuple[str, str], list[str]],
+               floors: tuple[tuple[str, ...], ...] = FLOORS) -> list[str]:
+    level = {f: i for i, names in enumerate(floors) for f in names}
+    return sorted(imp for (a, b), imps in edges.items() if level[a] < level[b] for imp in imps)
+
+
+def test_every_folder_stands_on_one_floor():
+    placed = [f for names in FLOORS for f in names]
+    assert len(placed) == len(set(placed))
+    folders = {folder(module_name(p)) for p in PACKAGE.rglob("*.py")} - {None}
+    assert folders - set(placed) == set(), "put each new folder on a floor (module docstring)"
+    assert set(placed) - folders == set(), "a floor names a folder that is gone"
+
+
+def test_no_two_folders_import_each_other():
+    assert mutual_pairs(folder_imports()) == {}
+
+
+def test_at_most_3_imports_run_up_each_named():
+    assert len(IMPORTS_UP) <= MAX_IMPORTS_UP
+    assert imports_up(folder_imports()) == sorted(IMPORTS_UP)
+
+
+def test_the_folder_checks_find_a_pair_and_an_import_up():
+    edges = {("a", "b"): ["x.a.m -> x.b.n"], ("b", "a"): ["x.b.n -> x.a.k"],
+             ("c", "a"): ["x.c -> x.a.m"]}
+    assert mutual_pairs(edges) == {("a", "b"): ["x.a.m -> x.b.n", "x.b.n -> x.a.k"]}
+    assert imports_up(edges, (("a",), ("b",), ("c",))) == ["x.a.m -> x.b.n"]

@@ -9,9 +9,9 @@ import torch
 
 from elastic_runner.config import load_config
 from elastic_runner.dist import init_distributed
-from elastic_runner.train.build import build_trainer
-from elastic_runner.train.loop import lr_factor
 from elastic_runner.train.stop import StopReason
+from elastic_runner.trainer.build import build_trainer
+from elastic_runner.trainer.loop import lr_factor
 
 from .procs import CONFIGS
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from elastic_runner import compat
+from elastic_runner.agent import restart_budget
 from elastic_runner.agent.restart_budget import Failure, RestartBudget
 from elastic_runner.checkpoint import storage as ckpt
 from elastic_runner.checkpoint.storage import newest_checkpoint_step
@@ -126,14 +126,14 @@ def test_the_rest_of_a_failed_group_is_stopped_without_torchs_30_s(monkeypatch, 
                                                                     stopped):
     """A rank that ignores SIGTERM (stopped, or blocked in a collective) is SIGKILLed
     FAILED_STOP_SECONDS after the SIGTERM once a local peer failed (here 0.5 s)."""
-    monkeypatch.setattr(compat, "FAILED_STOP_SECONDS", 0.5)
+    monkeypatch.setattr(restart_budget, "FAILED_STOP_SECONDS", 0.5)
     code = f"import os, signal; os.kill(os.getpid(), {-exit_code})" if exit_code < 0 else \
         f"raise SystemExit({exit_code})"
     done, running = _Handler(code), _Handler(IGNORES_SIGTERM)
     done.proc.wait(timeout=60)
     assert running.proc.stdout.readline() == "ready\n"  # its SIGTERM handler is in place
     try:
-        compat._stop_failed_group({0: done, 1: running})
+        restart_budget._stop_failed_group({0: done, 1: running})
         assert (running.proc.poll() == -signal.SIGKILL) == stopped
     finally:
         if running.proc.poll() is None:

@@ -16,13 +16,14 @@ from torch import nn
 
 from elastic_runner.checkpoint import storage as ckpt
 from elastic_runner.data.loader import elastic_dataloader
+from elastic_runner.data.sampler import step_seed
 from elastic_runner.exit_codes import EXIT_PREEMPTED
 from elastic_runner.observe.reporting import WatchdogHeartbeat
 from elastic_runner.own_loop import DEFAULT_EVERY_SECONDS, fault_tolerant
 from elastic_runner.preempt import Preempted
 from elastic_runner.train.consensus import LocalConsensus
 from elastic_runner.train.session import RollbackRequested, TrainingFailed
-from elastic_runner.train.state import RNGState, step_seed
+from elastic_runner.train.state import RNGState
 from elastic_runner.train.stop import StopReason
 
 from .evidence import assert_same_tensors

@@ -25,7 +25,7 @@ from elastic_runner.parallel.base import total_norm
 from elastic_runner.parallel.choose import make_parallelism
 from elastic_runner.parallel.config import DDPConfig, FSDPConfig
 from elastic_runner.parallel.fsdp import FSDPParallelism, device_mesh, find_blocks
-from elastic_runner.train.build import checkpoint_layout
+from elastic_runner.trainer.build import checkpoint_layout
 
 from .evidence import assert_same_tensors
 from .procs import run_cli

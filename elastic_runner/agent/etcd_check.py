@@ -33,7 +33,6 @@ from ..compat import ETCD_OPTION_SPELLINGS, parse_rendezvous_endpoint
 
 log = logging.getLogger(__name__)
 
-ETCD_BACKENDS = ("etcd-v2", "etcd")
 DEFAULT_PORT = 2379
 DEFAULT_WAIT_S = 30.0  # how long to wait for an unreachable etcd when no join_timeout is given
 _ATTEMPT_TIMEOUT_S = 5.0  # connect + read timeout of one HTTP request

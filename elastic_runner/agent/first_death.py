@@ -2,7 +2,7 @@
 
 torch's poll names a failure by the error file's timestamp in whole seconds; a worker killed
 by a signal writes none, and the agent stops the rest of a failed group itself (SIGTERM,
-``compat``'s restart budget fix) before torch's poll sees them: torch's log then named a
+the restart budget's patch, ``agent/restart_budget.py``) before torch's poll sees them: torch's log then named a
 survivor it had stopped (``exitcode: -15 local_rank: 0``), and the survivors' gloo tracebacks
 followed. The agent looks at its workers' exit codes before it stops the rest; of the ranks
 that had exited then, this module names the likeliest cause in one line.
@@ -15,9 +15,17 @@ import signal
 from collections.abc import Collection, Mapping
 from typing import Any
 
-from .restart_budget import cause_rank
+from ..exit_codes import EXIT_PEER_LOST
 
 log = logging.getLogger(__name__)
+
+STOPPED = -15  # SIGTERM: how torch's agent stops the workers left after the first failure
+
+
+def cause_rank(exitcode: int) -> int:
+    """Orders failed ranks by how likely they hold the cause: 0 a rank that failed on its own,
+    1 one that lost a peer (exit 4), 2 one the agent stopped after the first failure (SIGTERM)."""
+    return {EXIT_PEER_LOST: 1, STOPPED: 2}.get(exitcode, 0)
 
 
 def exited(handlers: Mapping[int, Any]) -> set[int]:

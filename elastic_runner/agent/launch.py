@@ -46,7 +46,7 @@ from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 from torch.distributed.launcher.api import elastic_launch
 
 from .. import compat
-from ..compat import config_from_args, get_args_parser
+from ..compat import ETCD_BACKENDS, config_from_args, get_args_parser
 from ..exit_codes import (
     EXIT_BAD_INPUT,
     EXIT_CRASH_LOOP,
@@ -60,7 +60,6 @@ from ..observe.node_metrics import NodeEndpoint
 from ..recovery.membership import Policy
 from ..recovery.store import C10D_DEFAULT_PORT, StoreLocation
 from .etcd_check import (
-    ETCD_BACKENDS,
     EtcdCheckError,
     check_etcd,
     parse_conf,
@@ -68,7 +67,7 @@ from .etcd_check import (
     with_aliases,
 )
 from .inplace_agent import InPlaceAgent
-from .restart_budget import cause_rank
+from .restart_budget import apply_agent_fixes, cause_rank
 
 log = logging.getLogger(__name__)
 
@@ -252,7 +251,7 @@ def _launch(args: argparse.Namespace) -> int:
         print(f"elastic-runner: error: {e}", file=sys.stderr, flush=True)
         return EXIT_BAD_INPUT
     compat.apply_rendezvous_fixes()
-    compat.apply_agent_fixes(budget=getattr(args, "restarts", None))
+    apply_agent_fixes(budget=getattr(args, "restarts", None))
     if targs.rdzv_backend in ETCD_BACKENDS:
         conf = parse_conf(targs.rdzv_conf)
         try:

@@ -30,20 +30,29 @@ exit on their own before torch stops them, so a local crash is judged a crash.
 A refunded restart still counts in ``TORCHELASTIC_RESTART_COUNT``. What is left of a failed group
 (not a preempted one) is stopped with a SIGKILL :data:`FAILED_STOP_SECONDS` after the SIGTERM,
 not torch's fixed 30 s: a stopped or hung rank would otherwise hold up every restart.
+
+:func:`apply_agent_fixes` puts the budget into torch's ``LocalElasticAgent`` (its
+``_monitor_workers``); :mod:`elastic_runner.compat` (fix 8) lists and checks the torch internals
+that relies on.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
-from collections.abc import Callable
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from ..exit_codes import EXIT_BAD_INPUT, EXIT_FENCED, EXIT_PEER_LOST, EXIT_PREEMPTED
+from .first_death import STOPPED, cause_rank, exited, log_first_death
 
 log = logging.getLogger("elastic_runner.restarts")
 
-STOPPED = -15  # SIGTERM: how torch's agent stops the workers left after the first failure
 PEER_SETTLE_SECONDS = 3.0  # a rank that lost a peer waits this long for its local peers
 # SIGTERM -> SIGKILL gap when the agent stops what is left of a *failed* group (a crash, a lost
 # peer, a hang), instead of torch's fixed 30 s: nothing of that group is checkpointed any more
@@ -51,12 +60,6 @@ PEER_SETTLE_SECONDS = 3.0  # a rank that lost a peer waits this long for its loc
 # never reacts to SIGTERM, and a watchdog's stack dump (watchdog.dump_grace_seconds) is done
 # well before. A preempted group (all exit 143) keeps torch's gap: its rank 0 may still commit.
 FAILED_STOP_SECONDS = 5.0
-
-
-def cause_rank(exitcode: int) -> int:
-    """Orders failed ranks by how likely they hold the cause: 0 a rank that failed on its own,
-    1 one that lost a peer (exit 4), 2 one the agent stopped after the first failure (SIGTERM)."""
-    return {EXIT_PEER_LOST: 1, STOPPED: 2}.get(exitcode, 0)
 
 
 @dataclass(frozen=True)
@@ -147,3 +150,98 @@ def failures_of(result: Any) -> dict[int, Failure]:
             code = 1
         out[rank] = Failure(code, lines[0][:300] if lines else "")
     return out
+
+
+# --- the patch of torch's agent (compat.py, fix 8, checks the internals it relies on) ---
+
+_MARK = "_elastic_runner_fix"
+_BUDGET = [RestartBudget()]  # the agent process's restart budget (apply_agent_fixes sets it)
+
+
+def apply_agent_fixes(cls: type | None = None, budget: RestartBudget | None = None
+                      ) -> bool:
+    """Patch ``cls`` (torch's ``LocalElasticAgent``) in this process with fix 8: each failed
+    attempt's remaining restarts are judged by ``budget`` (``agent/restart_budget.py``: no restart
+    after bad input or a fenced-out writer or in a crash loop; preemptions and lost peers do
+    not spend ``--max-restarts``), and the rest of a failed group is SIGKILLed
+    ``FAILED_STOP_SECONDS`` after its SIGTERM. Idempotent; a later call replaces the budget.
+    Returns False, without patching, when the methods no longer look as expected
+    (:func:`~elastic_runner.compat.check_torch` has said so)."""
+    # imported here: the command line imports this module for RestartBudget, before torch's agent
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    from ..compat import check_monitor_workers
+
+    cls = LocalElasticAgent if cls is None else cls
+    if budget is not None:
+        _BUDGET[0] = budget
+    if getattr(cls.__dict__.get("_monitor_workers"), _MARK, False):
+        return True
+    if check_monitor_workers() is not None:
+        return False
+    cls._monitor_workers = _restart_budget_by_cause(cls._monitor_workers)  # type: ignore
+    return True
+
+
+def _let_peers_settle(handlers: Mapping[int, Any]) -> None:
+    """When a worker exited because it lost a peer (exit 4) and the others still run, wait up
+    to ``PEER_SETTLE_SECONDS`` for them to exit on their own: torch's poll stops them all at
+    the first failure it sees, and the crash that caused it would be recorded as a SIGTERM."""
+    codes = {lr: h.proc.poll() for lr, h in handlers.items()}
+    if EXIT_PEER_LOST not in codes.values() or None not in codes.values() \
+            or set(codes.values()) - {None, 0, EXIT_PEER_LOST}:
+        return
+    deadline = time.monotonic() + PEER_SETTLE_SECONDS
+    while time.monotonic() < deadline and any(h.proc.poll() is None for h in handlers.values()):
+        time.sleep(0.05)
+
+
+def _stop_failed_group(handlers: Mapping[int, Any]) -> None:
+    """When a worker exited for good (a crash, a lost peer, a hang, a signal: not 0, not 143)
+    while others still run, stop those now: SIGTERM, then SIGKILL ``FAILED_STOP_SECONDS``
+    later. torch's poll would close them with its fixed 30 s gap, which a stopped or hung rank
+    (it never reacts to SIGTERM) spends in full before every restart. A preempted group keeps
+    torch's gap: its rank 0 may still be committing the preemption checkpoint."""
+    codes = {lr: h.proc.poll() for lr, h in handlers.items()}
+    running = [h for lr, h in handlers.items() if codes[lr] is None]
+    if not running or not set(codes.values()) - {None, 0, EXIT_PREEMPTED}:
+        return
+    log.info("stopping the rest of the failed group (SIGKILL %.0f s after SIGTERM)",
+             FAILED_STOP_SECONDS)
+    for h in running:
+        with contextlib.suppress(ProcessLookupError):
+            h.close(death_sig=signal.SIGTERM)
+    deadline = time.monotonic() + FAILED_STOP_SECONDS
+    for h in running:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            h.proc.wait(max(0.0, deadline - time.monotonic()))
+    for h in running:
+        if h.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                h.close(death_sig=signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):  # not in the kernel (D state)
+                h.proc.wait(FAILED_STOP_SECONDS)
+
+
+def _restart_budget_by_cause(monitor: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+    @functools.wraps(monitor)
+    def wrapper(self: Any, worker_group: Any) -> Any:
+        handlers = getattr(getattr(self, "_pcontext", None), "subprocess_handlers", {})
+        _let_peers_settle(handlers)
+        seen = exited(handlers)  # before the rest is stopped: who died on their own
+        _stop_failed_group(handlers)
+        result = monitor(self, worker_group)
+        failures = failures_of(result)
+        # an agent whose node left the running job in place ends (inplace_agent: its workers'
+        # exit 143 is a departure, not a preemption to restart after)
+        if failures and not getattr(self, "left_the_job", False):
+            before = self._remaining_restarts
+            self._remaining_restarts = _BUDGET[0].judge(failures, before)
+            # a refunded restart still counts as one in TORCHELASTIC_RESTART_COUNT
+            # (max_restarts - remaining): the limit grows with the refund
+            worker_group.spec.max_restarts += max(0, self._remaining_restarts - before)
+            log_first_death(result.failures, seen, self._remaining_restarts > 0)
+        return result
+
+    setattr(wrapper, _MARK, True)
+    return wrapper

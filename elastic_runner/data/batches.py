@@ -1,6 +1,6 @@
 """Batches as users have them: a tensor, a tuple/list or a mapping of tensors (nested).
 
-One calling convention, used by training (:class:`~elastic_runner.train.engine.StepEngine`),
+One calling convention, used by training (:class:`~elastic_runner.trainer.engine.StepEngine`),
 evaluation and your own loop:
 
 =============================  ==========================  =====================================

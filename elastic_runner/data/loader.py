@@ -36,8 +36,7 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 
 from ..dist import current_rank
 from ..preempt import PreemptionFlag
-from ..train.state import step_seed
-from .sampler import ElasticSampler
+from .sampler import ElasticSampler, step_seed
 
 # micro-batches whose indices the loader keeps until a step takes them: a loop that never takes
 # them (no session) holds no more; a step of more micro-batches would be recorded short, and

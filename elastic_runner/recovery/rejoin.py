@@ -56,7 +56,7 @@ class RecoveryHooks(Protocol):
 
 class Recoverable(Protocol):
     """What in-place recovery uses of one rank's training loop: the built-in
-    :class:`~elastic_runner.train.loop.Trainer` and a user's
+    :class:`~elastic_runner.trainer.loop.Trainer` and a user's
     :class:`~elastic_runner.own_loop.FaultTolerantLoop` both implement it. Its rank, session,
     state, sampler and checkpoints, its preemption flag, the fingerprint of what it built, the
     last step whose post-step work is done; ``batch``: the global batch policy a departure must

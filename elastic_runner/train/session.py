@@ -31,14 +31,14 @@ from typing import Any
 import torch
 
 from ..checkpoint.manager import CheckpointManager
-from ..data.sampler import ElasticSampler
+from ..data.sampler import ElasticSampler, step_seed
 from ..dist import all_reduce_sums, barrier
-from ..observe.straggler import StragglerMonitor
 from ..preempt import Preempted
 from .callbacks import Callbacks, LogEvent, StepEnd
 from .consensus import StepConsensus, StepDecision, Verdict, skips_on_device
-from .state import TrainState, seed_step, step_seed
+from .state import TrainState, seed_step
 from .stop import StopPolicy, StopReason
+from .straggler import StragglerMonitor
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ class SessionOptions:
 
 @dataclass
 class TrainingSession:
-    """See the module docstring. Built by the trainer (``train/loop.py``) or by
+    """See the module docstring. Built by the trainer (``trainer/build.py``) or by
     :func:`elastic_runner.fault_tolerant` for a user's own loop."""
 
     state: TrainState

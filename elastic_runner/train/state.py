@@ -37,8 +37,9 @@ class RNGState:
     """Python, numpy, torch (CPU) and CUDA generator states of the saving rank.
 
     The training loop additionally reseeds the torch generator from ``(seed, epoch, step, rank)``
-    before every step (see ``step_seed``), so model randomness (dropout) does not depend on these
-    states; they restore whatever else user code draws from the global generators.
+    before every step (see :func:`~elastic_runner.data.sampler.step_seed`), so model
+    randomness (dropout) does not depend on these states; they restore whatever else user code
+    draws from the global generators.
     """
 
     def state_dict(self) -> dict[str, Any]:
@@ -69,28 +70,6 @@ class RNGState:
 def _tuples(x: Any) -> Any:
     # torch.save keeps tuples, but be lenient with lists from other writers
     return tuple(_tuples(v) for v in x) if isinstance(x, list | tuple) else x
-
-
-_MASK64 = (1 << 64) - 1
-
-
-def _splitmix64(x: int) -> int:
-    """SplitMix64's finaliser (Steele, Lea & Flood, "Fast splittable pseudorandom number
-    generators", OOPSLA 2014): a bijective mix of a 64-bit integer."""
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
-
-
-def step_seed(seed: int, epoch: int, step: int, rank: int) -> int:
-    """A 63-bit seed derived from (seed, epoch, step, rank) by chaining SplitMix64 over the four
-    values: distinct inputs give independent-looking seeds, in ~2 us of pure Python (numpy's
-    SeedSequence took 10-90 us per step, measured with ``bench.overhead``)."""
-    h = 0
-    for v in (seed, epoch, step, rank):
-        h = _splitmix64(h ^ (v & _MASK64))
-    return h >> 1
 
 
 def seed_step(seed: int, device: torch.device) -> None:

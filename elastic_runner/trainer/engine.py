@@ -19,7 +19,7 @@ from torch import nn
 
 from ..data.batches import batch_loss, to_device
 from ..parallel.base import Parallelism, SingleProcess
-from .session import TrainingSession
+from ..train.session import TrainingSession
 
 __all__ = ["StepEngine", "batch_loss", "precision_dtype", "to_device"]
 

@@ -2,11 +2,11 @@
 
 One optimizer step consumes one global batch (world_size x micro_batch_size x grad_accum_steps
 samples) from the :class:`~elastic_runner.data.sampler.ElasticSampler`; the
-:class:`~elastic_runner.train.engine.StepEngine` runs it, the
+:class:`~elastic_runner.trainer.engine.StepEngine` runs it, the
 :class:`~elastic_runner.train.session.TrainingSession` keeps the cursor, the vote, the guards and the
 reporting, the :class:`~elastic_runner.checkpoint.manager.CheckpointManager` the checkpoints. Every
 cross-rank decision is taken at a step boundary by all ranks together, so all ranks leave the
-loop after the same step. ``train/build.py`` assembles a trainer from a config.
+loop after the same step. ``trainer/build.py`` assembles a trainer from a config.
 """
 
 from __future__ import annotations
@@ -36,16 +36,18 @@ from ..preempt import PreemptionFlag
 from ..recovery.inplace import InPlaceRecovery, NoRecovery, StepRedo
 from ..recovery.rejoin import RecoveryReport
 from ..tasks.base import TaskBundle, metric_sums
-from .config import BatchConfig
+from ..train.config import BatchConfig
+from ..train.faults import planted_metric
+from ..train.session import RollbackRequested, TrainingFailed, TrainingSession
+from ..train.state import TrainState
+from ..train.stop import StopPolicy, StopReason
 from .engine import StepEngine, precision_dtype
-from .faults import planted_metric
-from .session import RollbackRequested, TrainingFailed, TrainingSession
-from .state import TrainState
-from .stop import StopPolicy, StopReason
 
 __all__ = ["Trainer", "TrainingFailed", "lr_factor", "precision_dtype"]
 
-log = logging.getLogger(__name__)
+# the step log keeps its name from before the trainer left train/: the benches, the docs' logs
+# and users' log filters read it (observe/reporting.py and build.py log to it too)
+log = logging.getLogger("elastic_runner.train.loop")
 
 
 def lr_factor(step: int, warmup_steps: int, total_steps: int, min_ratio: float,
@@ -63,7 +65,7 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int, min_ratio: float,
 
 @dataclass
 class Trainer:
-    """Everything one rank needs to train; built by :func:`elastic_runner.train.build.build_trainer`."""
+    """Everything one rank needs to train; built by :func:`elastic_runner.trainer.build.build_trainer`."""
 
     cfg: Config
     info: DistInfo

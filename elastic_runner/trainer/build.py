@@ -28,21 +28,21 @@ from ..observe.reporting import (
     TensorBoardScalars,
     runner_callbacks,
 )
-from ..observe.straggler import StragglerMonitor
 from ..parallel.base import Parallelism
 from ..parallel.choose import make_parallelism
 from ..preempt import PreemptionFlag
 from ..tasks.base import TaskBundle, check_same_build, task_fingerprint
-from . import faults as fault_injection
-from .callbacks import Callback, Callbacks
-from .config import BatchConfig
-from .consensus import StepConsensus, make_consensus, skips_on_device
-from .early_stop import EarlyStopping
+from ..train import faults as fault_injection
+from ..train.callbacks import Callback, Callbacks
+from ..train.config import BatchConfig
+from ..train.consensus import StepConsensus, make_consensus, skips_on_device
+from ..train.early_stop import EarlyStopping
+from ..train.session import SessionOptions, TrainingSession
+from ..train.state import RNGState, TrainState, seed_everything, use_deterministic_algorithms
+from ..train.stop import StopPolicy, StopReason
+from ..train.straggler import StragglerMonitor
 from .engine import StepEngine, precision_dtype
 from .loop import Trainer, lr_factor
-from .session import SessionOptions, TrainingSession
-from .state import RNGState, TrainState, seed_everything, use_deterministic_algorithms
-from .stop import StopPolicy, StopReason
 
 log = logging.getLogger("elastic_runner.train.loop")
 
