@@ -201,3 +201,23 @@ def test_the_folder_checks_find_a_pair_and_an_import_up():
              ("c", "a"): ["x.c -> x.a.m"]}
     assert mutual_pairs(edges) == {("a", "b"): ["x.a.m -> x.b.n", "x.b.n -> x.a.k"]}
     assert imports_up(edges, (("a",), ("b",), ("c",))) == ["x.a.m -> x.b.n"]
+
+
+MAX_CLASS_LINES = 300  # the recovery's classes (agent/, recovery/): each one job
+
+
+def class_lengths(folders: tuple[str, ...] = ("agent", "recovery")) -> dict[str, int]:
+    """``module.Class`` -> lines, for the classes of ``folders``."""
+    out = {}
+    for name in folders:
+        for path in (PACKAGE / name).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ClassDef):
+                    out[f"{module_name(path)}.{node.name}"] = node.end_lineno - node.lineno + 1
+    return out
+
+
+def test_no_class_of_the_agent_or_the_recovery_is_over_300_lines():
+    lengths = class_lengths()
+    assert "elastic_runner.agent.inplace_agent.InPlaceAgent" in lengths  # the walk sees them
+    assert {c: n for c, n in lengths.items() if n > MAX_CLASS_LINES} == {}
