@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -290,20 +291,15 @@ def _session(cfg: Config, info: DistInfo, net: nn.Module, stateful: dict[str, An
     def after_load(raw: dict[str, Any]) -> None:
         fault_injection.perturb_replica(cfg.faults, info.rank, model)
         resumed_from = session.checkpoints.resumed_from
-        check_same_build(raw, cfg.to_dict(), task, resumed_from or c.dir)
+        check_same_build(raw, cfg.to_dict(), task, resumed_from or cfg.checkpoint.dir)
         if fingerprint(raw["config"]) != cfg.fingerprint():
             log.warning("checkpoint %s was written with a different config; resuming anyway",
                         resumed_from or "")
 
-    c, w = cfg.checkpoint, cfg.watchdog
+    w = cfg.watchdog
     session, _ = assemble_session(SessionSpec(
         place=info, sampler=sampler, stateful=stateful,
-        checkpoint=CheckpointSpec(
-            c.dir, cfg.fingerprint(), lambda: stop.stopped, every_steps=c.every_steps,
-            every_seconds=c.every_seconds, async_save=c.async_save, keep_last=c.keep_last,
-            keep_best=c.keep_best, layout=checkpoint_layout(cfg),
-            extra={"config": cfg.to_dict(), "task_fingerprint": task}, after_load=after_load,
-            migrate=migrate_checkpoint),
+        checkpoint=_checkpoint_spec(cfg, task, stop, after_load),
         reporting=ReportingSpec(
             metrics, Budgets(w.hang_timeout_seconds, w.long_op_timeout_seconds,
                              cfg.metrics.heartbeat_timeout_seconds),
@@ -319,6 +315,19 @@ def _session(cfg: Config, info: DistInfo, net: nn.Module, stateful: dict[str, An
         # the trace records what the loader fetched
         fetched=loader.take_fetched))
     return session
+
+
+def _checkpoint_spec(cfg: Config, task: str, stop: StopPolicy,
+                     after_load: Callable[[dict[str, Any]], None]) -> CheckpointSpec:
+    """The ``checkpoint`` section's cadence, retention and layout; the manifest records the
+    config's hash and, once the stop policy stopped, that the run finished."""
+    c = cfg.checkpoint
+    return CheckpointSpec(
+        c.dir, cfg.fingerprint(), lambda: stop.stopped, every_steps=c.every_steps,
+        every_seconds=c.every_seconds, async_save=c.async_save, keep_last=c.keep_last,
+        keep_best=c.keep_best, layout=checkpoint_layout(cfg),
+        extra={"config": cfg.to_dict(), "task_fingerprint": task}, after_load=after_load,
+        migrate=migrate_checkpoint)
 
 
 def migrate_checkpoint(raw: dict[str, Any]) -> dict[str, Any]:
