@@ -22,6 +22,8 @@ usable alone:
 ``callbacks``, ``reporting``  :class:`Callback` events; metrics, TensorBoard, progress bar,
                             sample trace, watchdog heartbeat, fault injection
 ``own_loop``                :func:`fault_tolerant`: the session for a user's own loop
+``rank_session``            one rank's session with its checkpoints and reporting, assembled
+                            the same way for the built-in trainer and a user's own loop
 ``loop``, ``build``         the built-in :class:`Trainer` and its assembly from a config
 ``dist``, ``preempt``,      process groups per attempt, SIGTERM, hang watchdog, straggler,
 ``watchdog``, ``straggler`` per-rank metrics (``metrics``, ``health``, ``agent_metrics``)

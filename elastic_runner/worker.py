@@ -191,7 +191,7 @@ def regroup(cfg: Config, old: Trainer, recovery: InPlaceRecovery | NoRecovery,
     info = dataclasses.replace(old.info, rank=r.rank, world_size=r.world_size)
     metrics.world(r.world_size)
     with _building(cfg, recovery):
-        trainer = build_trainer(cfg, info, metrics, (bundle, old.fingerprint), joining=True,
+        trainer = build_trainer(cfg, info, metrics, (bundle, old.profile.fingerprint), joining=True,
                                 job_global_batch=old.cfg.batch.global_batch_size)
     trainer.attach(recovery)
     trainer.preempt.install()

@@ -67,8 +67,9 @@ def build_session(directory: str, model: nn.Module, optimizer: torch.optim.Optim
                   max_bad_steps: int = 3, async_save: bool = False, every_steps: int = 0,
                   max_steps: int | None = None, callbacks: Sequence[Callback] = (),
                   seed: int = 0) -> TrainingSession:
-    """A TrainingSession for world size 1 assembled as ``build._session`` does (LocalConsensus,
-    no reporting threads)."""
+    """A TrainingSession for world size 1, its parts as
+    :func:`~elastic_runner.rank_session.assemble_session` makes them (but LocalConsensus, no
+    reporting threads, no RNG state)."""
     state, sampler = TrainState(), loader.elastic_sampler
     stop = StopPolicy(max_steps, 10**9, EarlyStopping(EarlyStoppingConfig()))
     reporting = Callbacks(callbacks)

@@ -13,15 +13,17 @@ A *folder* is a subpackage (``train/``, ``trainer/``, ...) or a top-level module
 3. the step protocol any loop follows: ``train/`` (the session, the vote, the stop policy, the
    state, the callback events, the straggler timing, fault injection);
 4. what plugs into the step: ``observe/`` (the reporting callbacks, metrics, goodput, the
-   watchdog) and ``recovery/`` (the workers' side of in-place recovery and membership);
+   watchdog), ``recovery/`` (the workers' side of in-place recovery and membership) and
+   ``rank_session`` (one rank's session assembled with its checkpoints and reporting, for
+   either loop);
 5. the node agent: ``agent/`` (launch, in-place replacement, the recovery store it hosts, the
    restart budget and its patch of torch's agent); it starts the workers as processes and
    imports no loop, no task and no config schema;
 6. a run: ``config`` (the config file's schema, composing each folder's own section, the
    agent's too) and ``tasks/`` (the task interface and the built-in tasks);
 7. the loops: ``trainer/`` (the built-in trainer: its step engine, its loop, its assembly from a
-   config), ``worker`` (one rank's process under ``elastic-runner run``) and ``own_loop`` (the
-   session for a user's own loop);
+   config), ``worker`` (one rank's process under ``elastic-runner run``) and ``own_loop/`` (a user's
+   own loop made fault-tolerant);
 8. the command line: ``cli``, ``__main__``.
 
 A folder imports its own floor or lower ones; an import that runs up (from a lower floor to a
@@ -138,7 +140,7 @@ FLOORS: tuple[tuple[str, ...], ...] = (  # bottom up; see the module docstring
     ("config_base", "dist", "exit_codes", "logs", "preempt", "script_env", "compat"),
     ("checkpoint", "data", "parallel"),
     ("train",),
-    ("observe", "recovery"),
+    ("observe", "recovery", "rank_session"),
     ("agent",),
     ("config", "tasks"),
     ("trainer", "worker", "own_loop"),

@@ -260,9 +260,9 @@ def test_a_rank_of_a_departed_node_leaves_as_its_node_did(reason, raised, says):
                                node=1, nnodes=2)
     announced = {"departed": [1], "reason": reason, "world_size": 2, "failed": [2, 3],
                  "members": [0, 1]}
-    trainer = SimpleNamespace(state=SimpleNamespace(step=7))
+    loop = SimpleNamespace(session=SimpleNamespace(state=SimpleNamespace(step=7)))
     with pytest.raises(raised, match=re.escape(says)):
-        recovery.nodes.follow_departure(announced, trainer, time.perf_counter())
+        recovery.nodes.follow_departure(announced, loop, time.perf_counter())
 
 
 def test_the_generation_watch_cuts_a_collective_only_when_a_peer_cannot_finish_it():

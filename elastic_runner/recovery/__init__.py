@@ -1,4 +1,5 @@
-"""In-place recovery, the workers' side and the protocol both sides share: where the job's
+"""In-place recovery, the workers' side and the protocol both sides share: the one interface a
+training loop gives it (:mod:`.recoverable`), where the job's
 recovery store lives (:mod:`.store`) and a worker's client that follows it (:mod:`.store_client`),
 the worker's recovery composed (:mod:`.inplace`) from a generation's group (:mod:`.group_formation`),
 the recovery after a failed collective (:mod:`.failure`), nodes that leave and join at a step

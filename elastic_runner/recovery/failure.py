@@ -19,7 +19,8 @@ from .group_formation import GroupFormation
 from .group_sockets import GroupSockets
 from .node_changes import NodeChanges, commit_before_regroup
 from .outcomes import Regroup
-from .rejoin import Live, Recoverable, RecoveryReport, rejoin
+from .recoverable import Live, Recoverable
+from .rejoin import RecoveryReport, rejoin
 from .signals import AgentSignals
 
 # the worker's recovery log lines keep the logger name they always had (bench and operators
@@ -50,7 +51,7 @@ class FailureRecovery:
         self.home: tuple[int, int] | None = None  # (rank, world size) at full size
         self.live: Live | None = None  # HSDP: this survivor's state as the failure left it
 
-    def recover(self, error: BaseException, trainer: Recoverable) -> RecoveryReport | None:
+    def recover(self, error: BaseException, loop: Recoverable) -> RecoveryReport | None:
         """After ``error`` in a collective: re-form the group without leaving the process.
 
         Returns:
@@ -81,13 +82,13 @@ class FailureRecovery:
         if announced.get("restart"):  # an agent restarts every worker
             return None
         if "departed" in announced:  # a node left: the group goes on without it
-            self.nodes.follow_departure(announced, trainer, t0)
+            self.nodes.follow_departure(announced, loop, t0)
         if "joined" in announced:  # a node joined (this rank's vote was cut short)
-            self.nodes.follow_join(announced, trainer, t0)
-        return self._replace_failed(error, announced, trainer, t0)
+            self.nodes.follow_join(announced, loop, t0)
+        return self._replace_failed(error, announced, loop, t0)
 
     def _replace_failed(self, error: BaseException, announced: dict[str, Any],
-                        trainer: Recoverable, t0: float) -> RecoveryReport:
+                        loop: Recoverable, t0: float) -> RecoveryReport:
         """Rank(s) ``announced["failed"]`` died: leave the failed group and form the announced
         one (the replacements join it), or regroup.
 
@@ -95,38 +96,38 @@ class FailureRecovery:
             Regroup: continue shrunk, or sharded state.
         """
         report = RecoveryReport(self.formation.generation + 1, announced["failed"],
-                                trainer.state.step)
+                                loop.session.state.step)
         log.warning("in-place recovery: rank(s) %s died (%s); generation %d, the rest keep "
                     "their process", announced["failed"], first_line(error),
                     report.generation)
-        trainer.session.callbacks.on_phase("recovering", "in-place recovery", True)
+        loop.session.callbacks.on_phase("recovering", "in-place recovery", True)
         t1 = time.perf_counter()
         report.phases["detection"] = t1 - t0
-        self._leave_group(trainer)
+        self._leave_group(loop)
         t2 = time.perf_counter()
         report.phases["teardown"] = t2 - t1
         members = announced.get("members")
         if members is not None:  # continue shrunk: no warm spare, go on without it
-            self._shrink(trainer, members, report)
-        if trainer.checkpoints.sharded:  # FSDP2 cannot move a module's shards to a new group
-            raise Regroup(trainer.info.rank, trainer.info.world_size, report.generation, report)
-        self.formation.form_group(trainer.info.rank, trainer.info.world_size, report.generation)
+            self._shrink(loop, members, report)
+        if loop.session.checkpoints.sharded:  # FSDP2 cannot move a module's shards
+            raise Regroup(loop.info.rank, loop.info.world_size, report.generation, report)
+        self.formation.form_group(loop.info.rank, loop.info.world_size, report.generation)
         report.generation = self.formation.generation  # a later one if the replacement died too
-        trainer.group_formed(list(announced["failed"]))
+        loop.group_formed(list(announced["failed"]))
         t3 = time.perf_counter()
         report.phases["group"] = t3 - t2
         try:
-            rejoin(trainer, joining=False, report=report)
+            rejoin(loop, joining=False, report=report)
         except (RuntimeError, dist.DistError) as e:
             if not is_peer_failure(e):
                 raise
             # a member (the replacement, another survivor) died after the group formed, while
             # it agreed on the state: nothing was installed yet, so this is one more failure
-            return self.recover(e, trainer)
+            return self.recover(e, loop)
         report.phases["state"] = time.perf_counter() - t3
         return report
 
-    def _shrink(self, trainer: Recoverable, members: list[int], report: RecoveryReport
+    def _shrink(self, loop: Recoverable, members: list[int], report: RecoveryReport
                 ) -> NoReturn:
         """No warm spare: go on among ``members`` until the replacement is ready
         (:meth:`regroup_due`).
@@ -134,25 +135,26 @@ class FailureRecovery:
         Raises:
             Regroup: always, as this rank's number among the members.
         """
-        rank = trainer.info.rank
-        self.home = self.home or (rank, trainer.info.world_size)
+        rank = loop.info.rank
+        self.home = self.home or (rank, loop.info.world_size)
         self.grow_generation = report.generation + 1
         log.warning("continuing at world size %d until the replacement is ready", len(members))
         raise Regroup(members.index(rank), len(members), report.generation, report)
 
-    def _leave_group(self, trainer: Recoverable) -> None:
+    def _leave_group(self, loop: Recoverable) -> None:
         """Destroy the failed group. Its connections are cut first, so peers that wait on this
         rank in its collective fail now, as if it had died, instead of at the collective timeout
         (gloo cannot abort: recovery/group_sockets.py). Sharded state: the save in flight
         (which failed with the peer) is abandoned, and under HSDP the live state kept."""
         self.sockets.cut()
-        if trainer.checkpoints.sharded:
-            trainer.checkpoints.abandon()
-            self.live = Live.of(trainer)
-            release_groups_of(trainer.checkpoints.state["model"])  # freed now, not at exit
+        checkpoints = loop.session.checkpoints
+        if checkpoints.sharded:
+            checkpoints.abandon()
+            self.live = Live.of(loop)
+            release_groups_of(checkpoints.state["model"])  # freed now, not at exit
         dist.destroy_process_group()
 
-    def regroup_due(self, trainer: Recoverable) -> None:
+    def regroup_due(self, loop: Recoverable) -> None:
         """At a step boundary while shrunk: when the replacement is ready (the agent announced
         the full generation; rank 0 looks, one all-reduce tells everyone), every rank leaves
         together.
@@ -162,16 +164,16 @@ class FailureRecovery:
         """
         if self.grow_generation is None:
             return
-        ready = (trainer.info.rank == 0
+        ready = (loop.info.rank == 0
                  and self.formation.client.attempt.announced(self.grow_generation))
-        flag = torch.tensor([1.0 if ready else 0.0], device=trainer.info.device
+        flag = torch.tensor([1.0 if ready else 0.0], device=loop.info.device
                             if self.formation.backend == "nccl" else torch.device("cpu"))
         dist.all_reduce(flag)
         if flag.item() == 0:
             return
         generation, self.grow_generation = self.grow_generation, None
-        commit_before_regroup(trainer)
-        rank, world_size = self.home or (trainer.info.rank, trainer.info.world_size)
+        commit_before_regroup(loop)
+        rank, world_size = self.home or (loop.info.rank, loop.info.world_size)
         log.warning("the replacement is ready: back to world size %d after step %d",
-                    world_size, trainer.state.step)
+                    world_size, loop.session.state.step)
         raise Regroup(rank, world_size, generation)

@@ -61,7 +61,8 @@ from .node_changes import NodeChanges
 from .outcomes import JobFinished, Regroup, StepRedo
 from .peer_copies import NoCopies, PeerCopies
 from .protocol import ENV, GENERATION_ENV, MIN_NODES_ENV, AttemptKeys
-from .rejoin import Live, Recoverable, RecoveryReport, wire_device
+from .recoverable import Live, Recoverable
+from .rejoin import RecoveryReport, wire_device
 from .signals import AgentSignals
 from .store import StoreLocation, connect
 from .store_client import StoreClient
@@ -89,7 +90,7 @@ class NoRecovery:
     def job_global_batch(self) -> int | None:
         return None
 
-    def keep_copy(self, trainer: Recoverable) -> None:
+    def keep_copy(self, loop: Recoverable) -> None:
         pass
 
     def announce_built(self, rank: int) -> None:
@@ -98,16 +99,16 @@ class NoRecovery:
     def announce_finished(self, rank: int) -> None:
         pass
 
-    def recover(self, error: BaseException, trainer: Recoverable) -> RecoveryReport | None:
+    def recover(self, error: BaseException, loop: Recoverable) -> RecoveryReport | None:
         return None
 
-    def regroup_due(self, trainer: Recoverable) -> None:
+    def regroup_due(self, loop: Recoverable) -> None:
         pass
 
-    def leave(self, trainer: Recoverable) -> None:
+    def leave(self, loop: Recoverable) -> None:
         pass
 
-    def bind(self, trainer: Recoverable) -> None:
+    def bind(self, loop: Recoverable) -> None:
         pass
 
     def watch(self) -> NoWatch:
@@ -221,14 +222,14 @@ class InPlaceRecovery:
 
     # ------------------------------------------------------------ the training loop
 
-    def bind(self, trainer: Recoverable) -> None:
-        """``trainer`` recovers through this: a join request stops it at the next step
+    def bind(self, loop: Recoverable) -> None:
+        """``loop`` recovers through this: a join request stops it at the next step
         boundary (the step vote, :attr:`~elastic_runner.preempt.PreemptionFlag.membership`),
         and rank 0 tells the agents that nodes may join in place (a script's own loop does
         not bind, so its nodes join through torch's restart)."""
-        if not trainer.checkpoints.sharded:  # a DDP survivor holds the whole state already
+        if not loop.session.checkpoints.sharded:  # a DDP survivor holds the whole state already
             self.copies = NoCopies()
-        self.nodes.bind(trainer)
+        self.nodes.bind(loop)
 
     def watch(self) -> GenerationWatch | NoWatch:
         """Several nodes: a :class:`GenerationWatch` on this worker (close it at the end)."""
@@ -236,7 +237,7 @@ class InPlaceRecovery:
             return NoWatch()
         return GenerationWatch(self.client, self.formation, self.nodes)
 
-    def recover(self, error: BaseException, trainer: Recoverable) -> RecoveryReport | None:
+    def recover(self, error: BaseException, loop: Recoverable) -> RecoveryReport | None:
         """After ``error`` in a collective: re-form the group without leaving the process
         (:meth:`FailureRecovery.recover
         <elastic_runner.recovery.failure.FailureRecovery.recover>`).
@@ -249,9 +250,9 @@ class InPlaceRecovery:
             Regroup: this rank goes on in another group.
             Preempted, FencedOut: this rank's node left or was declared lost.
         """
-        return self.failures.recover(error, trainer)
+        return self.failures.recover(error, loop)
 
-    def leave(self, trainer: Recoverable) -> None:
+    def leave(self, loop: Recoverable) -> None:
         """At the step boundary where the vote said stop: nodes leave or join in place
         (:meth:`NodeChanges.leave <elastic_runner.recovery.node_changes.NodeChanges.leave>`);
         returns when every rank stops instead (the caller checkpoints and exits 143).
@@ -262,21 +263,21 @@ class InPlaceRecovery:
             Preempted: this rank's node leaves; the others go on.
             StepRedo: a join request was refused; the group stays as it is.
         """
-        self.nodes.leave(trainer)
+        self.nodes.leave(loop)
 
-    def regroup_due(self, trainer: Recoverable) -> None:
+    def regroup_due(self, loop: Recoverable) -> None:
         """At a step boundary while shrunk: every rank leaves together once the replacement
         is ready.
 
         Raises:
             Regroup: to the full world size, this process's original rank.
         """
-        self.failures.regroup_due(trainer)
+        self.failures.regroup_due(loop)
 
-    def policy(self, trainer: Recoverable) -> Policy:
+    def policy(self, loop: Recoverable) -> Policy:
         """The departure policy: ``--nnodes`` MIN, and a world size the global batch
         divides."""
-        return self.nodes.policy(trainer)
+        return self.nodes.policy(loop)
 
     def job_global_batch(self) -> int | None:
         """The global batch (samples) the group's rank 0 recorded: what a joiner builds for
@@ -345,15 +346,15 @@ class InPlaceRecovery:
         """Whether the peer copies are refreshed after ``step`` (the same on every rank)."""
         return self.copies.due(step)
 
-    def keep_copy(self, trainer: Recoverable) -> None:
+    def keep_copy(self, loop: Recoverable) -> None:
         """At a step boundary (after its evaluation and checkpoint work): refresh this rank's
         copy and its predecessor's if due (collective; ``recovery/peer_copies.py``)."""
-        step = trainer.state.step
+        step = loop.session.state.step
         if not self.copies.due(step):
             return
         copies = self.copies
         assert isinstance(copies, PeerCopies)
-        seconds = copies.refresh(trainer.checkpoints.local_copy(), step, trainer.info.rank,
-                                 trainer.info.world_size, wire_device(trainer))
+        seconds = copies.refresh(loop.session.checkpoints.local_copy(), step, loop.info.rank,
+                                 loop.info.world_size, wire_device(loop))
         log.debug("peer copies of step %d refreshed in %.3f s (%d bytes)", step, seconds,
                   copies.own.payload.numel() if copies.own else 0)

@@ -34,7 +34,8 @@ from .membership import (
     refuse_joins,
 )
 from .outcomes import Regroup, StepRedo
-from .rejoin import Recoverable, RecoveryReport
+from .recoverable import Recoverable
+from .rejoin import RecoveryReport
 from .store_client import StoreClient
 
 # the worker's recovery log lines keep the logger name they always had (bench and operators
@@ -42,13 +43,14 @@ from .store_client import StoreClient
 log = logging.getLogger("elastic_runner.recovery.inplace")
 
 
-def commit_before_regroup(trainer: Recoverable) -> None:
+def commit_before_regroup(loop: Recoverable) -> None:
     """Sharded state at a step boundary where the world size changes: no peer copy fits the
     new shards, so every rank commits the step first (collective, the old group); the new
     group loads it (DCP reshards) and redoes nothing."""
-    if trainer.checkpoints.sharded:
-        trainer.checkpoints.save(trainer.state.step)
-        trainer.checkpoints.wait()
+    checkpoints = loop.session.checkpoints
+    if checkpoints.sharded:
+        checkpoints.save(loop.session.state.step)
+        checkpoints.wait()
 
 
 class NodeChanges:
@@ -68,18 +70,18 @@ class NodeChanges:
         self.node, self.min_nodes = node, min_nodes
         self.join_waiting = False  # a node asks to join (GenerationWatch's last look)
 
-    def bind(self, trainer: Recoverable) -> None:
-        """A join request stops ``trainer`` at the next step boundary (the step vote,
+    def bind(self, loop: Recoverable) -> None:
+        """A join request stops ``loop`` at the next step boundary (the step vote,
         :attr:`~elastic_runner.preempt.PreemptionFlag.membership`), and rank 0 records the
         global batch and tells the agents that nodes may join in place (if the loop can
         regroup). A store that is gone is ignored."""
         self.join_waiting = False
-        trainer.preempt.membership = lambda: self.join_waiting
-        if trainer.info.rank == 0:
+        loop.preempt.membership = lambda: self.join_waiting
+        if loop.info.rank == 0:
             with contextlib.suppress(RuntimeError, dist.DistError):
                 record_global_batch(self.client.store, self.client.key,
-                                    trainer.sampler.global_batch_size)
-                if self.client.multi_node and trainer.regroups:
+                                    loop.session.sampler.global_batch_size)
+                if self.client.multi_node and loop.profile.regroups:
                     self.client.attempt.allow_joins_in_place()
 
     def job_global_batch(self) -> int | None:
@@ -89,14 +91,14 @@ class NodeChanges:
             return read_global_batch(self.client.store, self.client.key)
         return None
 
-    def policy(self, trainer: Recoverable) -> Policy:
+    def policy(self, loop: Recoverable) -> Policy:
         """The departure policy: ``--nnodes`` MIN, and a world size the global batch
         divides."""
-        return Policy.for_batch(self.min_nodes, trainer.batch)
+        return Policy.for_batch(self.min_nodes, loop.profile.batch)
 
     # ------------------------------------------------------------ at the step boundary
 
-    def leave(self, trainer: Recoverable) -> None:
+    def leave(self, loop: Recoverable) -> None:
         """At the step boundary where the vote said stop: if whole nodes were asked to stop and
         the rest may go on (:meth:`policy`), those nodes' ranks leave and the others re-form
         the group without them, from their own state; if no rank was asked to stop, the nodes
@@ -116,24 +118,24 @@ class NodeChanges:
         # all-gather returns, which a slower rank's could not have yet (seen: a joined rank
         # read the announced view, which no longer held its node)
         view = read_view(self.client.store, self.client.key)
-        everyone: list[Any] = [None] * trainer.info.world_size
-        dist.all_gather_object(everyone, trainer.preempt.requested)
+        everyone: list[Any] = [None] * loop.info.world_size
+        dist.all_gather_object(everyone, loop.preempt.requested)
         leaving = sorted({view.node_of(r) for r, asked in enumerate(everyone) if asked})
         if not leaving:  # the vote stopped for a node that asks to join
-            self.take_in(trainer)
+            self.take_in(loop)
         _, members = view.without(leaving, view.generation)
-        why = self.policy(trainer).refuses(view, leaving) if members else "every node"
+        why = self.policy(loop).refuses(view, leaving) if members else "every node"
         if why is not None:
-            if trainer.info.rank == 0 and members:
+            if loop.info.rank == 0 and members:
                 log.warning("membership: node(s) %s preempted, but the rest may not go on (%s): "
                             "every node stops", leaving, why)
             return
-        generation, store = self._announce_departure(trainer, view, leaving, members[0])
+        generation, store = self._announce_departure(loop, view, leaving, members[0])
         if generation == 0:  # another process announced these departures: not expected
             return
-        self._depart(trainer, members, len(everyone), leaving, generation, store)
+        self._depart(loop, members, len(everyone), leaving, generation, store)
 
-    def _depart(self, trainer: Recoverable, members: list[int], old_size: int,
+    def _depart(self, loop: Recoverable, members: list[int], old_size: int,
                 leaving: list[int], generation: int, store: str) -> NoReturn:
         """The departure of ``leaving`` was announced as ``generation``: this rank leaves with
         its node, or goes on renumbered among ``members`` (in the store at ``store`` if that
@@ -143,10 +145,10 @@ class NodeChanges:
             Preempted: this rank is not a member.
             Regroup: this rank's number among the members.
         """
-        commit_before_regroup(trainer)
-        step = trainer.state.step
-        self._changed(trainer, "preempted")
-        if trainer.info.rank not in members:
+        commit_before_regroup(loop)
+        step = loop.session.state.step
+        self._changed(loop, "preempted")
+        if loop.info.rank not in members:
             dist.destroy_process_group()
             raise Preempted(f"node {self.node} preempted: it left the job after step {step}; "
                             f"the others go on at world size {len(members)} (generation "
@@ -155,13 +157,13 @@ class NodeChanges:
             self.client.switch(store)
         log.warning("membership: node(s) %s preempted after step %d; generation %d goes on at "
                     "world size %d, this rank %d -> %d", leaving, step, generation,
-                    len(members), trainer.info.rank, members.index(trainer.info.rank))
+                    len(members), loop.info.rank, members.index(loop.info.rank))
         report = RecoveryReport(generation, [r for r in range(old_size) if r not in members],
                                 step, cause="the step boundary of the departure")
-        self._regroup(trainer, members.index(trainer.info.rank), len(members), generation,
+        self._regroup(loop, members.index(loop.info.rank), len(members), generation,
                       report)
 
-    def _announce_departure(self, trainer: Recoverable, view: View, leaving: list[int],
+    def _announce_departure(self, loop: Recoverable, view: View, leaving: list[int],
                             announcer: int) -> tuple[int, str]:
         """Rank ``announcer`` (the lowest remaining) announces the departure of the nodes
         ``leaving`` (:func:`~elastic_runner.recovery.membership.announce_departure`: with etcd, the
@@ -170,7 +172,7 @@ class NodeChanges:
         Collective. Returns ``(generation, endpoint)``; ``(0, "")``: another process had
         announced it already."""
         announced: list[Any] = [0, ""]
-        if trainer.info.rank == announcer:
+        if loop.info.rank == announcer:
             done = announce_departure(self.client.store, self.client.key, view, leaving,
                                       "preempted", self.client.client)
             if done is not None:
@@ -180,7 +182,7 @@ class NodeChanges:
         dist.broadcast_object_list(announced, src=announcer)
         return announced[0], announced[1]
 
-    def take_in(self, trainer: Recoverable) -> NoReturn:
+    def take_in(self, loop: Recoverable) -> NoReturn:
         """At the step boundary a join request asked for: rank 0 answers the pending requests
         (the generation with the nodes' ranks after the members', or a refusal when the global
         batch does not divide the new world size) and tells the others. Collective (the old
@@ -190,24 +192,24 @@ class NodeChanges:
             Regroup: the same rank in the larger group.
             StepRedo: nothing joins; the discarded step is redone.
         """
-        decided: list[Any] = [0, trainer.info.world_size, []]
-        if trainer.info.rank == 0:
-            decided = self._answer_joins(trainer)
+        decided: list[Any] = [0, loop.info.world_size, []]
+        if loop.info.rank == 0:
+            decided = self._answer_joins(loop)
         dist.broadcast_object_list(decided, src=0)
         self.join_waiting = False
         generation, world_size, nodes = decided
         if generation == 0:
             raise StepRedo("no node joins")
-        step = trainer.state.step
-        commit_before_regroup(trainer)
-        self._changed(trainer, "joined")
-        if trainer.info.rank == 0:
+        step = loop.session.state.step
+        commit_before_regroup(loop)
+        self._changed(loop, "joined")
+        if loop.info.rank == 0:
             log.warning("membership: node(s) %s join after step %d; generation %d goes on at "
                         "world size %d", nodes, step, generation, world_size)
         report = RecoveryReport(generation, [], step, cause="the step boundary of the join")
-        self._regroup(trainer, trainer.info.rank, world_size, generation, report)
+        self._regroup(loop, loop.info.rank, world_size, generation, report)
 
-    def _answer_joins(self, trainer: Recoverable) -> list[Any]:
+    def _answer_joins(self, loop: Recoverable) -> list[Any]:
         """Rank 0: ``[generation, world size, joining nodes]`` (generation 0: none join)."""
         store, key = self.client.store, self.client.key
         requests = pending_joins(store, key, answered_joins(store, key))
@@ -215,13 +217,13 @@ class NodeChanges:
         view = read_view(store, key)
         world_size = view.world_size + sum(joining.values())
         if not joining:
-            return [0, trainer.info.world_size, []]
-        if not self.policy(trainer).fits(world_size):
+            return [0, loop.info.world_size, []]
+        if not self.policy(loop).fits(world_size):
             why = (f"batch.global_batch_size is not divisible at world size {world_size} "
                    f"(nodes {sorted(joining)} asked to join)")
             log.error("membership: %s: they stay out", why)
             refuse_joins(store, key, requests, why)
-            return [0, trainer.info.world_size, []]
+            return [0, loop.info.world_size, []]
         generation, new = announce_join(store, key, view, joining, max(requests),
                                         {r["node"]: r["store"] for r in requests.values()
                                          if r.get("store")})
@@ -229,7 +231,7 @@ class NodeChanges:
 
     # ------------------------------------------------------------ a collective cut short
 
-    def follow_departure(self, announced: dict[str, Any], trainer: Recoverable, t0: float
+    def follow_departure(self, announced: dict[str, Any], loop: Recoverable, t0: float
                          ) -> NoReturn:
         """Node(s) left: lost (an agent announced it: no heartbeat), or preempted (the lowest
         remaining rank announced it at a step boundary, while this rank's collective was cut
@@ -249,26 +251,26 @@ class NodeChanges:
             self.client.switch(announced["store"])
         if self.node in announced["departed"] and announced["reason"] == "preempted":
             raise Preempted(f"node {self.node} preempted: it left the job after step "
-                            f"{trainer.state.step}; the others go on at world size "
+                            f"{loop.session.state.step}; the others go on at world size "
                             f"{announced['world_size']} (generation {generation})")
         if self.node in announced["departed"]:
             raise FencedOut(f"node {self.node} was declared lost in generation {generation} "
                             f"({announced['reason']}: no heartbeat within "
                             "recovery.node_timeout_seconds); the group went on without it and "
                             "this node commits nothing")
-        report = RecoveryReport(generation, announced["failed"], trainer.state.step)
+        report = RecoveryReport(generation, announced["failed"], loop.session.state.step)
         report.phases["detection"] = time.perf_counter() - t0
         log.warning("membership: node(s) %s %s (ranks %s); generation %d goes on at world "
                     "size %d, this rank %d -> %d", announced["departed"], announced["reason"],
-                    announced["failed"], generation, announced["world_size"], trainer.info.rank,
-                    announced["members"].index(trainer.info.rank))
-        trainer.session.callbacks.on_phase("recovering", "membership change", True)
-        self._changed(trainer, announced["reason"])
+                    announced["failed"], generation, announced["world_size"], loop.info.rank,
+                    announced["members"].index(loop.info.rank))
+        loop.session.callbacks.on_phase("recovering", "membership change", True)
+        self._changed(loop, announced["reason"])
         members = announced["members"]
-        self._regroup(trainer, members.index(trainer.info.rank), len(members), generation,
+        self._regroup(loop, members.index(loop.info.rank), len(members), generation,
                       report)
 
-    def follow_join(self, announced: dict[str, Any], trainer: Recoverable, t0: float
+    def follow_join(self, announced: dict[str, Any], loop: Recoverable, t0: float
                     ) -> NoReturn:
         """Rank 0 announced that node(s) join while this rank's collective was cut short:
         go on as the same rank in the larger group. ``t0``: when the failure was seen
@@ -278,17 +280,17 @@ class NodeChanges:
             Regroup: always.
         """
         generation = self.formation.generation + 1
-        report = RecoveryReport(generation, [], trainer.state.step,
+        report = RecoveryReport(generation, [], loop.session.state.step,
                                 cause="the step boundary of the join")
         report.phases["detection"] = time.perf_counter() - t0
-        trainer.session.callbacks.on_phase("recovering", "membership change", True)
-        self._changed(trainer, "joined")
-        self._regroup(trainer, trainer.info.rank, announced["world_size"], generation, report)
+        loop.session.callbacks.on_phase("recovering", "membership change", True)
+        self._changed(loop, "joined")
+        self._regroup(loop, loop.info.rank, announced["world_size"], generation, report)
 
-    def _changed(self, trainer: Recoverable, reason: str) -> None:
-        trainer.session.callbacks.on_membership_change(reason)
+    def _changed(self, loop: Recoverable, reason: str) -> None:
+        loop.session.callbacks.on_membership_change(reason)
 
-    def _regroup(self, trainer: Recoverable, rank: int, world_size: int, generation: int,
+    def _regroup(self, loop: Recoverable, rank: int, world_size: int, generation: int,
                  report: RecoveryReport) -> NoReturn:
         """Leave the old group (its connections cut, so no peer waits on this rank) and
         re-form it as ``rank`` of ``world_size`` in ``generation``.
@@ -298,6 +300,6 @@ class NodeChanges:
         """
         self.join_waiting = False
         self.sockets.cut()
-        release_groups_of(trainer.checkpoints.state["model"])  # freed now, not at exit
+        release_groups_of(loop.session.checkpoints.state["model"])  # freed now, not at exit
         dist.destroy_process_group()
         raise Regroup(rank, world_size, generation, report)

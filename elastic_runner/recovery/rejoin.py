@@ -11,9 +11,8 @@ the newest checkpoint, still in its process.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -21,7 +20,6 @@ import torch.distributed as dist
 from ..config_base import ConfigError
 from .peer_copies import (
     Copy,
-    NoCopies,
     PeerCopies,
     hand_over,
     pack,
@@ -31,63 +29,9 @@ from .peer_copies import (
     send,
     unpack,
 )
-
-if TYPE_CHECKING:
-    from ..checkpoint.manager import CheckpointManager
-    from ..data.sampler import ElasticSampler
-    from ..dist import DistInfo
-    from ..preempt import PreemptionFlag
-    from ..train.config import BatchConfig
-    from ..train.session import TrainingSession
-    from ..train.state import TrainState
+from .recoverable import Live, Recoverable
 
 log = logging.getLogger(__name__)
-
-
-class RecoveryHooks(Protocol):
-    """What a rejoin uses of the process's recovery (``inplace.InPlaceRecovery``): the peer
-    copies, a survivor's live state, and torch's restart path."""
-
-    copies: PeerCopies | NoCopies
-    live: Live | None
-
-    def ask_restart(self) -> None: ...
-
-
-class Recoverable(Protocol):
-    """What in-place recovery uses of one rank's training loop: the built-in
-    :class:`~elastic_runner.trainer.loop.Trainer` and a user's
-    :class:`~elastic_runner.own_loop.FaultTolerantLoop` both implement it. Its rank, session,
-    state, sampler and checkpoints, its preemption flag, the fingerprint of what it built, the
-    last step whose post-step work is done; ``batch``: the global batch policy a departure must
-    keep (None: any world size); ``hsdp_replicas``: the FSDP replica groups (1: none);
-    ``regroups``: whether it can go on at another world size in place (nodes joining and
-    leaving; else those take torch's restart path); and the calls that go on in a new group
-    (``group_formed``: the group exists, with ``joining`` its replacements' ranks; ``rewrap``:
-    a new DDP on it); with no peer holding the state, the session loads the newest
-    checkpoint."""
-
-    info: DistInfo
-    session: TrainingSession
-    preempt: PreemptionFlag
-    fingerprint: str
-    after_done: int
-    batch: BatchConfig | None
-    hsdp_replicas: int
-    regroups: bool
-    rewrap: Callable[[], None]
-    recovery: RecoveryHooks
-
-    def group_formed(self, joining: list[int]) -> None: ...
-
-    @property
-    def state(self) -> TrainState: ...
-
-    @property
-    def sampler(self) -> ElasticSampler: ...
-
-    @property
-    def checkpoints(self) -> CheckpointManager: ...
 
 
 @dataclass
@@ -96,7 +40,7 @@ class RecoveryReport:
     failed collective -> the agent named the failed rank), ``teardown`` (old group destroyed),
     ``group`` (new group formed, including waiting for the replacement), ``state`` (progress
     exchanged, state sent to the joiner, DDP re-wrapped), ``first step`` (-> the next committed
-    step; filled in by the trainer). ``cause``: what started it, for the log line."""
+    step; filled in by the loop). ``cause``: what started it, for the log line."""
 
     generation: int
     failed_ranks: list[int]
@@ -112,40 +56,20 @@ class RecoveryReport:
         return sum(self.phases.values())
 
 
-@dataclass
-class Live:
-    """A survivor's sharded state as a failure left it (committed ``step``, post-step work done
-    up to ``after``), on the CPU: under HSDP the replicas of a dead rank's shard hold exactly
-    what it held, so the group goes on from here, nothing redone."""
-
-    step: int
-    after: int
-    world_size: int
-    state: dict[str, Any]
-
-    @classmethod
-    def of(cls, trainer: Recoverable) -> Live | None:
-        """``trainer``'s state, under HSDP only (``distributed.fsdp.replicas`` > 1)."""
-        if trainer.hsdp_replicas == 1:
-            return None
-        return cls(trainer.state.step, trainer.after_done, trainer.info.world_size,
-                   trainer.checkpoints.local_copy())
-
-
-def wire_device(trainer: Recoverable) -> torch.device:
+def wire_device(loop: Recoverable) -> torch.device:
     """Where point-to-point payloads travel: nccl moves device tensors only; gloo host ones."""
-    return trainer.info.device if dist.get_backend() == "nccl" else torch.device("cpu")
+    return loop.info.device if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
-def gather(trainer: Recoverable, mine: dict[str, Any]) -> list[dict[str, Any]]:
+def gather(loop: Recoverable, mine: dict[str, Any]) -> list[dict[str, Any]]:
     """``mine`` (with the task's fingerprint) from every member of the new group.
 
     Raises:
         ConfigError: the joiner built another task, or for another global batch, than the
             survivors."""
-    everyone: list[Any] = [None] * trainer.info.world_size
-    dist.all_gather_object(everyone, {**mine, "fingerprint": trainer.fingerprint,
-                                      "global_batch": trainer.sampler.global_batch_size})
+    everyone: list[Any] = [None] * loop.info.world_size
+    dist.all_gather_object(everyone, {**mine, "fingerprint": loop.profile.fingerprint,
+                                      "global_batch": loop.session.sampler.global_batch_size})
     if len({s["fingerprint"] for s in everyone}) > 1:
         raise ConfigError("the replacement built another task than the survivors: "
                           + "; ".join(f"rank {r}: {s['fingerprint']}"
@@ -158,46 +82,46 @@ def gather(trainer: Recoverable, mine: dict[str, Any]) -> list[dict[str, Any]]:
     return everyone
 
 
-def from_checkpoint(trainer: Recoverable, joining: bool) -> None:
+def from_checkpoint(loop: Recoverable, joining: bool) -> None:
     """Every member loads the newest checkpoint (collective); without one, torch's restart
     path (a rebuilt sharded model holds no trained weights).
 
     Raises:
         RuntimeError: there is no checkpoint and the state is not held by any member."""
-    if not trainer.session.resume() and trainer.checkpoints.sharded:
-        trainer.recovery.ask_restart()
+    if not loop.session.resume() and loop.session.checkpoints.sharded:
+        loop.recovery.ask_restart()
         raise RuntimeError("in-place recovery: no peer copy and no checkpoint holds the "
                            "sharded state; restarting every worker")
-    trainer.after_done = trainer.state.step
-    trainer.rewrap()
-    trainer.session.callbacks.on_recovered(trainer.state.step, joining,
-                                           trainer.sampler.last_step)
+    loop.after_done = loop.session.state.step
+    loop.rewrap()
+    loop.session.callbacks.on_recovered(loop.session.state.step, joining,
+                                           loop.session.sampler.last_step)
 
 
-def _rejoin_sharded(trainer: Recoverable, joining: bool, report: RecoveryReport | None) -> None:
+def _rejoin_sharded(loop: Recoverable, joining: bool, report: RecoveryReport | None) -> None:
     """:func:`rejoin` under FSDP: every member rolls back to the peer copies' step, a
     replacement with the copy its successor held (``recovery/peer_copies.py``); when the copies
     do not cover every rank, to the newest checkpoint. Collective."""
-    rank, world_size = trainer.info.rank, trainer.info.world_size
-    copies, recovery = trainer.recovery.copies, trainer.recovery
+    rank, world_size = loop.info.rank, loop.info.world_size
+    copies, recovery = loop.recovery.copies, loop.recovery
     live, recovery.live = recovery.live, None
-    everyone = gather(trainer, {**copies.summary(), "joining": joining,
+    everyone = gather(loop, {**copies.summary(), "joining": joining,
                                  "live": None if live is None else
                                  [live.step, live.after, live.world_size]})
-    replicas = plan_replicas(everyone, trainer.hsdp_replicas)
+    replicas = plan_replicas(everyone, loop.profile.hsdp_replicas)
     if replicas is not None:
-        _from_replicas(trainer, live, *replicas, joining, report)
+        _from_replicas(loop, live, *replicas, joining, report)
         return
     chosen = plan(everyone)
     if isinstance(chosen, str):
         log.warning("in-place recovery under FSDP: %s; every rank loads the newest checkpoint",
                     chosen)
-        from_checkpoint(trainer, joining)
+        from_checkpoint(loop, joining)
         if report is not None:
-            report.redone = max(report.step - trainer.state.step, 0)
+            report.redone = max(report.step - loop.session.state.step, 0)
         return
     step, sources = chosen
-    wire = wire_device(trainer)
+    wire = wire_device(loop)
     received = hand_over(lambda: copies.held.payload,  # type: ignore[union-attr]
                          sources, rank, wire)
     if received is not None:  # plan() saw copies on every rank
@@ -206,26 +130,26 @@ def _rejoin_sharded(trainer: Recoverable, joining: bool, report: RecoveryReport 
     assert own is not None
     holder = sources.get(rank, rank)
     # the goodput account too: the undone steps must not stay productive (observe/goodput.py)
-    trainer.checkpoints.load_local_copy(
+    loop.session.checkpoints.load_local_copy(
         unpack(own.payload), f"rank {holder}'s copy of rank {rank}'s state (step {step})")
     copies.reshare(rank, world_size, wire)  # type: ignore[union-attr]
-    trainer.after_done = step
+    loop.after_done = step
     if report is not None:
         report.source, report.received = holder, received is not None
         report.redone = max(report.step - step, 0)
-    trainer.rewrap()
-    trainer.session.callbacks.on_recovered(step, joining, trainer.sampler.last_step)
+    loop.rewrap()
+    loop.session.callbacks.on_recovered(step, joining, loop.session.sampler.last_step)
     log.info("rank %d %s step %d (peer copies; replacements %s)", rank,
              "received the state of" if received is not None else "rolled back to", step,
              sorted(sources) or "none")
 
 
-def _from_replicas(trainer: Recoverable, live: Live | None, step: int, after: int,
+def _from_replicas(loop: Recoverable, live: Live | None, step: int, after: int,
                    sources: dict[int, int], joining: bool, report: RecoveryReport | None) -> None:
     """HSDP: each replacement gets the live state of a surviving replica of its shard, every
     survivor reloads its own; nothing is redone. The peer copies are refreshed at once (the
     replacement has none)."""
-    rank, world_size, wire = trainer.info.rank, trainer.info.world_size, wire_device(trainer)
+    rank, world_size, wire = loop.info.rank, loop.info.world_size, wire_device(loop)
     received = hand_over(lambda: pack(live.state), sources, rank, wire)  # type: ignore[union-attr]
     if received is not None:
         state = unpack(received)
@@ -234,22 +158,22 @@ def _from_replicas(trainer: Recoverable, live: Live | None, step: int, after: in
         state = live.state
     holder = sources.get(rank, rank)
     # a survivor's own goodput account, as the failure left it: the time since is recovery
-    trainer.checkpoints.load_local_copy(state, f"rank {holder}'s state of step {step} (HSDP "
+    loop.session.checkpoints.load_local_copy(state, f"rank {holder}'s state of step {step} (HSDP "
                                         "replica)")
-    copies = trainer.recovery.copies
+    copies = loop.recovery.copies
     if isinstance(copies, PeerCopies):
-        copies.refresh(trainer.checkpoints.local_copy(), step, rank, world_size, wire)
-    trainer.after_done = after
+        copies.refresh(loop.session.checkpoints.local_copy(), step, rank, world_size, wire)
+    loop.after_done = after
     if report is not None:
         report.source, report.received = holder, rank in sources
-    trainer.rewrap()
-    trainer.session.callbacks.on_recovered(step, joining, trainer.sampler.last_step)
+    loop.rewrap()
+    loop.session.callbacks.on_recovered(step, joining, loop.session.sampler.last_step)
     log.info("rank %d %s step %d; replacement(s) %s received theirs from replica(s) %s", rank,
              "received the state of" if rank in sources else "goes on at", step, sorted(sources),
              [sources[r] for r in sorted(sources)])
 
 
-def rejoin(trainer: Recoverable, joining: bool, report: RecoveryReport | None = None) -> None:
+def rejoin(loop: Recoverable, joining: bool, report: RecoveryReport | None = None) -> None:
     """All members of a new group (the survivors and the joiner) agree on the state to go on
     from and install it (module docstring, step 3-4); then the group's rank 0 claims the
     checkpoint directory's next fencing token, at once rather than at its first save, so that
@@ -260,42 +184,42 @@ def rejoin(trainer: Recoverable, joining: bool, report: RecoveryReport | None = 
         FencedOut: (rank 0) another job claimed the checkpoint directory since this one did
             (``checkpoint/fencing.py``).
     """
-    if trainer.checkpoints.sharded:
-        _rejoin_sharded(trainer, joining, report)
+    if loop.session.checkpoints.sharded:
+        _rejoin_sharded(loop, joining, report)
     else:
-        _rejoin_replicated(trainer, joining, report)
-    trainer.checkpoints.claim()
+        _rejoin_replicated(loop, joining, report)
+    loop.session.checkpoints.claim()
 
 
-def _rejoin_replicated(trainer: Recoverable, joining: bool, report: RecoveryReport | None
+def _rejoin_replicated(loop: Recoverable, joining: bool, report: RecoveryReport | None
                        ) -> None:
     """:func:`rejoin` of replicas (DDP): the member furthest along sends its state."""
-    rank = trainer.info.rank
-    everyone = gather(trainer, {"step": trainer.state.step, "after": trainer.after_done,
+    rank = loop.info.rank
+    everyone = gather(loop, {"step": loop.session.state.step, "after": loop.after_done,
                                  "joining": joining})
     candidates = [r for r, s in enumerate(everyone) if not s["joining"]]
     if not candidates:  # every member is a replacement: the checkpoint is the fallback
         log.warning("in-place recovery: no survivor holds the state; resuming from the newest "
                     "checkpoint")
-        from_checkpoint(trainer, joining)
+        from_checkpoint(loop, joining)
         return
     src = max(candidates, key=lambda r: (everyone[r]["step"], everyone[r]["after"], -r))
     best = everyone[src]
     receivers = [r for r, s in enumerate(everyone)
                  if s["joining"] or (s["step"], s["after"]) != (best["step"], best["after"])]
-    wire = wire_device(trainer)
+    wire = wire_device(loop)
     if rank == src and receivers:
-        payload = pack(trainer.checkpoints.state_dict())
+        payload = pack(loop.session.checkpoints.state_dict())
         for r in receivers:
             send(payload, r, wire)
     elif rank in receivers:
-        raw = unpack(recv(src, wire), trainer.info.device)
-        trainer.checkpoints.load_from_peer(raw, src)
-    trainer.after_done = best["after"]
+        raw = unpack(recv(src, wire), loop.info.device)
+        loop.session.checkpoints.load_from_peer(raw, src)
+    loop.after_done = best["after"]
     if report is not None:
         report.source, report.received = src, rank in receivers
-    trainer.rewrap()
-    trainer.session.callbacks.on_recovered(trainer.state.step, joining,
-                                           trainer.sampler.last_step)
+    loop.rewrap()
+    loop.session.callbacks.on_recovered(loop.session.state.step, joining,
+                                           loop.session.sampler.last_step)
     log.info("rank %d %s step %d from rank %d", rank,
              "received the state of" if rank in receivers else "goes on at", best["step"], src)

@@ -66,8 +66,9 @@ class SessionOptions:
 
 @dataclass
 class TrainingSession:
-    """See the module docstring. Built by the trainer (``trainer/build.py``) or by
-    :func:`elastic_runner.fault_tolerant` for a user's own loop."""
+    """See the module docstring. Assembled for either loop (the trainer's ``trainer/build.py``,
+    :func:`elastic_runner.fault_tolerant` for a user's own loop) by
+    :func:`elastic_runner.rank_session.assemble_session`."""
 
     state: TrainState
     sampler: ElasticSampler

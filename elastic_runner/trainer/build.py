@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
 from ..checkpoint import storage as ckpt
-from ..checkpoint.manager import CheckpointManager
 from ..config import Config, fingerprint, task_builder
 from ..config_base import ConfigError
 from ..data.batches import check_samples
@@ -21,24 +21,20 @@ from ..data.sampler import ElasticSampler
 from ..dist import DistInfo, assert_same_across_ranks
 from ..observe.goodput import Goodput, process_start_time
 from ..observe.metrics import RankMetrics
-from ..observe.reporting import (
-    Budgets,
-    FaultInjection,
-    ProgressBar,
-    TensorBoardScalars,
-    runner_callbacks,
-)
+from ..observe.reporting import Budgets, FaultInjection, ProgressBar, TensorBoardScalars
 from ..parallel.base import Parallelism
 from ..parallel.choose import make_parallelism
 from ..preempt import PreemptionFlag
+from ..rank_session import CheckpointSpec, ReportingSpec, SessionSpec, assemble_session
+from ..recovery.recoverable import RecoveryProfile
 from ..tasks.base import TaskBundle, check_same_build, task_fingerprint
 from ..train import faults as fault_injection
-from ..train.callbacks import Callback, Callbacks
+from ..train.callbacks import Callback
 from ..train.config import BatchConfig
 from ..train.consensus import StepConsensus, make_consensus, skips_on_device
 from ..train.early_stop import EarlyStopping
 from ..train.session import SessionOptions, TrainingSession
-from ..train.state import RNGState, TrainState, seed_everything, use_deterministic_algorithms
+from ..train.state import seed_everything, use_deterministic_algorithms
 from ..train.stop import StopPolicy, StopReason
 from ..train.straggler import StragglerMonitor
 from .engine import StepEngine, precision_dtype
@@ -146,12 +142,13 @@ def build_trainer(cfg: Config, info: DistInfo, metrics: RankMetrics | None = Non
     metrics.world(info.world_size)
     preempt = PreemptionFlag()
     stateful = {"model": model, "optimizer": optimizer, "scheduler": scheduler,
-                "scaler": scaler, "sampler": sampler}
-    session = _session(cfg, info, net, stateful, total, metrics, preempt, built, joining)
-    session.fetched = loader.take_fetched  # the trace records what the loader fetched
+                "scaler": scaler}
+    session = _session(cfg, info, net, stateful, loader, total, metrics, preempt, built,
+                       joining)
     trainer = Trainer(cfg=cfg, info=info, bundle=bundle, model=model, optimizer=optimizer,
                       scheduler=scheduler, loader=loader, engine=engine, session=session,
-                      total_steps=total, preempt=preempt, fingerprint=built,
+                      total_steps=total, preempt=preempt,
+                      profile=RecoveryProfile(built, cfg.batch, cfg.distributed.fsdp.replicas),
                       parallelism=parallelism)
     session.save = trainer.save
     trainer.rewrap = lambda: _rewrap(cfg, info, trainer, parallelism)
@@ -281,51 +278,56 @@ def _loader(cfg: Config, info: DistInfo, bundle: TaskBundle) -> ElasticDataLoade
 
 
 def _session(cfg: Config, info: DistInfo, net: nn.Module, stateful: dict[str, Any],
-             total: int, metrics: RankMetrics, preempt: PreemptionFlag, task: str,
-             joining: bool = False) -> TrainingSession:
-    """The session; a joining replacement gets its vote and straggler exchange (collectives)
-    from ``_rewrap``, together with the group it joins."""
-    state, sampler = TrainState(), stateful["sampler"]
+             loader: ElasticDataLoader, total: int, metrics: RankMetrics,
+             preempt: PreemptionFlag, task: str, joining: bool = False) -> TrainingSession:
+    """The session (:func:`~elastic_runner.rank_session.assemble_session`); a joining
+    replacement gets its vote and straggler exchange (collectives) from ``_rewrap``, together
+    with the group it joins."""
+    sampler, model = loader.elastic_sampler, stateful["model"]
     stop = StopPolicy(cfg.training.max_steps, cfg.training.max_epochs,
                       EarlyStopping(cfg.early_stopping))
     faults = fault_injection.FaultInjector(cfg.faults, info.rank, info.restart_count)
-    goodput = Goodput(process_start_time(), metrics.goodput)
-    callbacks = Callbacks(_callbacks(cfg, info, total, metrics, sampler, faults, goodput))
-    injection = next((c for c in callbacks.items if isinstance(c, FaultInjection)), None)
-    model = stateful["model"]
 
     def after_load(raw: dict[str, Any]) -> None:
         fault_injection.perturb_replica(cfg.faults, info.rank, model)
-        check_same_build(raw, cfg.to_dict(), task,
-                         checkpoints.resumed_from or c.dir)
+        resumed_from = session.checkpoints.resumed_from
+        check_same_build(raw, cfg.to_dict(), task, resumed_from or cfg.checkpoint.dir)
         if fingerprint(raw["config"]) != cfg.fingerprint():
             log.warning("checkpoint %s was written with a different config; resuming anyway",
-                        checkpoints.resumed_from or "")
+                        resumed_from or "")
 
-    c = cfg.checkpoint
-    checkpoints = CheckpointManager(
-        c.dir, {**stateful, "train_state": state, "stop": stop, "rng": RNGState(),
-                "goodput": goodput},
-        every_steps=c.every_steps, every_seconds=c.every_seconds, async_save=c.async_save,
-        keep_last=c.keep_last, keep_best=c.keep_best,
-        extra={"config": cfg.to_dict(), "task_fingerprint": task},
-        meta=lambda: {"epoch": sampler.epoch, "cursor": sampler.cursor,
-                      "world_size": info.world_size,
-                      "global_batch_size": sampler.global_batch_size,
-                      "config_hash": cfg.fingerprint(),
-                      "finished": stop.stopped},
-        listener=callbacks, after_load=after_load, migrate=migrate_checkpoint, rank=info.rank,
-        layout=checkpoint_layout(cfg))
-    return TrainingSession(
-        state=state, sampler=sampler, checkpoints=checkpoints,
-        consensus=_consensus(cfg, info, net, stateful["optimizer"], preempt), stop=stop,
-        callbacks=callbacks, device=info.device, rank=info.rank, world_size=info.world_size,
-        straggler=StragglerMonitor(0.0 if joining else cfg.metrics.straggler_threshold,
-                                   info.rank, info.world_size, info.device),
+    w = cfg.watchdog
+    session, _ = assemble_session(SessionSpec(
+        place=info, sampler=sampler, stateful=stateful,
+        checkpoint=_checkpoint_spec(cfg, task, stop, after_load),
+        reporting=ReportingSpec(
+            metrics, Budgets(w.hang_timeout_seconds, w.long_op_timeout_seconds,
+                             cfg.metrics.heartbeat_timeout_seconds),
+            cfg.audit.trace_dir, total, w.dump_grace_seconds),
+        consensus=_consensus(cfg, info, net, stateful["optimizer"], preempt),
         options=SessionOptions(cfg.seed, cfg.training.log_every_steps,
                                cfg.training.max_bad_steps),
-        lr=lambda: stateful["scheduler"].get_last_lr()[0],
-        poisoned=injection.poisoned if injection else (lambda step: False))
+        lr=lambda: stateful["scheduler"].get_last_lr()[0], stop=stop,
+        goodput=Goodput(process_start_time(), metrics.goodput),
+        callbacks=_callbacks(cfg, info, total),
+        faults=FaultInjection(faults) if faults.active else None,
+        straggler_threshold=0.0 if joining else cfg.metrics.straggler_threshold,
+        # the trace records what the loader fetched
+        fetched=loader.take_fetched))
+    return session
+
+
+def _checkpoint_spec(cfg: Config, task: str, stop: StopPolicy,
+                     after_load: Callable[[dict[str, Any]], None]) -> CheckpointSpec:
+    """The ``checkpoint`` section's cadence, retention and layout; the manifest records the
+    config's hash and, once the stop policy stopped, that the run finished."""
+    c = cfg.checkpoint
+    return CheckpointSpec(
+        c.dir, cfg.fingerprint(), lambda: stop.stopped, every_steps=c.every_steps,
+        every_seconds=c.every_seconds, async_save=c.async_save, keep_last=c.keep_last,
+        keep_best=c.keep_best, layout=checkpoint_layout(cfg),
+        extra={"config": cfg.to_dict(), "task_fingerprint": task}, after_load=after_load,
+        migrate=migrate_checkpoint)
 
 
 def migrate_checkpoint(raw: dict[str, Any]) -> dict[str, Any]:
@@ -351,20 +353,12 @@ def legacy_stop_state(raw: dict[str, Any]) -> dict[str, Any]:
                             "early_stopping": raw["early_stopping"]}}
 
 
-def _callbacks(cfg: Config, info: DistInfo, total: int, metrics: RankMetrics,
-               sampler: ElasticSampler, faults: fault_injection.FaultInjector, goodput: Goodput
-               ) -> list[Callback]:
-    """The reporting features that are on, in the order they see each event."""
-    w = cfg.watchdog
-    budgets = Budgets(w.hang_timeout_seconds, w.long_op_timeout_seconds,
-                      cfg.metrics.heartbeat_timeout_seconds)
-    out = runner_callbacks(metrics, budgets, info.rank, info.world_size, sampler.num_samples,
-                           total, cfg.audit.trace_dir, w.dump_grace_seconds, sampler.last_step)
-    out.append(goodput)
+def _callbacks(cfg: Config, info: DistInfo, total: int) -> list[Callback]:
+    """The trainer's reporting besides the runner's, goodput's and the faults': TensorBoard
+    and the progress bar when they are on."""
+    out: list[Callback] = []
     if info.is_main and cfg.logging.tensorboard_dir:
         out.append(TensorBoardScalars(cfg.logging.tensorboard_dir))
     if ProgressBar.wanted(info.is_main, cfg.logging.progress_bar):
         out.append(ProgressBar(total))
-    if faults.active:
-        out.append(FaultInjection(faults))  # last: a kill after the step is reported
     return out

@@ -34,9 +34,9 @@ from ..dist import DistInfo, all_reduce_sums, broadcast_object, max_over_ranks, 
 from ..parallel.base import Parallelism, SingleProcess
 from ..preempt import PreemptionFlag
 from ..recovery.inplace import InPlaceRecovery, NoRecovery, StepRedo
+from ..recovery.recoverable import RecoveryProfile
 from ..recovery.rejoin import RecoveryReport
 from ..tasks.base import TaskBundle, metric_sums
-from ..train.config import BatchConfig
 from ..train.faults import planted_metric
 from ..train.session import RollbackRequested, TrainingFailed, TrainingSession
 from ..train.state import TrainState
@@ -65,7 +65,9 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int, min_ratio: float,
 
 @dataclass
 class Trainer:
-    """Everything one rank needs to train; built by :func:`elastic_runner.trainer.build.build_trainer`."""
+    """Everything one rank needs to train; built by
+    :func:`elastic_runner.trainer.build.build_trainer`. In-place recovery sees it as a
+    :class:`~elastic_runner.recovery.recoverable.Recoverable`."""
 
     cfg: Config
     info: DistInfo
@@ -78,8 +80,11 @@ class Trainer:
     session: TrainingSession
     total_steps: int
     preempt: PreemptionFlag
+    # what in-place recovery may do (recovery.recoverable): the fingerprint is the task's build
+    # (tasks.base.task_fingerprint); nodes join and leave in place (worker.regroup rebuilds
+    # the trainer)
+    profile: RecoveryProfile
     results: dict[str, Any] = field(default_factory=dict)
-    fingerprint: str = ""  # the task's build (tasks.base.task_fingerprint)
     recovery: InPlaceRecovery | NoRecovery = field(default_factory=NoRecovery)
     rewrap: Callable[[], None] = lambda: None  # a new DDP (and vote) on the current group
     parallelism: Parallelism = field(default_factory=SingleProcess)
@@ -103,17 +108,6 @@ class Trainer:
     @property
     def checkpoints(self) -> CheckpointManager:
         return self.session.checkpoints
-
-    # what in-place recovery reads (recovery.rejoin.Recoverable)
-    regroups = True  # nodes join and leave in place (worker.regroup rebuilds the trainer)
-
-    @property
-    def batch(self) -> BatchConfig:
-        return self.cfg.batch
-
-    @property
-    def hsdp_replicas(self) -> int:
-        return self.cfg.distributed.fsdp.replicas
 
     def group_formed(self, joining: list[int]) -> None:
         """A replacement's model is wrapped with the group's in ``rewrap``: nothing here."""

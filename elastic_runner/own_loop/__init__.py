@@ -1,0 +1,210 @@
+"""Fault tolerance for your own training loop, in a few changed lines.
+
+    loader = elastic_dataloader(train_set, micro_batch_size=16, seed=0)
+    ft = fault_tolerant(model, optimizer, loader, checkpoint_dir="runs/ckpt", every_steps=50)
+    step, epoch = ft.resume()                   # newest valid checkpoint, or step 0
+    while step < max_steps:
+        loader.elastic_sampler.set_epoch(epoch)
+        for x, y in loader:                     # this rank's remaining micro-batches
+            optimizer.zero_grad()
+            ft.backward(loss_fn(model(x), y))   # instead of loss.backward()
+            if ft.should_commit():              # same answer on every rank
+                optimizer.step()
+            step = ft.step_done()               # cursor, metrics, checkpoint cadence, SIGTERM
+            ...                                 # your work after the step (evaluate, log)
+        epoch += 1
+    ft.close()                                  # final checkpoint, committed
+
+Under ``torchrun`` or ``elastic-runner run`` every (re)start resumes from the newest valid
+checkpoint at the exact next step, at any world size (the sampler's global cursor); SIGTERM
+(preemption) discards the step in flight on every rank, commits a checkpoint of the last applied
+step and exits 143 (put an LR scheduler's ``step()`` inside ``if ft.should_commit():``); per-rank
+metrics are recorded (served by ``elastic-runner run``'s agent, or on ``metrics.port +
+local_rank`` under plain torchrun); a hang past the watchdog budget dumps stacks and exits. A
+streak of non-finite steps fails the process, and the restart resumes from the last checkpoint.
+
+The checkpoint of step N holds all of step N, the loop's own work after ``step_done()`` too (an
+evaluation, early-stopping bookkeeping kept in ``state=``): ``step_done()`` decides whether step
+N is checkpointed, and the snapshot is taken at the next boundary the loop reaches, the loader's
+next batch, the next :meth:`FaultTolerantLoop.backward` or :meth:`FaultTolerantLoop.close`,
+where the next step begins (its RNG streams reseeded, its watchdog budget armed). Between
+``step_done()`` and that boundary the watchdog allows ``long_op_timeout_seconds``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import yaml
+from torch import nn
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ..data.loader import ElasticDataLoader
+from ..data.sampler import ElasticSampler
+from ..dist import DistInfo, current_rank
+from ..logs import setup_logging
+from ..observe.config import MetricsConfig
+from ..observe.metrics import RankMetrics
+from ..observe.reporting import Budgets, FaultInjection
+from ..preempt import PreemptionFlag
+from ..rank_session import CheckpointSpec, ReportingSpec, SessionSpec, assemble_session
+from ..recovery.recoverable import RecoveryProfile
+from ..recovery.script import ScriptRecovery
+from ..script_env import FAULTS_ENV, FAULTS_TRIGGER_ENV, TRACE_DIR_ENV
+from ..train.callbacks import Callback
+from ..train.config import FaultConfig, FaultSpec
+from ..train.consensus import CommHook, StepConsensus, make_consensus
+from ..train.faults import FaultInjector
+from ..train.session import SessionOptions
+from .in_place import in_place_process
+from .loop import FaultTolerantLoop
+from .parts import LoopParts
+
+__all__ = ["DEFAULT_EVERY_SECONDS", "FaultTolerantLoop", "fault_tolerant", "model_fingerprint"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_EVERY_SECONDS = 300.0  # fault_tolerant's checkpoint cadence when none is given
+
+
+def fault_tolerant(model: nn.Module, optimizer: torch.optim.Optimizer,
+                   loader: ElasticDataLoader, *, checkpoint_dir: str, every_steps: int = 0,
+                   every_seconds: float | None = None, async_save: bool = True,
+                   keep_last: int = 3, state: Mapping[str, Stateful] | None = None,
+                   log_every_steps: int = 10, max_bad_steps: int = 3,
+                   hang_timeout_seconds: float | None = 300.0,
+                   long_op_timeout_seconds: float = 1800.0,
+                   metrics: MetricsConfig | None = None, trace_dir: str | None = None,
+                   comm_hook: CommHook | None = None, hook_state: Any = None,
+                   callbacks: list[Callback] | None = None) -> FaultTolerantLoop:
+    """Make a user's DDP or FSDP2 loop fault-tolerant (see the module docstring).
+
+    Args:
+        model: the model as trained: a ``DistributedDataParallel`` (its step vote then rides on
+            the gradient all-reduce), a module sharded with ``fully_shard`` (FSDP2: checkpoints
+            are sharded through DCP, every rank writes its part, a resume reshards to the world
+            size; the vote travels in the gradients as on DDP) or a plain module (world size 1,
+            or a vote by all-reduce).
+        optimizer: its optimizer (checkpointed).
+        loader: an :class:`~elastic_runner.data.loader.ElasticDataLoader` (its cursor is
+            checkpointed and only finished steps move it).
+        checkpoint_dir: local path or fsspec URL shared by all nodes.
+        every_steps, every_seconds, async_save, keep_last: checkpoint cadence and retention;
+            with neither ``every_steps`` nor ``every_seconds`` given, a checkpoint every
+            :data:`DEFAULT_EVERY_SECONDS` seconds (logged once), so a crash never resumes
+            from step 0 after a long run.
+        state: more ``Stateful`` objects to checkpoint (an LR scheduler, a GradScaler, ...).
+        log_every_steps: the loss is read from the device, averaged and logged this often.
+        max_bad_steps: non-finite steps in a row before the process fails (and resumes).
+        hang_timeout_seconds: a step that takes longer is a hang (None: no watchdog limit);
+            the first step of an attempt and checkpoint I/O get ``long_op_timeout_seconds``.
+        metrics: the ``metrics`` section (port, address, labels); default: recorded, not served.
+        trace_dir: write the sample audit trace (``elastic-runner audit DIR``) there
+            (``elastic-runner run script.py --trace-samples DIR`` sets another).
+        comm_hook, hook_state: your own DDP comm hook, wrapped rather than replaced (the vote
+            then costs one small all-reduce per step; without it, none).
+        callbacks: your own :class:`~elastic_runner.train.callbacks.Callback` objects.
+
+    The runner logs to stderr (rank 0: INFO, others: WARNING) unless the program configured
+    logging (a handler on the root or the ``elastic_runner`` logger) before this call.
+
+    Raises:
+        TypeError: a value of ``state`` is not ``Stateful``.
+    """
+    trace_dir = os.environ.get(TRACE_DIR_ENV) or trace_dir
+    inner = model.module if isinstance(model, DDP) else model
+    device = next(inner.parameters()).device
+    rank, sampler = current_rank(), loader.elastic_sampler
+    own_logging = (not logging.getLogger("elastic_runner").handlers
+                   and not logging.getLogger().handlers)
+    if own_logging:
+        setup_logging(rank)  # the runner's lines (resumed from, checkpoints) unless you log
+    preempt = PreemptionFlag()
+    preempt.install()
+    rank_metrics, closing = _metrics(metrics or MetricsConfig())
+    reporting = ReportingSpec(rank_metrics, Budgets(hang_timeout_seconds,
+                                                    long_op_timeout_seconds), trace_dir)
+    if not every_steps and every_seconds is None:
+        every_seconds = DEFAULT_EVERY_SECONDS
+        if rank == 0:
+            log.info("fault_tolerant: no checkpoint cadence given (every_steps, "
+                     "every_seconds): a checkpoint every %g s", every_seconds)
+    process = in_place_process(model)
+    fingerprint = model_fingerprint(inner, sampler)
+    closing_flag = [False]  # the manifest's "finished": the checkpoint of close()
+
+    def vote() -> StepConsensus:  # a membership change's step boundary stops it too
+        return make_consensus(model, lambda: preempt.stop_asked, comm_hook, hook_state)
+
+    info = _dist_info(rank, sampler.world_size, device)
+    session, ours = assemble_session(SessionSpec(
+        place=info, sampler=sampler, stateful={"model": inner, "optimizer": optimizer},
+        checkpoint=CheckpointSpec(checkpoint_dir, fingerprint, lambda: closing_flag[0],
+                                  every_steps=every_steps, every_seconds=every_seconds,
+                                  async_save=async_save, keep_last=keep_last),
+        reporting=reporting, consensus=vote(),
+        options=SessionOptions(sampler.seed, log_every_steps, max_bad_steps),
+        lr=lambda: optimizer.param_groups[0]["lr"], callbacks=callbacks or [],
+        faults=_faults(rank), more_state=state or {}, fetched=loader.take_fetched))
+    # an FSDP2 loop's shards cannot take another world size in its process
+    profile = RecoveryProfile(fingerprint, regroups=not session.checkpoints.sharded)
+    parts = LoopParts(info, preempt, profile, process, model, loader, vote, closing_flag,
+                      rank_metrics, lambda r, w: reporting.callbacks(r, w, sampler), ours,
+                      own_logging)
+    params = [p for p in inner.parameters() if p.requires_grad]
+    loop = FaultTolerantLoop(session, params, closing, parts)
+    loop.recovery.bind(loop)
+    session.leave = lambda: loop.recovery.leave(loop)  # nodes leave and join in place
+    if isinstance(process, ScriptRecovery):
+        loop.in_place.guard(model)
+    loader.before_hand_out = loop._begin_step  # the next step's first batch: its boundary
+    return loop
+
+
+def _dist_info(rank: int, world_size: int, device: torch.device) -> DistInfo:
+    return DistInfo(rank=rank, local_rank=int(os.environ.get("LOCAL_RANK", 0)),
+                    world_size=world_size,
+                    local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
+                    node_rank=int(os.environ.get("GROUP_RANK", 0)),
+                    restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
+                    device=device,
+                    backend=dist.get_backend() if dist.is_initialized() else "")
+
+
+def model_fingerprint(model: nn.Module, sampler: ElasticSampler) -> str:
+    """What a replacement must have built like the survivors: the model's parameter and
+    buffer names, shapes and dtypes, and the data's size and order (samples, seed,
+    micro-batch). Hex SHA-256."""
+    parts = [f"{n}:{tuple(t.shape)}:{t.dtype}" for n, t in model.state_dict().items()
+             if isinstance(t, torch.Tensor)]
+    parts.append(f"data:{sampler.num_samples}:{sampler.seed}:{sampler.micro_batch_size}")
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
+def _metrics(cfg: MetricsConfig) -> tuple[RankMetrics, list[Any]]:
+    """This rank's series, served on ``port + local_rank`` when no elastic-runner agent serves
+    the node's (plain torchrun)."""
+    from ..worker import worker_metrics
+
+    metrics, server = worker_metrics(cfg)
+    return metrics, [server] if server is not None else []
+
+
+def _faults(rank: int) -> FaultInjection | None:
+    """Fault drills through ``ELASTIC_RUNNER_FAULTS`` (a YAML list of fault specs) and
+    ``ELASTIC_RUNNER_FAULTS_TRIGGER`` (a trigger file: ``faults.trigger_file``)."""
+    text = os.environ.get(FAULTS_ENV)
+    trigger = os.environ.get(FAULTS_TRIGGER_ENV) or None
+    if not text and not trigger:
+        return None
+    specs = [FaultSpec(**spec) for spec in yaml.safe_load(text or "[]")]
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    return FaultInjection(FaultInjector(FaultConfig(inject=specs, trigger_file=trigger), rank,
+                                        restart))

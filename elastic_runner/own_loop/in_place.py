@@ -1,0 +1,294 @@
+"""A script loop's side of in-place recovery (``recovery/inplace.py``): the loop's collectives
+run guarded, a peer's death in one re-forms the group without leaving the process, nodes leaving
+or joining move this rank's place, and the script's model object goes on in the new group. The
+step in flight is discarded on every rank; its micro-batches come again from the loader."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from .. import compat
+from ..logs import setup_logging
+from ..recovery.inplace import InPlaceRecovery, NoRecovery, Regroup, StepRedo
+from ..recovery.recoverable import Recoverable
+from ..recovery.rejoin import RecoveryReport, rejoin
+from ..recovery.script import NoScriptRecovery, ScriptRecovery
+from ..recovery.script import current as current_process
+from ..train.session import TrainingFailed
+from ..train.straggler import StragglerMonitor
+from .parts import LoopParts
+
+log = logging.getLogger("elastic_runner.own_loop")
+
+
+class LoopRecovery:
+    """The in-place recovery of one :class:`~elastic_runner.own_loop.loop.FaultTolerantLoop`.
+
+    Args:
+        loop: the loop, as the recovery sees it.
+        parts: what the loop holds besides its session (``parts.info`` moves on a regroup).
+        params: the script's trainable parameters (a discarded step's gradients are dropped).
+        discarded: called once a recovery discarded the step in flight on every rank (the loop
+            then redoes it from its first micro-batch).
+    """
+
+    def __init__(self, loop: Recoverable, parts: LoopParts, params: list[nn.Parameter],
+                 discarded: Callable[[], None]) -> None:
+        self._loop, self._parts, self._params = loop, parts, params
+        self._discarded = discarded
+        self._recovery: InPlaceRecovery | NoRecovery = parts.process.recovery
+        self._recovering: RecoveryReport | None = None  # done at the next committed step
+        self._t_recovered = 0.0
+
+    def collective(self, call: Callable[..., Any], *args: Any) -> bool:
+        """``call(*args)``; when one of its collectives fails because a peer died (in-place
+        recovery on): the group is re-formed without leaving this process and False is
+        returned: the step in flight is discarded on every rank, and its micro-batches come
+        again from the loader.
+
+        Raises:
+            RuntimeError: the error, when no peer died or recovery is off (torch's restart
+                path).
+        """
+        try:
+            try:
+                call(*args)
+            except RuntimeError as e:
+                if isinstance(e, TrainingFailed) or not self._recovery.active:
+                    raise
+                self._recover(e)
+                return False
+        except Regroup as r:  # nodes left or joined: this rank goes on in another group
+            self._regroup(r)
+            return False
+        except StepRedo:  # a membership boundary that changed nothing: the step is redone
+            self._forget_step()
+            self._parts.loader.restart()
+            return False
+        return True
+
+    def committed(self, step: int) -> None:
+        """Step ``step`` is committed: the first one after an in-place recovery completes its
+        report."""
+        report, self._recovering = self._recovering, None
+        if report is None:
+            return
+        report.phases["first step"] = time.perf_counter() - self._t_recovered
+        log.warning("in-place recovery %d done: step %d committed %.3f s after %s (%s)",
+                    report.generation, step, report.seconds, report.cause,
+                    ", ".join(f"{k} {v:.3f} s" for k, v in report.phases.items()))
+        self._loop.session.callbacks.on_recovery_report(report)
+
+    # ------------------------------------------------------------ the script's model
+
+    def guard(self, model: nn.Module) -> None:
+        """The script's model recovers where its own collectives fail: a DDP's forward, an
+        FSDP2 root module's call (a plain module has none)."""
+        if isinstance(model, DDP):
+            self._guard_forward(model)
+        elif self._loop.session.checkpoints.sharded:
+            self._guard_call(model)
+
+    def _guard_forward(self, ddp: DDP) -> None:
+        """The script's DDP forward carries collectives of its own (the buffers' broadcast,
+        the buckets' rebuild after a new reducer): when one fails because a peer died, the
+        group is re-formed there (:meth:`collective`) and the forward returns the local
+        module's output without autograd, for a step that is discarded anyway (the loop's
+        ``backward`` does nothing, its ``should_commit`` answers False)."""
+        forward = ddp.forward
+
+        def guarded(*args: Any, **kwargs: Any) -> Any:
+            out: list[Any] = []
+            if self.collective(lambda: out.append(forward(*args, **kwargs))):
+                return out[0]
+            with torch.no_grad():
+                return ddp.module(*args, **kwargs)
+
+        ddp.forward = guarded  # type: ignore[method-assign]
+
+    def _guard_call(self, module: nn.Module) -> None:
+        """The script's FSDP2 root module gathers its shards in forward hooks: when a
+        collective of its call fails because a peer died, the group is re-formed there
+        (:meth:`collective`) and the call returns zeros shaped as this process's last output,
+        for a step that is discarded anyway. Its class becomes a subclass with that
+        ``__call__``, as ``fully_shard`` itself swaps the class."""
+        cls, recovery = type(module), self
+        last: list[Any] = []
+
+        def guarded(mod: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            out: list[Any] = []
+            if recovery.collective(lambda: out.append(cls.__call__(mod, *args, **kwargs))):
+                last[:] = [_each_tensor(_meta, out[0])]
+                return out[0]
+            if not last:  # recovered before any output: nothing to stand in for it
+                recovery._recovery.ask_restart()
+                raise RuntimeError("a peer died in this process's first forward: every "
+                                   "worker restarts from the newest checkpoint")
+            return _each_tensor(_zeros, last[0])
+
+        module.__class__ = type(cls.__name__, (cls,), {"__call__": guarded,
+                                                      "__module__": cls.__module__})
+
+    # ------------------------------------------------------------ the new group
+
+    def group_formed(self, joining: list[int]) -> None:
+        """The new group exists; a replacement constructs its DDP now (the script's line
+        after ``init_distributed``): run the collectives of that construction with it. Under
+        FSDP2 it makes its checkpoint group: so does this rank."""
+        model, info = self._parts.model, self._parts.info
+        checkpoints = self._loop.session.checkpoints
+        if joining and isinstance(model, DDP) and info.rank not in joining:
+            compat.ddp_construction_collectives(model, src_is_peer=0 in joining)
+        if checkpoints.sharded:  # as a replacement's CheckpointManager makes it
+            with self._recovery.sockets.forming(subgroups=True):
+                checkpoints.renew_group()
+
+    def rewrap(self) -> None:
+        """On the new group: the script's DDP object reduces over it (its reducer rebuilt in
+        place, so the ``model`` the loop holds stays the one to call), or its FSDP2 modules
+        gather and scatter over it; and the vote and the straggler exchange that go with it."""
+        parts, session = self._parts, self._loop.session
+        info = parts.info
+        if isinstance(parts.model, DDP):
+            compat.ddp_reattach(parts.model)
+        elif session.checkpoints.sharded:
+            compat.fsdp_reattach(parts.model)
+        session.consensus = parts.vote()
+        session.straggler = StragglerMonitor(0.0, info.rank, info.world_size, info.device)
+
+    # ------------------------------------------------------------ recovering
+
+    def _forget_step(self) -> None:
+        self._loop.session.abandon_step()
+        for p in self._params:  # the step's partial gradients
+            p.grad = None
+
+    def _recover(self, error: RuntimeError) -> None:
+        """A collective failed: re-form the group in place (or re-raise ``error``).
+
+        Raises:
+            Regroup: a node left or joined meanwhile (:meth:`_regroup` follows).
+        """
+        self._forget_step()
+        report = self._recovery.recover(error, self._loop)
+        if report is None:
+            raise error
+        self._go_on(report)
+
+    def _go_on(self, report: RecoveryReport) -> None:
+        """The group agreed on the state: the step in flight is discarded on every rank and
+        its micro-batches come again (the first committed step completes ``report``)."""
+        self._recovering, self._t_recovered = report, time.perf_counter()
+        self._discarded()
+        self._parts.loader.restart()
+
+    def _regroup(self, r: Regroup) -> None:
+        """Go on as rank ``r.rank`` of ``r.world_size`` (nodes left, or joined at a step
+        boundary), in this process: the group re-formed, this rank's place (sampler split,
+        reporting, checkpoint writer) moved to it, the script's DDP reduces over it, and the
+        members agree on the state (a joining node's ranks receive it). The sampler's global
+        cursor keeps every sample once; the micro-batch stays, so the global batch follows the
+        world size."""
+        self._forget_step()
+        loop, world_size = self._loop, self._parts.info.world_size
+        report = r.report or RecoveryReport(r.generation, [], loop.session.state.step)
+        if r.world_size == world_size:  # FSDP2's replacements (recover())
+            joining = list(report.failed_ranks)
+        else:  # a join's ranks follow the members'
+            joining = list(range(world_size, r.world_size))
+        if loop.session.checkpoints.sharded and r.world_size != world_size:
+            self._recovery.ask_restart()
+            raise RuntimeError(f"an FSDP2 loop cannot go on at world size {r.world_size} in "
+                               "its process: every worker restarts from the newest checkpoint")
+        t0 = time.perf_counter()
+        self._recovery.form_group(r.rank, r.world_size, r.generation)
+        t1 = time.perf_counter()
+        self._place(r.rank, r.world_size)
+        self._recovery.bind(loop)
+        self.group_formed(joining)
+        rejoin(loop, joining=False, report=report)
+        report.phases.update(group=t1 - t0, state=time.perf_counter() - t1)
+        self._go_on(report)
+
+    def _place(self, rank: int, world_size: int) -> None:
+        """This process is ``rank`` of ``world_size`` now: its environment, the sampler's
+        split, the session's numbers, the checkpoint writer and the rank-bound reporting."""
+        parts, session = self._parts, self._loop.session
+        if rank != parts.info.rank and parts.own_logging:
+            setup_logging(rank)
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size))
+        parts.info = dataclasses.replace(parts.info, rank=rank, world_size=world_size)
+        sampler = session.sampler  # its committed geometry stays the old group's until a step
+        sampler.rank, sampler.world_size = rank, world_size
+        session.rank, session.world_size = rank, world_size
+        session.checkpoints.renumber(rank)
+        parts.metrics.world(world_size)
+        old, parts.reporting = parts.reporting, parts.runner(rank, world_size)
+        session.callbacks.swap(old, parts.reporting)
+
+
+def in_place_process(model: nn.Module) -> ScriptRecovery | NoScriptRecovery:
+    """This process's in-place recovery (``recovery/script.py``), for a DDP, FSDP2 or plain
+    model; the agents are asked for torch's restart path at once where the model cannot move to
+    a re-formed group: an FSDP2 mesh that is not 1-D over the default group, or a torch on
+    which compat fix 14 (DDP) or 15 (FSDP2) does not apply."""
+    process = current_process()
+    if not isinstance(process, ScriptRecovery):
+        return process
+    if _sharded(model):
+        why = compat.fsdp_reattach_refusal(model)
+        if why is None:
+            return process
+    elif not compat.ddp_reattach_supported():
+        why = f"torch {torch.__version__} cannot move a DDP to a new group (compat fix 14)"
+    else:
+        return process
+    log.warning("%s: a failed worker restarts every worker (torch's restart path)", why)
+    process.recovery.ask_restart()
+    process.close()
+    return NoScriptRecovery()
+
+
+def _sharded(model: nn.Module) -> bool:
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def _each_tensor(fn: Callable[[Any], Any], x: Any) -> Any:
+    """``x`` (a model's output: a tensor, or tuples, lists and dicts of them) with ``fn``
+    applied to each tensor or :class:`_Meta`."""
+    if isinstance(x, (torch.Tensor, _Meta)):
+        return fn(x)
+    if isinstance(x, dict):  # a ModelOutput too
+        return type(x)({k: _each_tensor(fn, v) for k, v in x.items()})
+    if isinstance(x, tuple) and hasattr(x, "_fields"):  # a namedtuple
+        return type(x)(*(_each_tensor(fn, v) for v in x))
+    if isinstance(x, (list, tuple)):
+        return type(x)(_each_tensor(fn, v) for v in x)
+    return x
+
+
+def _meta(x: torch.Tensor) -> _Meta:
+    """A tensor's shape, dtype and device (what :func:`_zeros` makes again)."""
+    return _Meta(x.shape, x.dtype, x.device)
+
+
+def _zeros(x: _Meta) -> torch.Tensor:
+    return torch.zeros(x.shape, dtype=x.dtype, device=x.device)
+
+
+@dataclass(frozen=True)
+class _Meta:
+    shape: torch.Size
+    dtype: torch.dtype
+    device: torch.device

@@ -1,0 +1,280 @@
+"""The loop-sized calls of a script's fault-tolerant loop (:func:`elastic_runner.fault_tolerant`
+returns one): the session's step protocol, the checkpoint of step N taken at the boundary where
+step N+1 begins (the package docstring), and in-place recovery through
+:class:`~elastic_runner.own_loop.in_place.LoopRecovery`."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from ..checkpoint import storage
+from ..checkpoint.manager import CheckpointManager
+from ..data.sampler import ElasticSampler
+from ..dist import DistInfo, release_groups_of
+from ..exit_codes import EXIT_PREEMPTED
+from ..parallel.base import total_norm
+from ..preempt import Preempted
+from ..recovery.inplace import InPlaceRecovery, NoRecovery
+from ..recovery.rejoin import rejoin
+from ..script_env import NO_RESUME_ENV
+from ..train.callbacks import JOINING
+from ..train.session import RollbackRequested, TrainingFailed, TrainingSession
+from ..train.state import TrainState
+from .in_place import LoopRecovery
+from .parts import LoopParts
+
+log = logging.getLogger("elastic_runner.own_loop")
+
+
+class FaultTolerantLoop:
+    """What :func:`~elastic_runner.own_loop.fault_tolerant` returns: the session's step
+    protocol in loop-sized calls. In-place recovery sees it as a
+    :class:`~elastic_runner.recovery.recoverable.Recoverable`.
+
+    Attributes:
+        session: the underlying :class:`~elastic_runner.train.session.TrainingSession`.
+        in_place: its in-place recovery (the loop's collectives run through it).
+    """
+
+    def __init__(self, session: TrainingSession, params: list[nn.Parameter],
+                 closing: list[Any], parts: LoopParts) -> None:
+        self.session, self._params, self._closing = session, params, closing
+        self._parts = parts
+        # what in-place recovery reads (recovery.recoverable.Recoverable)
+        self.preempt, self.profile = parts.preempt, parts.profile
+        self.recovery: InPlaceRecovery | NoRecovery = parts.process.recovery
+        self.after_done = 0  # the last step whose post-step work (the loop's own) is done
+        self.in_place = LoopRecovery(self, parts, params, self._step_discarded)
+        self._loss: torch.Tensor | None = None
+        self._saved_step = -1
+        self._due = False  # step_done() asked for a checkpoint, taken at the next boundary
+        self._begun = False  # the next step has begun (begin_step at the boundary)
+        self._discarded = False  # an in-place recovery discarded the step in flight
+        self._epoch: int | None = None  # of the last step, and where its cursor ended
+        self._end_cursor = 0
+        self._closed = False
+
+    @property
+    def info(self) -> DistInfo:
+        """This rank's place (a regroup moves it)."""
+        return self._parts.info
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps completed (the global step)."""
+        return self.session.state.step
+
+    @property
+    def epoch(self) -> int:
+        return self.session.sampler.epoch
+
+    @property
+    def state(self) -> TrainState:
+        return self.session.state
+
+    @property
+    def sampler(self) -> ElasticSampler:
+        return self.session.sampler
+
+    @property
+    def checkpoints(self) -> CheckpointManager:
+        return self.session.checkpoints
+
+    def resume(self) -> tuple[int, int]:
+        """Load the newest valid checkpoint on every rank (collective); returns ``(step,
+        epoch)`` to continue from ((0, 0) without one). A replacement that joins a running
+        group in place (``elastic-runner run``) receives a survivor's state instead."""
+        if self._parts.process.joining:
+            self.session.callbacks.on_phase("recovering", JOINING, True)
+            rejoin(self, joining=True)  # the reporting opens at the group's step
+            self._saved_step = self.step
+        else:
+            if _fresh_start():
+                log.info("--no-resume: not resuming from %s", self.checkpoints.directory)
+            elif self.session.resume():
+                self._saved_step = self.step
+                self._say_if_finished()
+            self.session.start()
+        self._mark_epoch()
+        self.after_done = self.step
+        self.recovery.announce_built(self.info.rank)
+        return self.step, self.epoch  # the next step begins at its first batch (or backward)
+
+    def backward(self, loss: torch.Tensor, *, step_loss: torch.Tensor | None = None,
+                 scaler: torch.amp.GradScaler | None = None) -> None:
+        """``loss.backward()`` for the step's last (or only) micro-batch, carrying the vote.
+
+        Args:
+            loss: that micro-batch's loss (a scalar tensor, unscaled).
+            step_loss: the step's loss over all its micro-batches (gradient accumulation), for
+                the non-finite check and the reported loss; default: ``loss``.
+            scaler: a GradScaler (fp16): ``loss`` is scaled by it here; then
+                ``scaler.unscale_``, the norm, ``should_commit(norm, overflow_ok=True)``,
+                ``scaler.step`` and ``scaler.update`` are yours.
+        """
+        self._begin_step()
+        if self._discarded:  # a recovery at the step's boundary discarded it: no vote
+            return
+        if self._epoch is not None and self.epoch != self._epoch:
+            self._epoch_ended()
+        self._epoch = self.epoch
+        self._loss = (loss if step_loss is None else step_loss).detach()
+        self.in_place.collective(self.session.backward, loss, step_loss, scaler)
+
+    def should_commit(self, grad_norm: torch.Tensor | None = None,
+                      overflow_ok: bool = False) -> bool:
+        """True when every rank may apply this step's update (no non-finite loss anywhere,
+        finite gradients, no stop requested); the same answer on all ranks. ``grad_norm``: the
+        total gradient norm if you have it (``clip_grad_norm_``'s result); otherwise it is
+        computed (on DDP the step's vote travels in it, see ``train/consensus.py``).
+        ``overflow_ok``: fp16 with a GradScaler, whose ``step`` skips an overflowing update
+        itself; such a step is then not counted as non-finite."""
+        if self._discarded:  # in-place recovery discarded the step: nobody applies it
+            return False
+        decided: list[bool] = []
+
+        def decide() -> None:
+            norm = grad_norm
+            if norm is None:
+                norm = total_norm(self._params, None)
+            elif isinstance(norm, DTensor):  # FSDP2's clip_grad_norm_ result: the local part
+                norm = norm.full_tensor()
+            decided.append(self.session.should_commit(norm, overflow_ok))
+
+        return self.in_place.collective(decide) and decided[0]
+
+    def step_done(self) -> int:
+        """The step is over (after ``optimizer.step()``): move the cursor, report, and decide
+        whether this step is checkpointed; the snapshot is taken at the next boundary, after
+        the loop's own work on this step (module docstring). Returns the new global step.
+
+        Raises:
+            SystemExit(143): preemption: every rank discarded this step, and the checkpoint of
+                the last applied one is committed.
+            TrainingFailed: ``max_bad_steps`` non-finite steps in a row (a restart resumes from
+                the last checkpoint).
+        """
+        if self._discarded:  # redone from its first micro-batch, after the new boundary
+            self._discarded, self._begun = False, False
+            return self.step
+        try:
+            if not self.in_place.collective(self.session.end_step, self._loss):
+                self._discarded, self._begun = False, False
+                return self.step
+            step = self.step
+            self._end_cursor = self.session.sampler.cursor
+        except Preempted as e:
+            self._saved_step = self.step  # committed: a close() after this has nothing to save
+            self._close_reporting()
+            print(f"elastic-runner: {e}", file=sys.stderr, flush=True)
+            raise SystemExit(EXIT_PREEMPTED) from None
+        except RollbackRequested:
+            raise TrainingFailed(f"{self.session.options.max_bad_steps} non-finite steps in a "
+                                 f"row at step {self.step}; a restart resumes from the last "
+                                 "checkpoint") from None
+        self.in_place.committed(step)
+        self._due, self._begun = self.session.checkpoint_due(), False
+        # the loop's own work on this step (an evaluation) gets the long budget
+        self.session.callbacks.on_phase("training", f"the loop's work after step {step}", True)
+        return step
+
+    def _begin_step(self) -> None:
+        """The loop reached the next step (its first batch, or its backward): commit the
+        checkpoint ``step_done()`` asked for, then begin the step."""
+        if self._begun:
+            return
+        self._begun = True
+        if self._due:
+            self._due = False
+            while not self.in_place.collective(self.session.checkpoint):
+                pass  # recovered in place: the same step's checkpoint, in the new group
+            self._saved_step = self.step
+        # FSDP2: the peer copies of this step (none of step 0: the optimizer has no state yet,
+        # and DCP's state_dict would make it with a step of AdamW)
+        if self.step and self.recovery.copy_due(self.step):
+            self.in_place.collective(self.recovery.keep_copy, self)
+        self._discarded = False  # a recovery here found no step in flight
+        self.after_done = self.step
+        self.session.begin_step()
+
+    def close(self) -> None:
+        """Checkpoint the last step (unless just saved), wait for the commit, stop reporting;
+        a sharded model's process groups are left to ``destroy_process_group`` to free
+        (:func:`~elastic_runner.dist.release_groups_of`); a second call does nothing."""
+        if self._closed:
+            return
+        self._parts.closing[0] = True
+        if self._saved_step != self.step:  # also what step_done() left pending
+            self.session.checkpoint()
+        if self._epoch is not None and self.session.sampler.steps_left_in_epoch() == 0:
+            self._epoch_ended()
+        self._close_reporting()
+        self.recovery.announce_finished(self.info.rank)
+        self._parts.process.close()
+        release_groups_of(self.session.checkpoints.state["model"])
+
+    def _say_if_finished(self) -> None:
+        """A re-run of a finished job resumes its last checkpoint, written by ``close()``: say
+        so, since a loop that ends at that step then does nothing more."""
+        where = self.checkpoints.resumed_from
+        if self.info.rank != 0 or where is None or not storage.inspect(where).finished:
+            return
+        log.warning("%s was written by ft.close(): the run had finished at step %d; a loop "
+                    "that ends there does nothing more (start fresh: another checkpoint_dir, "
+                    "or elastic-runner run --no-resume)", where, self.step)
+
+    def group_formed(self, joining: list[int]) -> None:
+        """In-place recovery formed a new group (:meth:`LoopRecovery.group_formed
+        <elastic_runner.own_loop.in_place.LoopRecovery.group_formed>`)."""
+        self.in_place.group_formed(joining)
+
+    def rewrap(self) -> None:
+        """The script's model on the new group (:meth:`LoopRecovery.rewrap
+        <elastic_runner.own_loop.in_place.LoopRecovery.rewrap>`)."""
+        self.in_place.rewrap()
+
+    def _step_discarded(self) -> None:
+        """An in-place recovery discarded the step in flight on every rank; the state it
+        installed says where the last committed epoch ended."""
+        self._discarded = True
+        self._mark_epoch()
+
+    def _mark_epoch(self) -> None:
+        """The epoch of the last committed step, and its cursor, as the state (loaded, or
+        received from a peer) says: the end of that epoch is recorded once the loop moves
+        past it (:meth:`_epoch_ended`), also by a rank 0 that took over just before."""
+        s = self.sampler
+        if not self.step:
+            return
+        if s.cursor == 0 and s.epoch > 0:  # the loop had begun the next epoch: set_epoch()
+            self._epoch, self._end_cursor = s.epoch - 1, s.previous_epoch_end()
+        else:
+            self._epoch, self._end_cursor = s.epoch, s.cursor
+
+    def _epoch_ended(self) -> None:
+        """The user's loop moved past epoch ``_epoch`` (its tail goes to the sample trace)."""
+        epoch, cursor, sampler = self._epoch, self._end_cursor, self.session.sampler
+        self.session.callbacks.on_epoch_end(
+            epoch, self.step, lambda: sampler.permutation(epoch)[cursor:].tolist())
+        self._epoch = None
+
+    def _close_reporting(self) -> None:
+        self._closed = True
+        try:
+            self.session.close()
+        finally:
+            for obj in self._closing:
+                obj.close()
+
+
+def _fresh_start() -> bool:
+    """``--no-resume``, in the job's first attempt (:data:`NO_RESUME_ENV`)."""
+    return (os.environ.get(NO_RESUME_ENV) == "1"
+            and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) == 0)
