@@ -1,4 +1,6 @@
-"""Everything elastic-runner relies on in torch's private behaviour, in one module.
+"""Everything elastic-runner relies on in torch's private behaviour, listed and checked in one
+module; most fixes live here too, and the patches that carry the agent's policies live with the
+agent (fix 8's in ``agent/restart_budget.py``, fix 9's in ``agent/inplace_agent.py``).
 
 Supported torch: :data:`SUPPORTED_TORCH` (mirrored by the torch requirement in pyproject.toml).
 Verified: **torch 2.13.0 only** (the CPU wheel pinned in constraints/cpu.txt, on which the whole
