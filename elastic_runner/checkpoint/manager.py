@@ -161,13 +161,23 @@ class CheckpointManager:
         self._async = async_save
         # sharded: every rank writes its part; async, on a group of its own, so the background
         # collectives never interleave with training's on the default group
-        writes = self.rank == 0 or self.sharded
-        self._writer = AsyncCheckpointer() if async_save and writes else _SyncWriter()
-        self._group = checkpoint_group() if self.sharded and async_save else None
+        self._writer = self._new_writer()
+        self._group: torch.distributed.ProcessGroup | None = None
+        self.renew_group()
         self._last_save = time.monotonic()
         self._fences = fencing
-        self._fencing = fencing and self.rank == 0
         self.fence: Fence | NoFence = ckpt.UNFENCED
+
+    def _new_writer(self) -> AsyncCheckpointer | _SyncWriter:
+        """The writer of this rank: asynchronous where it writes (rank 0, or every rank when
+        sharded) and ``async_save`` asks for it."""
+        writes = self.rank == 0 or self.sharded
+        return AsyncCheckpointer() if self._async and writes else _SyncWriter()
+
+    @property
+    def _fencing(self) -> bool:
+        """Whether this rank claims the fencing token (rank 0, fencing on)."""
+        return self._fences and self.rank == 0
 
     def renew_group(self) -> None:
         """The default group was re-formed in place (a script's FSDP2 loop): the background
@@ -185,9 +195,7 @@ class CheckpointManager:
         self.wait()
         self._writer.close()
         self.rank = rank
-        writes = rank == 0 or self.sharded
-        self._writer = AsyncCheckpointer() if self._async and writes else _SyncWriter()
-        self._fencing = self._fences and rank == 0
+        self._writer = self._new_writer()
         self.fence = ckpt.UNFENCED
 
     def claim(self) -> None:
