@@ -84,13 +84,29 @@ class Job:
         try:
             return self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
+            stacks = self.stacks()
             self.kill_all()
             raise AssertionError(
                 f"{' '.join(self.argv)} did not finish in {timeout:.0f} s; output tail:\n"
-                + self.output[-3000:]) from None
+                + self.output[-3000:] + "\nwhere its processes were:\n" + stacks) from None
         finally:
             if not self._log.closed:  # kill_all closed it on a timeout
                 self._log.flush()
+
+    def stacks(self) -> str:
+        """The Python stacks of the job and each live descendant (``py-spy dump``, the test
+        extra), for a job that did not finish: which process held it up, and where."""
+        out = []
+        for p in [psutil.Process(self.proc.pid), *self.descendants()]:
+            with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied, OSError,
+                                     subprocess.TimeoutExpired):
+                if not p.is_running():
+                    continue
+                dump = subprocess.run(["py-spy", "dump", "--native", "--pid", str(p.pid)],
+                                      capture_output=True, text=True, timeout=30)
+                out.append(f"--- pid {p.pid} ({p.status()}): {' '.join(p.cmdline())[:200]}\n"
+                           + (dump.stdout or dump.stderr)[-4000:])
+        return "\n".join(out)
 
     def descendants(self) -> list[psutil.Process]:
         try:
