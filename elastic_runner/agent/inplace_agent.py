@@ -50,7 +50,7 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
-from torch.distributed.elastic.multiprocessing.api import SubprocessContext
+from torch.distributed.elastic.multiprocessing.api import SignalException, SubprocessContext
 
 from ..compat import leave_rendezvous_open
 from ..recovery.config import RecoveryConfig
@@ -232,6 +232,11 @@ class InPlaceAgent(LocalElasticAgent):
             self._membership.watch_nodes(worker_group.store)
             self._replacer.announce_grow()
             self._spares.keep(pc)
+        except SignalException:
+            # SIGTERM/SIGINT to the agent (an eviction) raised here by torch's handler: it is
+            # an Exception too, and swallowed it left the agent running (CI: a JobSet's SIGTERM
+            # ignored for 120 s); torch's run() stops the workers for it
+            raise
         except Exception as e:  # noqa: BLE001 - any client error of an unreachable store
             # (etcd down or restarting: python-etcd, urllib3 and torch raise their own types):
             # training goes on, the spare bookkeeping waits for the store

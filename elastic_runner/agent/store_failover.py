@@ -13,6 +13,7 @@ import contextlib
 from collections.abc import Callable
 
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from ..logs import first_line
 from ..recovery.membership import THREAD_STORE_TIMEOUT_S, View, seed
@@ -49,6 +50,8 @@ class StoreFailover:
         try:
             chosen = claim_successor(round_store, rs.prefix, rs.location.endpoint,
                                      view.stores[successor], THREAD_STORE_TIMEOUT_S)
+        except SignalException:  # SIGTERM to the agent: torch's run() stops the workers
+            raise
         except Exception as e:  # noqa: BLE001 - etcd's client raises its own types
             log.error("the recovery store (%s) is unreachable (%s), and so is the rendezvous "
                       "backend (%s): not moving it", rs.location.describe(),
