@@ -57,9 +57,15 @@ class Pace:
         return [f"faults.trigger_file={self.path}"]
 
     def end(self) -> None:
+        self.set(0.0)
+
+    def set(self, seconds: float, rank: int = 0) -> None:
+        """Change the slow-down (0: none) from the next step on."""
         with open(self.path, "r+") as f:
             fcntl.flock(f, fcntl.LOCK_EX)  # the ranks rewrite it under the same lock
             f.truncate()
+            if seconds:
+                f.write(f"slow rank={rank} seconds={seconds}\n")
 
 
 class Job:

@@ -37,6 +37,7 @@ EVERY = 20  # the periodic checkpoints' cadence: the faults land after the first
 CPU_PARTITION = ["--gpus-per-node=0", "--cpus-per-task=2"]  # the script asks for 8 GPUs
 JOB_TIMEOUT_S = 400
 PACE_S = 0.1  # rank 0's slow-down until the fault: the job is still training when it lands
+PREEMPTION_PACE_S = 2.0  # the slow-down while a preempting job waits for Slurm
 _PREEMPTED = re.compile(r"preempted by signal after step (\d+); checkpoint step-0*(\d+) committed")
 _RESUMED = re.compile(r"resumed from \S+/step-0*(\d+): step (\d+)")
 
@@ -60,7 +61,11 @@ class SlurmJob:
         return self.out.read_text(errors="replace") if self.out.exists() else ""
 
     def wait_for(self, pattern: str, timeout: float = JOB_TIMEOUT_S) -> re.Match:
-        return wait_for_log(self.out, pattern, timeout)
+        try:
+            return wait_for_log(self.out, pattern, timeout)
+        except AssertionError as e:
+            raise AssertionError(f"{e}\njob {self.id}: {self.cluster.job(self.id)}\n"
+                                 f"its output's tail:\n{self.output[-4000:]}") from None
 
     def training(self) -> None:
         """Wait until both ranks trained ``EVERY`` steps (the first periodic checkpoint)."""
@@ -144,6 +149,9 @@ def test_a_preempting_job_stops_it_at_a_checkpoint_and_it_resumes_after(
     pace = Pace(tmp_path / "pace", PACE_S)
     job = SlurmJob(slurm_cluster, tmp_path, [], pace=pace)
     job.training()
+    # the job's 40 steps left outlast Slurm's preemption, however busy the machine (CI: at
+    # 0.1 s a step the job once ended first, and no SIGTERM came)
+    pace.set(PREEMPTION_PACE_S)
     urgent = slurm_cluster.sbatch(["--partition=urgent", "--nodes=2", "--output=urgent.out",
                                    "--wrap=hostname"], cwd=tmp_path, env={})
     job.wait_for(r"srun exited with 143")
