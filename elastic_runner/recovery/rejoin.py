@@ -1,8 +1,8 @@
 """After a process group was re-formed in place: the members agree on the state to go on from
 and install it (``rejoin``; step 3-4 of the protocol in :mod:`elastic_runner.recovery.inplace`).
 
-Replicas (DDP): the member furthest along sends its state to the replacement and to any member
-behind it. Sharded state (FSDP2): under HSDP a surviving replica of the dead rank's shard sends
+Replicas (DDP): the members furthest along send the state to the replacement and to any member
+behind it, each a share of its tensors (:mod:`elastic_runner.recovery.state_transfer`). Sharded state (FSDP2): under HSDP a surviving replica of the dead rank's shard sends
 its live state; otherwise every member rolls back to the peer copies
 (:mod:`elastic_runner.recovery.peer_copies`); when neither covers every rank, every member loads
 the newest checkpoint, still in its process.
@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..checkpoint.storage import check_compatible
 from ..config_base import ConfigError
 from .peer_copies import (
     Copy,
@@ -25,11 +26,10 @@ from .peer_copies import (
     pack,
     plan,
     plan_replicas,
-    recv,
-    send,
     unpack,
 )
 from .recoverable import Live, Recoverable
+from .state_transfer import Manifest, flatten, recv_state, send_state
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +80,20 @@ def gather(loop: Recoverable, mine: dict[str, Any]) -> list[dict[str, Any]]:
                                       for r, s in enumerate(everyone))
                           + "; set batch.global_batch_size to keep one explicitly")
     return everyone
+
+
+def fits_model(loop: Recoverable, manifest: Manifest, peer: int) -> None:
+    """Refuse a peer's state whose model tensors (names, shapes) do not fit this rank's model,
+    before any tensor is received.
+
+    Raises:
+        CheckpointError: naming every missing, unexpected and mis-shaped key."""
+    model = loop.session.checkpoints.state.get("model")
+    if not isinstance(model, torch.nn.Module):
+        return
+    declared = {m.path[1]: torch.empty(m.shape, device="meta") for m in manifest.metas
+                if len(m.path) == 2 and m.path[0] == "model"}
+    check_compatible(model.state_dict(), declared, f"rank {peer}'s state")
 
 
 def from_checkpoint(loop: Recoverable, joining: bool) -> None:
@@ -193,10 +207,11 @@ def rejoin(loop: Recoverable, joining: bool, report: RecoveryReport | None = Non
 
 def _rejoin_replicated(loop: Recoverable, joining: bool, report: RecoveryReport | None
                        ) -> None:
-    """:func:`rejoin` of replicas (DDP): the member furthest along sends its state."""
-    rank = loop.info.rank
+    """:func:`rejoin` of replicas (DDP): the members furthest along send the state."""
+    rank, checkpoints = loop.info.rank, loop.session.checkpoints
+    state = checkpoints.state_dict()
     everyone = gather(loop, {"step": loop.session.state.step, "after": loop.after_done,
-                                 "joining": joining})
+                             "joining": joining, "layout": flatten(state)[0].digest()})
     candidates = [r for r, s in enumerate(everyone) if not s["joining"]]
     if not candidates:  # every member is a replacement: the checkpoint is the fallback
         log.warning("in-place recovery: no survivor holds the state; resuming from the newest "
@@ -205,21 +220,26 @@ def _rejoin_replicated(loop: Recoverable, joining: bool, report: RecoveryReport 
         return
     src = max(candidates, key=lambda r: (everyone[r]["step"], everyone[r]["after"], -r))
     best = everyone[src]
-    receivers = [r for r, s in enumerate(everyone)
-                 if s["joining"] or (s["step"], s["after"]) != (best["step"], best["after"])]
+    # every survivor at the newest step with the same tensors sends a share (state_transfer)
+    sources = [src, *(r for r in candidates if r != src and everyone[r]["layout"] ==
+                      best["layout"] and (everyone[r]["step"], everyone[r]["after"]) ==
+                      (best["step"], best["after"]))]
+    receivers = [r for r in range(len(everyone)) if r not in sources]
     wire = wire_device(loop)
-    if rank == src and receivers:
-        payload = pack(loop.session.checkpoints.state_dict())
-        for r in receivers:
-            send(payload, r, wire)
+    if rank in sources and receivers:
+        send_state(state, receivers, sources, rank, wire)
     elif rank in receivers:
-        raw = unpack(recv(src, wire), loop.info.device)
-        loop.session.checkpoints.load_from_peer(raw, src)
+        # a replacement receives into its own tensors; a survivor behind into new ones: a
+        # transfer cut short must not leave it holding half of another step's state
+        raw = recv_state(state if joining else None, sources, wire,
+                         check=lambda m: fits_model(loop, m, src))
+        checkpoints.load_from_peer(raw, src)
     loop.after_done = best["after"]
     if report is not None:
         report.source, report.received = src, rank in receivers
     loop.rewrap()
     loop.session.callbacks.on_recovered(loop.session.state.step, joining,
                                            loop.session.sampler.last_step)
-    log.info("rank %d %s step %d from rank %d", rank,
-             "received the state of" if rank in receivers else "goes on at", best["step"], src)
+    log.info("rank %d %s step %d from rank(s) %s", rank,
+             "received the state of" if rank in receivers else "goes on at", best["step"],
+             sources)

@@ -1,0 +1,317 @@
+"""A state_dict moved between ranks at the wire's speed: a manifest, then the tensors.
+
+How an in-place recovery hands a survivor's state to a replacement (``recovery/rejoin.py``).
+The receiver has built the same model and optimizer already, so only the tensors' bytes need
+to travel, straight into place:
+
+1. a **manifest**: the state with every tensor taken out (the non-tensor parts: step counters,
+   the optimizer's hyper-parameters, the sampler's cursor) and each tensor's key path, shape,
+   dtype and device type. It is ``torch.save`` bytes read with ``weights_only=True``: nothing a
+   peer sends is unpickled beyond that (the dtypes are looked up in a fixed table);
+2. the tensors, as **units**: each tensor of at least :data:`DIRECT_BYTES` goes from its own
+   storage (no copy on the sender) into the receiver's tensor at the same key path when that
+   has the declared shape and dtype (the model's parameters: no copy on the receiver either;
+   loading them afterwards is a copy onto itself, which torch skips); the small ones travel
+   packed in flat ``uint8`` buckets of at most :data:`BUCKET_BYTES`. Tensors the receiver does
+   not have yet (AdamW's moments exist only after a first step) are allocated from the manifest
+   and received into;
+3. **every source sends**: the units are split among the ranks that hold the same state
+   (greedy by bytes, largest first: the same split on every rank, computed from the manifest),
+   and each receiver takes its share from each at once, so the time falls with the number of
+   sources until the receiver's link is the limit. Several receivers are served by the same
+   non-blocking sends in parallel.
+
+torchft's ``PGTransport`` (``torchft/checkpointing/pg_transport.py``) is the model: a pickled
+description, then each tensor received in place. It is not used because its description is
+unpickled with ``pickle.loads`` (a peer could run code here), it sends from one rank only, one
+message per tensor, and torchft brings a compiled extension and OpenTelemetry with it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..checkpoint.storage import CheckpointError
+
+DIRECT_BYTES = 1 << 20  # a tensor this large travels from its own storage, in a unit of its own
+BUCKET_BYTES = 32 << 20  # smaller ones travel packed, at most this many bytes a bucket
+
+Path = tuple[str | int, ...]
+
+# the dtypes a manifest may name (torch's own: a numpy RNG state travels as uint32): a peer's
+# string is looked up here, never evaluated
+DTYPES = {str(d): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """One tensor of a state: its key path in the nested state (dict keys and list indices),
+    shape, dtype and device type (``cpu``, ``cuda``); ``alias``: the index of an earlier tensor
+    it is a view of, exactly (tied weights: sent once), or -1."""
+
+    path: Path
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device_type: str
+    alias: int = -1
+
+    @property
+    def nbytes(self) -> int:
+        return _numel(self.shape) * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class Unit:
+    """What one message carries: the tensors ``indices`` of the manifest (one when ``direct``:
+    sent from its own storage), ``nbytes`` in all, sent by ``source`` (an index into the list
+    of source ranks)."""
+
+    indices: tuple[int, ...]
+    nbytes: int
+    direct: bool
+    source: int = 0
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A state's non-tensor skeleton (its tensors replaced by ``None``) and its tensors' metas,
+    in the order :func:`flatten` walks them."""
+
+    skeleton: Any
+    metas: tuple[TensorMeta, ...]
+
+    @property
+    def nbytes(self) -> int:
+        """The tensors' bytes (what the units carry)."""
+        return sum(m.nbytes for m in self.metas)
+
+    def digest(self) -> str:
+        """A hash of the tensors' paths, shapes and dtypes: ranks whose states have the same
+        digest send the same units (:func:`units`)."""
+        text = repr([(m.path, m.shape, str(m.dtype)) for m in self.metas])
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def to_bytes(self) -> bytes:
+        buf = io.BytesIO()
+        torch.save({"skeleton": self.skeleton,
+                    "tensors": [[list(m.path), list(m.shape), str(m.dtype), m.device_type,
+                                 m.alias] for m in self.metas]}, buf)
+        return buf.getvalue()
+
+    @classmethod
+    def from_bytes(cls, data: bytes, source: str) -> Manifest:
+        """Read :meth:`to_bytes` from a peer (``weights_only``; every field checked).
+
+        Raises:
+            CheckpointError: the bytes are not a manifest (named by ``source``)."""
+        try:
+            raw = torch.load(io.BytesIO(data), weights_only=True)
+            metas = tuple(_meta(i, *t) for i, t in enumerate(raw["tensors"]))
+            for m in metas:
+                if m.alias >= 0 and (metas[m.alias].shape, metas[m.alias].dtype) != \
+                        (m.shape, m.dtype):
+                    raise ValueError(f"{_key(m.path)} aliases a tensor of another shape")
+            return cls(raw["skeleton"], metas)
+        except Exception as e:  # noqa: BLE001 - any malformed field is the same refusal
+            raise CheckpointError(f"{source} sent a state manifest this rank cannot read: "
+                                  f"{type(e).__name__}: {e}") from e
+
+
+def _meta(i: int, path: list[Any], shape: list[Any], dtype: str, device_type: str,
+          alias: int) -> TensorMeta:
+    if not all(isinstance(k, str | int) for k in path) or \
+            not all(isinstance(n, int) and n >= 0 for n in shape):
+        raise ValueError(f"bad key path or shape {path!r} {shape!r}")
+    if dtype not in DTYPES or device_type not in ("cpu", "cuda") or not -1 <= alias < i:
+        raise ValueError(f"dtype {dtype!r}, device {device_type!r} or alias {alias!r} "
+                         "not allowed")
+    return TensorMeta(tuple(path), tuple(shape), DTYPES[dtype], device_type, alias)
+
+
+def _key(path: Path) -> str:
+    """A key path as a dotted name (``model.fc.weight``, ``optimizer.state.0.exp_avg``)."""
+    return ".".join(map(str, path))
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _walk(node: Any, path: Path) -> Iterator[tuple[Path, torch.Tensor]]:
+    if isinstance(node, torch.Tensor):
+        yield path, node
+    elif isinstance(node, dict):
+        for k, v in node.items():
+            yield from _walk(v, (*path, k))
+    elif isinstance(node, list | tuple):
+        for i, v in enumerate(node):
+            yield from _walk(v, (*path, i))
+
+
+def _replace(node: Any, path: Path, tensors: dict[Path, Any]) -> Any:
+    if path in tensors:
+        return tensors[path]
+    if isinstance(node, dict):
+        return {k: _replace(v, (*path, k), tensors) for k, v in node.items()}
+    if isinstance(node, list | tuple):
+        out = [_replace(v, (*path, i), tensors) for i, v in enumerate(node)]
+        return out if isinstance(node, list) else tuple(out)
+    return node
+
+
+def flatten(state: Any) -> tuple[Manifest, list[torch.Tensor]]:
+    """``state`` (nested dicts, lists, tuples; tensors at the leaves) as its manifest and its
+    tensors in manifest order. Dict keys on a tensor's path must be ``str`` or ``int``."""
+    found = list(_walk(state, ()))
+    skeleton = _replace(state, (), {p: None for p, _ in found})
+    first: dict[tuple[Any, ...], int] = {}
+    metas = []
+    for i, (p, t) in enumerate(found):
+        key = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
+               t.stride(), t.dtype)
+        alias = first.setdefault(key, i) if t.numel() else i
+        metas.append(TensorMeta(p, tuple(t.shape), t.dtype, t.device.type,
+                                -1 if alias == i else alias))
+    return Manifest(skeleton, tuple(metas)), [t for _, t in found]
+
+
+def rebuild(manifest: Manifest, tensors: list[torch.Tensor]) -> Any:
+    """The state :func:`flatten` took apart: the skeleton with ``tensors`` put back."""
+    return _replace(manifest.skeleton, (),
+                    {m.path: t for m, t in zip(manifest.metas, tensors, strict=True)})
+
+
+def units(metas: tuple[TensorMeta, ...], sources: int) -> list[Unit]:
+    """The messages that carry ``metas``' tensors, each assigned to one of ``sources`` ranks:
+    large tensors alone, small ones in buckets (module docstring); greedy by bytes, largest
+    first, ties by order, so every rank computes the same split."""
+    out: list[Unit] = []
+    bucket: list[int] = []
+    size = 0
+    for i, m in enumerate(metas):
+        if m.alias >= 0:
+            continue
+        if m.nbytes >= DIRECT_BYTES:
+            out.append(Unit((i,), m.nbytes, True))
+            continue
+        if bucket and size + m.nbytes > BUCKET_BYTES:
+            out.append(Unit(tuple(bucket), size, False))
+            bucket, size = [], 0
+        bucket.append(i)
+        size += m.nbytes
+    if bucket:
+        out.append(Unit(tuple(bucket), size, False))
+    load = [0] * sources
+    assigned: dict[int, int] = {}
+    for k in sorted(range(len(out)), key=lambda k: (-out[k].nbytes, k)):
+        s = min(range(sources), key=lambda s: (load[s], s))
+        assigned[k], load[s] = s, load[s] + out[k].nbytes
+    return [Unit(u.indices, u.nbytes, u.direct, assigned[k]) for k, u in enumerate(out)]
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def _payload(u: Unit, tensors: list[torch.Tensor], wire: torch.device) -> torch.Tensor:
+    if u.direct:
+        t = tensors[u.indices[0]]
+        return (t if t.is_contiguous() else t.contiguous()).to(wire)
+    if not u.nbytes:
+        return torch.empty(0, dtype=torch.uint8, device=wire)
+    return torch.cat([_bytes_of(tensors[i].to(wire)) for i in u.indices])
+
+
+_TAG_SIZE, _TAG_MANIFEST, _TAG_UNITS = 1, 2, 3
+
+
+def send_state(state: Any, receivers: list[int], sources: list[int], rank: int,
+               wire: torch.device) -> int:
+    """Send this rank's share of ``state`` to every rank in ``receivers``: ``sources[0]`` sends
+    the manifest, each source its units (:func:`units`). Every rank in ``sources`` must hold
+    the same state (the same :meth:`Manifest.digest`) and call this; each receiver calls
+    :func:`recv_state`. Point to point, non-blocking sends, waited for together. Returns the
+    bytes this rank sent (manifests included)."""
+    manifest, tensors = flatten(state)
+    mine = sources.index(rank)
+    works, sent = [], 0
+    if mine == 0:
+        data = manifest.to_bytes()
+        blob = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(wire)
+        size = torch.tensor([len(data)], dtype=torch.int64, device=wire)
+        for r in receivers:
+            works += [dist.isend(size, r, tag=_TAG_SIZE), dist.isend(blob, r, tag=_TAG_MANIFEST)]
+        sent += len(data) * len(receivers)
+    for k, u in enumerate(units(manifest.metas, len(sources))):
+        if u.source != mine:
+            continue
+        payload = _payload(u, tensors, wire)
+        works += [dist.isend(payload, r, tag=_TAG_UNITS + k) for r in receivers]
+        sent += u.nbytes * len(receivers)
+    for w in works:
+        w.wait()
+    return sent
+
+
+def recv_state(template: Any, sources: list[int], wire: torch.device,
+               check: Any = None) -> Any:
+    """Receive the state :func:`send_state` on ``sources`` sends, into ``template``'s tensors
+    where a key path's tensor has the declared shape and dtype and is contiguous on the wire's
+    device (this rank's live state: the model's parameters), into new tensors elsewhere. Tensors
+    declared on the CPU end there. ``check(manifest)`` may refuse the state before any tensor
+    is received.
+
+    Returns:
+        the sender's state (nested like it), its tensors on ``wire`` (CPU-declared: CPU).
+
+    Raises:
+        CheckpointError: the manifest is unreadable, or ``check`` refused it.
+    """
+    size = torch.zeros(1, dtype=torch.int64, device=wire)
+    dist.recv(size, sources[0], tag=_TAG_SIZE)
+    blob = torch.empty(int(size.item()), dtype=torch.uint8, device=wire)
+    dist.recv(blob, sources[0], tag=_TAG_MANIFEST)
+    manifest = Manifest.from_bytes(blob.cpu().numpy().tobytes(), f"rank {sources[0]}")
+    if check is not None:
+        check(manifest)
+    live = dict(_walk(template, ()))
+    out: list[torch.Tensor] = []
+    for m in manifest.metas:
+        out.append(out[m.alias] if m.alias >= 0 else _destination(m, live.get(m.path), wire))
+    works, buckets = [], []
+    for k, u in enumerate(units(manifest.metas, len(sources))):
+        buf = out[u.indices[0]] if u.direct else \
+            torch.empty(u.nbytes, dtype=torch.uint8, device=wire)
+        works.append(dist.irecv(buf, sources[u.source], tag=_TAG_UNITS + k))
+        if not u.direct:
+            buckets.append((u, buf))
+    for w in works:
+        w.wait()
+    for u, buf in buckets:
+        offset = 0
+        for i in u.indices:
+            n = manifest.metas[i].nbytes
+            if n:
+                _bytes_of(out[i]).copy_(buf[offset:offset + n])
+            offset += n
+    out = [t.cpu() if m.device_type == "cpu" else t for m, t in zip(manifest.metas, out,
+                                                                     strict=True)]
+    return rebuild(manifest, out)
+
+
+def _destination(m: TensorMeta, mine: torch.Tensor | None, wire: torch.device
+                 ) -> torch.Tensor:
+    if mine is not None and tuple(mine.shape) == m.shape and mine.dtype == m.dtype \
+            and mine.device == wire and mine.is_contiguous():
+        return mine
+    return torch.empty(m.shape, dtype=m.dtype, device=wire)
