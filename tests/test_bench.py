@@ -2,7 +2,15 @@
 
 import pytest
 
-from bench import checkpoint_stall, metrics_overhead, overhead, peer_copies, plot, recovery
+from bench import (
+    checkpoint_stall,
+    metrics_overhead,
+    overhead,
+    peer_copies,
+    plot,
+    recovery,
+    state_transfer,
+)
 from bench.common import REPO
 
 from .needs import TEST_EXTRAS, require_modules
@@ -13,6 +21,19 @@ def test_checkpoint_stall_smoke(tmp_path, capsys):
                                     "--json", str(tmp_path / "out.json")])
     assert row["size_mb"] == 4 and row["sync_s"] > 0 and row["async_stall_s"] > 0
     assert "async stall" in capsys.readouterr().out and (tmp_path / "out.json").is_file()
+
+
+@pytest.mark.slow
+def test_state_transfer_smoke(tmp_path, capsys):
+    """Three ranks, two state sizes: every method timed, the ratios against the raw wire."""
+    out = state_transfer.main(["--world-sizes", "3", "--width", "64", "--blocks", "1", "2",
+                               "--repeats", "1", "--json", str(tmp_path / "out.json")])
+    rows = out["world_sizes"]["3"]
+    assert set(rows) == {"1", "2"} and rows["2"]["bytes"] == 2 * rows["1"]["bytes"]
+    assert all(rows[b][m]["seconds"] > 0 for b in rows for m in state_transfer.METHODS)
+    assert rows["2"]["transfer_vs_raw"] == \
+        rows["2"]["raw"]["seconds"] / rows["2"]["transfer"]["seconds"]
+    assert "xfer/raw" in capsys.readouterr().out and (tmp_path / "out.json").is_file()
 
 
 @pytest.mark.slow

@@ -1,0 +1,293 @@
+"""How fast an in-place recovery hands the state to a replacement, against the wire it uses.
+
+One gloo job per world size W (``--world-sizes``; processes on this machine): rank 0 is the
+replacement (a freshly built model, an optimizer without state), ranks 1..W-1 hold the same
+trained state (an MLP of ``--blocks`` square ``--width`` layers after one AdamW step: state
+bytes = 3 x parameters x 4). For each state size (``--blocks``), in rotated order per repeat,
+from a barrier to rank 0's state loaded into its model and optimizer:
+
+* ``raw``: rank 1 sends one preallocated ``uint8`` tensor of the same bytes to rank 0
+  (``dist.send``/``dist.recv``, after one warm-up): the wire's rate, the ceiling;
+* ``pickled``: the transfer before ``recovery/state_transfer.py``: rank 1 ``torch.save``s the
+  whole state into bytes and sends them, rank 0 copies and ``torch.load``s them
+  (``weights_only``) and loads the state;
+* ``transfer``: ``state_transfer.send_state`` on every holder (W-1 sources) and
+  ``recv_state`` into rank 0's own tensors, then the same load.
+
+Printed and in ``--json``: per world size and state size, the median seconds and spread (min,
+max) of each, GB/s, and ``transfer``'s rate as a ratio of ``raw``'s in the same run (the goal:
+>= 0.8; at 4 ranks the sources share the sending).
+
+``--load``: also the restart path's load of the same state from a checkpoint file
+(``state.pt``, page cache warm), one process, per state size, each way followed by a write to
+every optimizer moment (as the first step does: a way that leaves tensors mapped pays for it
+there): ``disk`` reads the file's bytes into a preallocated buffer (the ceiling); ``read`` is
+the load before (``torch.load`` from an open file object, then ``load_state_dict``);
+``mapped`` is :func:`~elastic_runner.checkpoint.storage.load_state` now (``torch.load(mmap=True)``,
+then each tensor copied out of the page cache once).
+
+``--recovery N``: also N whole recoveries of each path, side by side, of the ``causal_lm`` task
+at GPT-2-small width (:data:`GPT2_SMALL_CPU`: 88 M parameters, about 1.06 GB of state with
+AdamW; 2 workers, gloo): rank 1 SIGKILLed after step 18 (:func:`bench.recovery.kill_one`), in
+place (once the warm spare is ready) and on the restart path; their phases and totals (the kill
+-> the first committed step after the recovery).
+
+    python -m bench.state_transfer [--world-sizes 2 4] [--blocks 8 28 84] [--width 1024]
+                                   [--repeats 3] [--recovery 2]
+                                   [--json docs/bench/state_transfer.json]
+
+On this machine the ranks share two CPU cores: the wire is loopback TCP, whose rate the
+senders' and the receiver's copies compete for; more sources than cores add no bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from bench.common import free_port, spread
+from elastic_runner.recovery.peer_copies import pack, recv, send, unpack
+from elastic_runner.recovery.state_transfer import recv_state, send_state
+
+METHODS = ("raw", "pickled", "transfer")
+# the causal_lm task at GPT-2-small width, small enough a step for 2 CPU cores
+GPT2_SMALL_CPU = ("model.n_layer=12", "model.n_head=12", "model.n_embd=768",
+                  "data.block_size=64", "data.vocab_size=4096", "batch.micro_batch_size=1",
+                  "batch.global_batch_size=2", "eval.every_steps=100000")
+# the next spare's start (its task built in about 12 s of CPU) after the recovery, not during
+# it: on 2 cores it would take them from the recovery measured
+NEXT_SPARE_LATER = ("recovery.spare_delay_seconds=20",)
+
+
+def _model(width: int, blocks: int, seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = nn.Sequential(*(nn.Linear(width, width) for _ in range(blocks)))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def _trained(width: int, blocks: int) -> dict[str, Any]:
+    model, opt = _model(width, blocks, 0)
+    model(torch.randn(2, width)).sum().backward()
+    opt.step()
+    return {"model": model.state_dict(), "optimizer": opt.state_dict(),
+            "rng": torch.get_rng_state()}
+
+
+def _load(model: nn.Module, opt: torch.optim.Optimizer, raw: dict[str, Any]) -> None:
+    model.load_state_dict(raw["model"])
+    opt.load_state_dict(raw["optimizer"])
+
+
+def _once(method: str, rank: int, world: int, state: dict[str, Any] | None, nbytes: int,
+          width: int, blocks: int) -> float:
+    cpu = torch.device("cpu")
+    model, opt = _model(width, blocks, 1) if rank == 0 else (None, None)
+    buf = torch.empty(nbytes, dtype=torch.uint8) if method == "raw" and rank < 2 else None
+    dist.barrier()
+    t0 = time.perf_counter()
+    if method == "raw":
+        if rank == 1:
+            dist.send(buf, 0)
+        elif rank == 0:
+            dist.recv(buf, 1)
+    elif method == "pickled":
+        if rank == 1:
+            send(pack(state), 0, cpu)
+        elif rank == 0:
+            _load(model, opt, unpack(recv(1, cpu)))
+    elif rank == 0:
+        template = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+        _load(model, opt, recv_state(template, list(range(1, world)), cpu))
+    else:
+        send_state(state, [0], list(range(1, world)), rank, cpu)
+    seconds = time.perf_counter() - t0
+    dist.barrier()
+    return seconds
+
+
+def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: dict) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        results: dict[str, Any] = {}
+        for blocks in args.blocks:
+            state = _trained(args.width, blocks) if rank > 0 else None
+            # the parameters and AdamW's two moments (the transfer adds the step counters and
+            # the RNG state: a few kB)
+            nbytes = 3 * blocks * (args.width ** 2 + args.width) * 4
+            _once("raw", rank, world, None, nbytes, args.width, blocks)  # warm the pair
+            times: dict[str, list[float]] = {m: [] for m in METHODS}
+            for r in range(args.repeats):
+                for m in METHODS[r % 3:] + METHODS[:r % 3]:
+                    times[m].append(_once(m, rank, world, state, nbytes, args.width, blocks))
+            results[str(blocks)] = {"bytes": nbytes, "seconds": times}
+        if rank == 0:
+            out["results"] = results
+    finally:
+        dist.destroy_process_group()
+
+
+def run(world: int, args: argparse.Namespace) -> dict[str, Any]:
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.start_processes(_worker, args=(world, free_port(), args, out), nprocs=world,
+                           join=True, start_method="spawn")
+        return dict(out)["results"]
+
+
+def summarize(results: dict[str, Any]) -> dict[str, Any]:
+    rows = {}
+    for blocks, r in results.items():
+        gb = r["bytes"] / 1e9
+        row: dict[str, Any] = {"bytes": r["bytes"]}
+        for m in METHODS:
+            med = statistics.median(r["seconds"][m])
+            row[m] = {"seconds": med, **spread(r["seconds"][m]), "gb_per_s": gb / med}
+        row["transfer_vs_raw"] = row["raw"]["seconds"] / row["transfer"]["seconds"]
+        row["pickled_vs_raw"] = row["raw"]["seconds"] / row["pickled"]["seconds"]
+        rows[blocks] = row
+    return rows
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--world-sizes", nargs="*", type=int, default=[2, 4])
+    p.add_argument("--blocks", nargs="+", type=int, default=[8, 28, 84])
+    p.add_argument("--width", type=int, default=1024)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--load", action="store_true", help="also the checkpoint load (one process)")
+    p.add_argument("--recovery", type=int, default=0,
+                   help="whole recoveries of each path at GPT-2-small width (0: none)")
+    p.add_argument("--dir", default=None, help="keep the recoveries' logs here")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    summary = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
+               "cpus": os.cpu_count(), "width": args.width, "repeats": args.repeats,
+               "world_sizes": {str(w): summarize(run(w, args)) for w in args.world_sizes}}
+    print_table(summary)
+    if args.load:
+        summary["load"] = {str(b): checkpoint_load(args.width, b, args.repeats)
+                           for b in args.blocks}
+        print_load(summary["load"])
+    if args.recovery:
+        summary["recovery"] = recoveries(args.recovery, args.dir)
+        print_recoveries(summary["recovery"])
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=1) + "\n")
+    return summary
+
+
+def print_table(summary: dict[str, Any]) -> None:
+    print(f"{'world':>5} {'GB':>6} " + " ".join(f"{m + ' s':>12}" for m in METHODS)
+          + f" {'raw GB/s':>9} {'xfer GB/s':>9} {'xfer/raw':>8} {'pickled/raw':>11}")
+    for world, rows in summary["world_sizes"].items():
+        for row in rows.values():
+            print(f"{world:>5} {row['bytes'] / 1e9:6.3f} "
+                  + " ".join(f"{row[m]['seconds']:12.3f}" for m in METHODS)
+                  + f" {row['raw']['gb_per_s']:9.2f} {row['transfer']['gb_per_s']:9.2f}"
+                  f" {row['transfer_vs_raw']:8.2f} {row['pickled_vs_raw']:11.2f}")
+
+
+def checkpoint_load(width: int, blocks: int, repeats: int) -> dict[str, Any]:
+    """The restart path's load of one trained state (module docstring, ``--load``)."""
+    from elastic_runner.checkpoint.storage import load_state
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "state.pt"
+        torch.save(_trained(width, blocks), path)
+        size = path.stat().st_size
+        buf = bytearray(size)
+        model, opt = _model(width, blocks, 1)
+
+        def disk() -> None:
+            with open(path, "rb", buffering=0) as f:
+                f.readinto(buf)
+
+        def touch() -> None:  # the first step's write to each moment
+            for t in (t for s in opt.state.values() for t in s.values() if t.dim()):
+                t.mul_(1.0)
+
+        def read() -> None:
+            with open(path, "rb") as f:
+                _load(model, opt, torch.load(f, weights_only=True))
+            touch()
+
+        def mapped() -> None:
+            _load(model, opt, load_state(path))
+            touch()
+
+        ways = {"disk": disk, "read": read, "mapped": mapped}
+        times: dict[str, list[float]] = {k: [] for k in ways}
+        disk()  # the page cache warm for every way alike
+        for r in range(repeats):
+            for k in list(ways)[r % 3:] + list(ways)[:r % 3]:
+                t0 = time.perf_counter()
+                ways[k]()
+                times[k].append(time.perf_counter() - t0)
+    out: dict[str, Any] = {"bytes": size, **{k: spread(v) for k, v in times.items()}}
+    out["mapped_vs_read"] = out["read"]["median"] / out["mapped"]["median"]
+    out["mapped_vs_disk"] = out["disk"]["median"] / out["mapped"]["median"]
+    return out
+
+
+def print_load(load: dict[str, Any]) -> None:
+    print(f"{'GB':>6} {'disk s':>8} {'read s':>8} {'mapped s':>9} {'mapped/read':>11} "
+          f"{'mapped/disk':>11}")
+    for row in load.values():
+        print(f"{row['bytes'] / 1e9:6.3f} {row['disk']['median']:8.3f} "
+              f"{row['read']['median']:8.3f} {row['mapped']['median']:9.3f} "
+              f"{row['mapped_vs_read']:11.2f} {row['mapped_vs_disk']:11.2f}")
+
+
+def recoveries(repeats: int, keep: str | None) -> dict[str, Any]:
+    """``repeats`` whole recoveries of each path (module docstring), alternating; medians and
+    spreads of each phase, and the checkpoint's bytes."""
+    from elastic_runner.checkpoint import storage as ckpt
+
+    from .recovery import kill_one
+
+    runs: dict[str, list[dict[str, float]]] = {"in_place": [], "restart": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(keep or tmp)
+        size = 0
+        for r in range(repeats):
+            for path in runs:
+                work = root / f"{path}-{r}"
+                # after the step-10 checkpoint is committed (written in about 6 s, async)
+                runs[path].append(kill_one("causal_lm", path, work,
+                                           (*GPT2_SMALL_CPU, *NEXT_SPARE_LATER),
+                                           kill_after=18))
+                newest = ckpt.latest_valid(work / "ck")
+                size = newest.size_bytes if newest is not None else size
+                print(f"recovery {path} {r}: {runs[path][-1]}", flush=True)
+    out: dict[str, Any] = {"checkpoint_bytes": size}
+    for path, rows in runs.items():
+        out[path] = {k: spread([row[k] for row in rows]) for k in rows[0]}
+    out["in_place_vs_restart"] = out["in_place"]["total"]["median"] / \
+        out["restart"]["total"]["median"]
+    return out
+
+
+def print_recoveries(rec: dict[str, Any]) -> None:
+    print(f"whole recovery, causal_lm at GPT-2-small width ({rec['checkpoint_bytes'] / 1e9:.2f} "
+          "GB checkpoint), seconds (median):")
+    for path in ("in_place", "restart"):
+        print(f"  {path:<9}" + ", ".join(f"{k} {v['median']:.2f}"
+                                          for k, v in rec[path].items()))
+    print(f"  in place / restart: {rec['in_place_vs_restart']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
