@@ -629,10 +629,10 @@ def _load_state_file(path: str | Path, map_location: str | torch.device) -> dict
     f = p if p.endswith(".pt") else f"{p}/{STATE_FILE}"
     try:
         if _is_local(fs):
-            # mapped, then each tensor copied out of the page cache once: 1.7x faster than
-            # torch.load from a file object (bench.state_transfer --load), and no tensor stays
-            # backed by the file (a later write to a mapped one faults in 4 kB pages, 3x slower;
-            # a file truncated under it would SIGBUS)
+            # mapped, then each tensor copied out of the page cache once: 1.4x faster than
+            # torch.load from a file object at 1 GB (bench.state_transfer --load), and no
+            # tensor stays backed by the file (a later write to a mapped one faults in 4 kB
+            # pages, 3x slower; a file truncated under it would SIGBUS)
             return _owned(torch.load(f, map_location=map_location, weights_only=True,
                                      mmap=True), {})
         with fs.open(f, "rb") as fh:
