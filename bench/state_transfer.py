@@ -23,8 +23,8 @@ max) of each, GB/s, and ``transfer``'s rate as a ratio of ``raw``'s in the same 
 every optimizer moment (as the first step does: a way that leaves tensors mapped pays for it
 there): ``disk`` reads the file's bytes into a preallocated buffer (the ceiling); ``read`` is
 the load before (``torch.load`` from an open file object, then ``load_state_dict``);
-``mapped`` is :func:`~elastic_runner.checkpoint.storage.load_state` now (``torch.load(mmap=True)``,
-then each tensor copied out of the page cache once).
+``mapped`` is :func:`~elastic_runner.checkpoint.storage.load_state` now (``torch.load`` with
+``weights_only=True, mmap=True``, then each tensor copied out of the page cache once).
 
 ``--recovery N``: also N whole recoveries of each path, side by side, of the ``causal_lm`` task
 at GPT-2-small width (:data:`GPT2_SMALL_CPU`: 88 M parameters, about 1.06 GB of state with

@@ -48,7 +48,7 @@ class Pace:
     slowed tail. The slow-down changes no number the run computes, only its timing."""
 
     def __init__(self, path: Path, seconds: float, rank: int = 0) -> None:
-        self.path = path
+        self.path, self.rank = path, rank
         path.write_text(f"slow rank={rank} seconds={seconds}\n")
 
     @property
@@ -59,13 +59,13 @@ class Pace:
     def end(self) -> None:
         self.set(0.0)
 
-    def set(self, seconds: float, rank: int = 0) -> None:
-        """Change the slow-down (0: none) from the next step on."""
+    def set(self, seconds: float) -> None:
+        """Change the slow-down (0: none) of the same rank from the next step on."""
         with open(self.path, "r+") as f:
             fcntl.flock(f, fcntl.LOCK_EX)  # the ranks rewrite it under the same lock
             f.truncate()
             if seconds:
-                f.write(f"slow rank={rank} seconds={seconds}\n")
+                f.write(f"slow rank={self.rank} seconds={seconds}\n")
 
 
 class Job:
@@ -103,14 +103,13 @@ class Job:
         """The Python stacks of the job and each live descendant (``py-spy dump``, the test
         extra), for a job that did not finish: which process held it up, and where."""
         out = []
-        for p in [psutil.Process(self.proc.pid), *self.descendants()]:
+        for pid in [self.proc.pid, *(p.pid for p in self.descendants())]:
             with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied, OSError,
                                      subprocess.TimeoutExpired):
-                if not p.is_running():
-                    continue
-                dump = subprocess.run(["py-spy", "dump", "--native", "--pid", str(p.pid)],
+                p = psutil.Process(pid)  # gone since: nothing to show
+                dump = subprocess.run(["py-spy", "dump", "--native", "--pid", str(pid)],
                                       capture_output=True, text=True, timeout=30)
-                out.append(f"--- pid {p.pid} ({p.status()}): {' '.join(p.cmdline())[:200]}\n"
+                out.append(f"--- pid {pid} ({p.status()}): {' '.join(p.cmdline())[:200]}\n"
                            + (dump.stdout or dump.stderr)[-4000:])
         return "\n".join(out)
 

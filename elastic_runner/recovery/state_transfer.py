@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import io
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,11 +86,6 @@ class Manifest:
 
     skeleton: Any
     metas: tuple[TensorMeta, ...]
-
-    @property
-    def nbytes(self) -> int:
-        """The tensors' bytes (what the units carry)."""
-        return sum(m.nbytes for m in self.metas)
 
     def digest(self) -> str:
         """A hash of the tensors' paths, shapes and dtypes: ranks whose states have the same
@@ -236,35 +231,31 @@ _TAG_SIZE, _TAG_MANIFEST, _TAG_UNITS = 1, 2, 3
 
 
 def send_state(state: Any, receivers: list[int], sources: list[int], rank: int,
-               wire: torch.device) -> int:
+               wire: torch.device) -> None:
     """Send this rank's share of ``state`` to every rank in ``receivers``: ``sources[0]`` sends
     the manifest, each source its units (:func:`units`). Every rank in ``sources`` must hold
     the same state (the same :meth:`Manifest.digest`) and call this; each receiver calls
-    :func:`recv_state`. Point to point, non-blocking sends, waited for together. Returns the
-    bytes this rank sent (manifests included)."""
+    :func:`recv_state`. Point to point, non-blocking sends, waited for together."""
     manifest, tensors = flatten(state)
     mine = sources.index(rank)
-    works, sent = [], 0
+    works = []
     if mine == 0:
         data = manifest.to_bytes()
         blob = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(wire)
         size = torch.tensor([len(data)], dtype=torch.int64, device=wire)
         for r in receivers:
             works += [dist.isend(size, r, tag=_TAG_SIZE), dist.isend(blob, r, tag=_TAG_MANIFEST)]
-        sent += len(data) * len(receivers)
     for k, u in enumerate(units(manifest.metas, len(sources))):
         if u.source != mine:
             continue
         payload = _payload(u, tensors, wire)
         works += [dist.isend(payload, r, tag=_TAG_UNITS + k) for r in receivers]
-        sent += u.nbytes * len(receivers)
     for w in works:
         w.wait()
-    return sent
 
 
 def recv_state(template: Any, sources: list[int], wire: torch.device,
-               check: Any = None) -> Any:
+               check: Callable[[Manifest], None] | None = None) -> Any:
     """Receive the state :func:`send_state` on ``sources`` sends, into ``template``'s tensors
     where a key path's tensor has the declared shape and dtype and is contiguous on the wire's
     device (this rank's live state: the model's parameters), into new tensors elsewhere. Tensors
