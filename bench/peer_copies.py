@@ -1,24 +1,28 @@
 """What the peer copies of in-place recovery under FSDP cost per step, against the world size.
 
 Each rank's copy (``recovery.peer_copy_every_steps``, ``elastic_runner/recovery/peer_copies.py``)
-is its local shards and the rest of the state, serialised to host memory and sent to the next
-rank. This measures, on the same FSDP2 model (an MLP of ``--blocks`` square ``--width`` layers,
-AdamW: state bytes = 3 x parameters x 4) in one torchrun job per world size (gloo, this
-machine):
+is its local shards and the rest of the state, copied into a reusable host buffer and sent to
+the next rank in the background. This measures, on the same FSDP2 model (an MLP of ``--blocks``
+square ``--width`` layers, AdamW: state bytes = 3 x parameters x 4) in one torchrun job per
+world size (gloo, this machine), per repeat and side by side:
 
-* ``step``: one training step (forward, backward, AdamW), the baseline, in the same job;
-* ``refresh``: one refresh of the copies (``CheckpointManager.local_copy`` + ``PeerCopies.refresh``:
-  copy, ``torch.save`` into memory, the ring exchange), the slowest rank;
+* ``--steps`` training steps (forward, backward, AdamW) without copies: the baseline;
+* the same steps with copies every K steps (``--every``; ``--steps`` a multiple of K), in
+  steady state: a refresh just before the timed steps, whose exchange overlaps them, and the
+  last one's exchange waited for after them. The **throughput ratio** is the baseline's time
+  over this one's (what the copies cost the training, the background exchange's use of the
+  cores included);
+* ``stall``: what one refresh holds the step up (``PeerCopies.seconds``: the wait for the
+  previous exchange, the copy into host memory, posting the next), the slowest rank;
 * ``restore``: loading one's copy into the model (what a recovery does on each rank after the
   hand-over).
 
-Derived per cadence K (``--every``): the training throughput with copies relative to without,
-``step / (step + refresh / K)``, and the committed steps a recovery redoes (at most K, when the
-failure comes just before a refresh, plus the step in flight; (K - 1) / 2 on average for a
-failure uniform in time).
+Also the committed steps a recovery redoes per cadence (at most K, when the failure comes just
+before a refresh, plus the step in flight; (K - 1) / 2 on average for a failure uniform in
+time).
 
-    python -m bench.peer_copies [--world-sizes 2 4] [--width 1024] [--blocks 16] [--repeats 5]
-                                [--every 1 5 10 50] [--json docs/bench/peer_copies.json]
+    python -m bench.peer_copies [--world-sizes 2 4] [--width 1024] [--blocks 16] [--steps 10]
+                                [--repeats 5] [--every 1 10] [--json docs/bench/peer_copies.json]
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ def _worker(args: argparse.Namespace) -> None:
     from elastic_runner.dist import release_groups_of
     from elastic_runner.parallel.config import FSDPConfig
     from elastic_runner.parallel.fsdp import FSDPParallelism
-    from elastic_runner.recovery.peer_copies import PeerCopies, unpack
+    from elastic_runner.recovery.peer_copies import PeerCopies
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -63,28 +67,40 @@ def _worker(args: argparse.Namespace) -> None:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
+    def refresh_after(i: int, every: int) -> None:
+        if every and i % every == 0:
+            copies.refresh(manager.local_copy(), i, rank, world, cpu)
+            stalls.append(copies.seconds)  # reduced over the ranks after the timed steps
+
     step()  # the optimizer holds its moments
     manager = CheckpointManager(args.dir, {"model": model, "optimizer": opt}, async_save=False,
                                 fencing=False, layout="dcp")
     copies = PeerCopies(1)
     # DTensor.numel() is the global count: the whole job's state
-    out: dict[str, Any] = {"step": [], "refresh": [], "restore": [],
+    out: dict[str, Any] = {"none": [], "stall": [], "restore": [],
                            "state_bytes": 3 * 4 * sum(p.numel() for p in model.parameters())}
-    for i in range(args.repeats):
-        dist.barrier()
-        t0 = time.perf_counter()
-        step()
-        out["step"].append(slowest_over_ranks(time.perf_counter() - t0))
-        dist.barrier()
-        t0 = time.perf_counter()
-        copies.refresh(manager.local_copy(), i + 1, rank, world, cpu)
-        out["refresh"].append(slowest_over_ranks(time.perf_counter() - t0))
+    out.update({f"every_{k}": [] for k in args.every})
+    stalls: list[float] = []
+    for _ in range(args.repeats):
+        for every in [0, *args.every]:
+            # steady state: an exchange posted before the window overlaps its first steps,
+            # and the one posted at its end overlaps what follows (waited for untimed)
+            refresh_after(every, every)
+            dist.barrier()
+            t0 = time.perf_counter()
+            for i in range(1, args.steps + 1):
+                step()
+                refresh_after(i, every)
+            out[f"every_{every}" if every else "none"].append(
+                slowest_over_ranks(time.perf_counter() - t0) / args.steps)
+            copies.settle()
         dist.barrier()
         t0 = time.perf_counter()
         assert copies.own is not None
-        manager.load_local_copy(unpack(copies.own.payload), "the copy")
+        manager.load_local_copy(copies.own.state(), "the copy")
         out["restore"].append(slowest_over_ranks(time.perf_counter() - t0))
-    out["copy_bytes"] = int(copies.own.payload.numel()) if copies.own else 0
+    out["stall"] = [slowest_over_ranks(s) for s in stalls]
+    out["copy_bytes"] = int(copies.own.data.numel()) if copies.own else 0
     if rank == 0:
         print(RESULT + json.dumps(out), flush=True)
     manager.close()
@@ -97,22 +113,26 @@ def run_one(world: int, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
             str(world), "-m", "bench.peer_copies", "--worker", "--width", str(args.width),
             "--blocks", str(args.blocks), "--batch", str(args.batch), "--repeats",
-            str(args.repeats), "--dir", str(tmp / str(world))]
+            str(args.repeats), "--steps", str(args.steps), "--every", *map(str, args.every),
+            "--dir", str(tmp / str(world))]
     log = run_logged(argv, f"peer_copies x{world}", timeout=1200)
     line = next(ln for ln in log.splitlines() if RESULT in ln)
     return json.loads(line.split(RESULT, 1)[1])
 
 
 def summarise(raw: dict[str, Any], every: list[int]) -> dict[str, Any]:
-    """Medians and spreads, and the derived throughput ratio and redone steps per cadence."""
-    step, refresh = spread(raw["step"]), spread(raw["refresh"])
+    """Medians and spreads; per cadence the throughput ratio (each repeat's baseline over its
+    run with copies) and the steps a recovery redoes."""
     return {"state_bytes": raw["state_bytes"], "copy_bytes_per_rank": raw["copy_bytes"],
-            "step_s": step, "refresh_s": spread(raw["refresh"]),
+            "step_s": spread(raw["none"]), "stall_s": spread(raw["stall"]),
             "restore_s": spread(raw["restore"]),
             "by_cadence": {str(k): {
-                "throughput_ratio": step["median"] / (step["median"] + refresh["median"] / k),
+                "step_s": spread(raw[f"every_{k}"]),
+                "throughput_ratio": spread([n / c for n, c in zip(raw["none"], raw[f"every_{k}"],
+                                                                  strict=True)]),
                 "redone_steps_max": k, "redone_steps_mean": (k - 1) / 2} for k in every},
-            "raw": {k: raw[k] for k in ("step", "refresh", "restore")}}
+            "raw": {k: raw[k] for k in ("none", "stall", "restore",
+                                        *(f"every_{k}" for k in every))}}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -122,7 +142,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--blocks", type=int, default=16)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--every", type=int, nargs="+", default=[1, 5, 10, 50])
+    p.add_argument("--steps", type=int, default=10, help="training steps per run")
+    p.add_argument("--every", type=int, nargs="+", default=[1, 10])
     p.add_argument("--json", default=None)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--dir", default="", help=argparse.SUPPRESS)
@@ -135,26 +156,34 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         results = {str(w): summarise(run_one(w, args, Path(tmp)), args.every)
                    for w in args.world_sizes}
-    summary = {"width": args.width, "blocks": args.blocks, "batch": args.batch,
-               "repeats": args.repeats, "cores": os.cpu_count(), "results": results}
+    summary = {"date": time.strftime("%Y-%m-%d"), "width": args.width, "blocks": args.blocks,
+               "batch": args.batch, "steps": args.steps, "repeats": args.repeats,
+               "cores": os.cpu_count(), "torch": _torch_version(), "results": results}
     print_table(summary)
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=1))
     return summary
 
 
-def print_table(summary: dict[str, Any]) -> None:
-    def cell(s: dict[str, float]) -> str:
-        return f"{s['median']:.3f} [{s['min']:.3f}, {s['max']:.3f}]"
+def _torch_version() -> str:
+    import torch
 
-    print(f"\nseconds, median [min, max] of {summary['repeats']}; throughput with copies every "
-          "K steps / without")
+    return torch.__version__
+
+
+def print_table(summary: dict[str, Any]) -> None:
+    def cell(s: dict[str, float], f: str = ".3f") -> str:
+        return f"{s['median']:{f}} [{s['min']:{f}}, {s['max']:{f}}]"
+
+    print(f"\nmedian [min, max] of {summary['repeats']} repeats of {summary['steps']} steps; "
+          "throughput with copies every K steps / without, in the same repeat")
     for world, r in summary["results"].items():
         print(f"world {world}: state {r['state_bytes'] / 2**20:.0f} MiB, copy "
-              f"{r['copy_bytes_per_rank'] / 2**20:.0f} MiB per rank; step {cell(r['step_s'])}, "
-              f"refresh {cell(r['refresh_s'])}, restore {cell(r['restore_s'])}")
-        print("  " + ", ".join(f"K={k}: {c['throughput_ratio']:.3f} (redo <= {c['redone_steps_max']})"
-                               for k, c in r["by_cadence"].items()))
+              f"{r['copy_bytes_per_rank'] / 2**20:.0f} MiB per rank; step "
+              f"{cell(r['step_s'])} s, stall {cell(r['stall_s'])} s, restore "
+              f"{cell(r['restore_s'])} s")
+        print("  " + ", ".join(f"K={k}: {cell(c['throughput_ratio'])} (redo <= "
+                               f"{c['redone_steps_max']})" for k, c in r["by_cadence"].items()))
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ senders' and the receiver's copies compete for; more sources than cores add no b
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import statistics
@@ -57,7 +58,6 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from bench.common import free_port, spread
-from elastic_runner.recovery.peer_copies import pack, recv, send, unpack
 from elastic_runner.recovery.state_transfer import recv_state, send_state
 
 METHODS = ("raw", "pickled", "transfer")
@@ -84,6 +84,24 @@ def _trained(width: int, blocks: int) -> dict[str, Any]:
             "rng": torch.get_rng_state()}
 
 
+def _send_pickled(state: dict[str, Any], dst: int) -> None:
+    """The transfer this replaced: ``torch.save`` into memory, the size, the bytes."""
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    payload = torch.frombuffer(buf.getbuffer(), dtype=torch.uint8)
+    dist.send(torch.tensor([payload.numel()], dtype=torch.int64), dst=dst)
+    dist.send(payload, dst=dst)
+
+
+def _recv_pickled(src: int) -> dict[str, Any]:
+    """:func:`_send_pickled`'s state: the bytes copied out and loaded (``weights_only``)."""
+    size = torch.zeros(1, dtype=torch.int64)
+    dist.recv(size, src=src)
+    payload = torch.empty(int(size.item()), dtype=torch.uint8)
+    dist.recv(payload, src=src)
+    return torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=True)
+
+
 def _load(model: nn.Module, opt: torch.optim.Optimizer, raw: dict[str, Any]) -> None:
     model.load_state_dict(raw["model"])
     opt.load_state_dict(raw["optimizer"])
@@ -103,9 +121,9 @@ def _once(method: str, rank: int, world: int, state: dict[str, Any] | None, nbyt
             dist.recv(buf, 1)
     elif method == "pickled":
         if rank == 1:
-            send(pack(state), 0, cpu)
+            _send_pickled(state, 0)
         elif rank == 0:
-            _load(model, opt, unpack(recv(1, cpu)))
+            _load(model, opt, _recv_pickled(1))
     elif rank == 0:
         template = {"model": model.state_dict(), "optimizer": opt.state_dict()}
         _load(model, opt, recv_state(template, list(range(1, world)), cpu))

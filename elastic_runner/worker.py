@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import gc
 import logging
 import os
 import threading
@@ -140,10 +139,12 @@ def _train(config_path: str, overrides: list[str], resume: bool, entered: float,
         heartbeat.close()
         if info is not None:
             destroy_distributed()
-        # a sharded model's state holds its process groups: free them now, while the
-        # interpreter runs (freed during its exit, a gloo group may abort the process)
-        trainer = None
-        gc.collect()
+        # the trainer is not freed here: a gloo group's destructor, run by the collector with
+        # the GIL held, waits for the group's worker thread, which may wait for the GIL to
+        # free a finished collective's tensor (seen: a finished worker hung for good, in 1 of
+        # about 70 restart-path runs). A normal return leaves without the interpreter's
+        # teardown (__main__._leave); a sharded model's groups were released at the trainer's
+        # close (compat fix 13)
         if server is not None:
             threading.Event().wait(linger)
             server.close()

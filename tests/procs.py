@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -100,17 +101,18 @@ class Job:
                 self._log.flush()
 
     def stacks(self) -> str:
-        """The Python stacks of the job and each live descendant (``py-spy dump``, the test
-        extra), for a job that did not finish: which process held it up, and where."""
+        """The Python stacks of each live descendant, then of the job (``py-spy dump``, the test
+        extra), for a job that did not finish: which process held it up, and where. Only the
+        main thread and the threads not idle are kept: CI keeps a report's tail only."""
         out = []
-        for pid in [self.proc.pid, *(p.pid for p in self.descendants())]:
+        for pid in [*(p.pid for p in self.descendants()), self.proc.pid]:
             with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied, OSError,
                                      subprocess.TimeoutExpired):
                 p = psutil.Process(pid)  # gone since: nothing to show
-                dump = subprocess.run(["py-spy", "dump", "--native", "--pid", str(pid)],
+                dump = subprocess.run(["py-spy", "dump", "--pid", str(pid)],
                                       capture_output=True, text=True, timeout=30)
-                out.append(f"--- pid {pid} ({p.status()}): {' '.join(p.cmdline())[:200]}\n"
-                           + (dump.stdout or dump.stderr)[-4000:])
+                out.append(f"--- pid {pid} ({p.status()}): {' '.join(p.cmdline())[:160]}\n"
+                           + _busy_threads(dump.stdout or dump.stderr)[-2500:])
         return "\n".join(out)
 
     def descendants(self) -> list[psutil.Process]:
@@ -223,3 +225,12 @@ def startup_seconds() -> float:
     subprocess.run([sys.executable, "-c", "import torch"], check=True, timeout=300,
                    env={**os.environ, "OMP_NUM_THREADS": "1"})
     return time.monotonic() - t0
+
+
+def _busy_threads(dump: str) -> str:
+    """``dump`` (py-spy's text) with the idle threads other than the main one cut to their
+    header and innermost frame."""
+    sections = re.split(r"(?m)^(?=Thread )", dump)
+    return "".join(t if not t.startswith("Thread ") or "MainThread" in t.split("\n", 1)[0]
+                   or "(idle)" not in t.split("\n", 1)[0] else "".join(t.splitlines(True)[:2])
+                   for t in sections)

@@ -351,7 +351,8 @@ def test_a_local_copy_loads_into_the_module_rebuilt_on_a_new_group_bitwise(tmp_p
     module of the same structure (``module_for_new_group``: parameter-less until loaded) and
     load the copy: weights, AdamW moments and the rest equal the copy; the next step equals the
     one the old model takes."""
-    from elastic_runner.recovery.peer_copies import pack, unpack
+    from elastic_runner.recovery.peer_copies import Copy
+    from elastic_runner.recovery.state_transfer import Manifest
 
     def init(name):
         dist.init_process_group("gloo", init_method=f"file://{tmp_path / name}", rank=0,
@@ -369,7 +370,10 @@ def test_a_local_copy_loads_into_the_module_rebuilt_on_a_new_group_bitwise(tmp_p
             model(torch.randn(8, 4, generator=g)).square().mean().backward()
             opt.step()
             opt.zero_grad()
-        copy = unpack(pack(manager(tmp_path / "a", model, opt, counter).local_copy()))
+        taken = Copy.of(manager(tmp_path / "a", model, opt, counter).local_copy(), 2, 1)
+        # as a peer receives it: the manifest's bytes read back, the data in another buffer
+        copy = Copy(2, 1, Manifest.from_bytes(taken.manifest.to_bytes(), "the peer"),
+                    taken.data.clone()).state()
         x = torch.randn(8, 4, generator=g)
         model(x).square().mean().backward()
         opt.step()

@@ -59,6 +59,37 @@ def test_a_state_taken_apart_and_read_back_is_the_same_with_tied_tensors_sent_on
     assert sent == {i for i, m in enumerate(read.metas) if m.alias < 0}
 
 
+def test_a_peer_copy_holds_every_dtype_aligned_its_tied_tensors_once_and_owns_its_bytes():
+    """``peer_copies.Copy``: the state's tensors (bf16, int64, bool, an empty one, a tied pair,
+    a numpy RNG's uint32 words) copied into one flat buffer, each at an aligned offset, and read
+    back equal; a later change of the live tensors or a reuse of the buffer does not reach what
+    was read back; a size the manifest does not lay out is refused, naming the peer."""
+    from elastic_runner.recovery.peer_copies import ALIGN, Copy, _declared, offsets
+
+    state = _state(*_trained(width=40))
+    state["extra"] = {"half": torch.arange(5, dtype=torch.bfloat16), "ids": torch.arange(3),
+                      "mask": torch.tensor([True, False, True]), "empty": torch.zeros(0, 4)}
+    copy = Copy.of(state, 7, 2)
+    starts, size = offsets(copy.manifest.metas)
+    assert copy.data.numel() == size and all(o % ALIGN == 0 for o in starts)
+    tied = sum(m.alias >= 0 for m in copy.manifest.metas)
+    assert tied == 1 and size < sum(m.nbytes for m in copy.manifest.metas) + ALIGN * len(starts)
+    back = copy.state()
+    with torch.no_grad():
+        state["model"]["0.weight"].add_(1.0)  # the live model moves on
+    copy.data.zero_()  # the buffer is reused by the next copy
+    want = _state(*_trained(width=40))
+    for key in want["model"]:
+        assert torch.equal(back["model"][key], want["model"][key]), key
+    assert back["model"]["tied.weight"] is back["model"]["2.weight"]
+    for key, t in state["extra"].items():
+        assert back["extra"][key].dtype == t.dtype and torch.equal(back["extra"][key], t), key
+    assert torch.equal(back["numpy_rng"], _NUMPY_RNG)
+    assert back["counters"] == state["counters"]
+    with pytest.raises(CheckpointError, match=f"rank 3's peer copy declares {size + 1} bytes"):
+        _declared(copy.manifest, size + 1, 3)
+
+
 def test_units_are_split_by_bytes_the_same_way_for_every_rank():
     metas = tuple(st.TensorMeta(("t", i), (n,), torch.float32, "cpu")
                   for i, n in enumerate([1 << 20, 10, 3 << 18, 1 << 19, 7, 1 << 20]))

@@ -235,9 +235,10 @@ class FaultTolerantLoop:
         <elastic_runner.own_loop.in_place.LoopRecovery.group_formed>`)."""
         self.in_place.group_formed(joining)
 
-    def rewrap(self) -> None:
+    def rewrap(self, in_sync: bool) -> None:
         """The script's model on the new group (:meth:`LoopRecovery.rewrap
-        <elastic_runner.own_loop.in_place.LoopRecovery.rewrap>`)."""
+        <elastic_runner.own_loop.in_place.LoopRecovery.rewrap>`: it moves no values, so
+        ``in_sync`` changes nothing)."""
         self.in_place.rewrap()
 
     def _step_discarded(self) -> None:

@@ -25,8 +25,11 @@ class Parallelism(Protocol):
     name: str
     sharded: bool  # each rank holds a part of the parameters and optimizer state
 
-    def wrap(self, model: nn.Module) -> nn.Module:
-        """What the forward runs through (DDP's wrapper; the sharded module itself for FSDP)."""
+    def wrap(self, model: nn.Module, init_sync: bool = True) -> nn.Module:
+        """What the forward runs through (DDP's wrapper; the sharded module itself for FSDP).
+        ``init_sync=False``: every rank's ``model`` already holds the same values (a rejoin
+        installed them), so DDP's construction broadcast from rank 0 is skipped (collective
+        either way: every rank passes the same value)."""
         ...
 
     def module_for_new_group(self, model: nn.Module) -> nn.Module:
@@ -67,7 +70,7 @@ class SingleProcess:
     name = "single"
     sharded = False
 
-    def wrap(self, model: nn.Module) -> nn.Module:
+    def wrap(self, model: nn.Module, init_sync: bool = True) -> nn.Module:
         return model
 
     def module_for_new_group(self, model: nn.Module) -> nn.Module:

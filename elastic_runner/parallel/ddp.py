@@ -23,11 +23,11 @@ class DDPParallelism:
     def __init__(self, options: DDPConfig, device: torch.device) -> None:
         self.options, self.device = options, device
 
-    def wrap(self, model: nn.Module) -> nn.Module:
+    def wrap(self, model: nn.Module, init_sync: bool = True) -> nn.Module:
         d = self.options
         return DDP(model, device_ids=[self.device] if self.device.type == "cuda" else None,
                    bucket_cap_mb=d.bucket_cap_mb, static_graph=d.static_graph,
-                   find_unused_parameters=d.find_unused_parameters)
+                   find_unused_parameters=d.find_unused_parameters, init_sync=init_sync)
 
     def module_for_new_group(self, model: nn.Module) -> nn.Module:
         return model  # every replica holds the whole module: a new DDP wraps the same one

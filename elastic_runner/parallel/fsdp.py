@@ -111,8 +111,9 @@ class FSDPParallelism:
                 "use 'root' (the whole model as one unit) or 'auto'")
         return blocks
 
-    def wrap(self, model: nn.Module) -> nn.Module:
-        """Shard ``model`` in place (its parameters become DTensors) and return it.
+    def wrap(self, model: nn.Module, init_sync: bool = True) -> nn.Module:
+        """Shard ``model`` in place (its parameters become DTensors) and return it
+        (``init_sync``: unused; sharding moves no values).
 
         Raises:
             ConfigError: see :meth:`units` and :func:`device_mesh`.

@@ -39,9 +39,10 @@ class RecoveryConfig(Section):
     for the replacement)."""
     peer_copy_every_steps: StrictInt = Field(10, ge=0)
     """Sharded state (``distributed.strategy: fsdp``): every this many steps each rank copies its
-    shards and the rest of its state to host memory and to the next rank's (recovery/
-    peer_copies.py); a recovery in place rolls back to the copies' step and redoes the steps
-    after it. 0: no copies; every rank loads the newest checkpoint in place instead."""
+    shards and the rest of its state to host memory and sends it to the next rank in the
+    background (recovery/peer_copies.py; host memory: four times the rank's shard state); a
+    recovery in place rolls back to the copies' step and redoes the steps after it. 0: no
+    copies; every rank loads the newest checkpoint in place instead."""
     heartbeat_timeout_seconds: Float | None = Field(10.0, gt=0)
     """The agent kills and replaces a worker whose heartbeat thread is silent this long (SIGSTOP, a
     frozen process); keep it below watchdog.hang_timeout_seconds, whose expiry restarts every

@@ -156,7 +156,7 @@ class InPlaceRecovery:
         self.nodes = NodeChanges(self.client, self.formation, self.sockets, node, min_nodes)
         self.failures = FailureRecovery(self.formation, self.nodes, self.signals, self.sockets)
         # sharded state: each rank's shards also in a peer's memory (recovery/peer_copies.py)
-        self.copies: PeerCopies | NoCopies = (PeerCopies(peer_copy_every_steps)
+        self.copies: PeerCopies | NoCopies = (PeerCopies(peer_copy_every_steps, self.sockets)
                                               if peer_copy_every_steps else NoCopies())
 
     @classmethod
@@ -333,7 +333,9 @@ class InPlaceRecovery:
 
     def announce_finished(self, rank: int) -> None:
         """Rank 0, once training is over: a replacement still waiting to join leaves with exit
-        code 0 (:class:`JobFinished`)."""
+        code 0 (:class:`JobFinished`). The peer copies' last exchange is waited for: the
+        process group goes next."""
+        self.copies.settle()
         self.signals.announce_finished(rank)
 
     def ask_restart(self) -> None:
@@ -356,5 +358,4 @@ class InPlaceRecovery:
         assert isinstance(copies, PeerCopies)
         seconds = copies.refresh(loop.session.checkpoints.local_copy(), step, loop.info.rank,
                                  loop.info.world_size, wire_device(loop))
-        log.debug("peer copies of step %d refreshed in %.3f s (%d bytes)", step, seconds,
-                  copies.own.payload.numel() if copies.own else 0)
+        log.debug("peer copies of step %d posted; the step waited %.3f s", step, seconds)

@@ -53,7 +53,9 @@ class Recoverable(Protocol):
     :class:`RecoveryProfile`, ``after_done`` (the last step whose post-step work is done; a
     rejoin sets it), the process's ``recovery``, and two calls that go on in a new group:
     ``group_formed`` (the group exists, ``joining`` its replacements' ranks) and ``rewrap``
-    (the model, the step vote and the straggler exchange on it)."""
+    (the model, the step vote and the straggler exchange on it; ``in_sync``: the rejoin left
+    every rank's model with the same values, so nothing needs to be broadcast from rank 0;
+    every rank passes the same value)."""
 
     info: DistInfo
     session: TrainingSession
@@ -64,7 +66,7 @@ class Recoverable(Protocol):
 
     def group_formed(self, joining: list[int]) -> None: ...
 
-    def rewrap(self) -> None: ...
+    def rewrap(self, in_sync: bool) -> None: ...
 
 
 @dataclass

@@ -19,15 +19,7 @@ import torch.distributed as dist
 
 from ..checkpoint.storage import check_compatible
 from ..config_base import ConfigError
-from .peer_copies import (
-    Copy,
-    PeerCopies,
-    hand_over,
-    pack,
-    plan,
-    plan_replicas,
-    unpack,
-)
+from .peer_copies import Copy, PeerCopies, hand_over, plan, plan_replicas
 from .recoverable import Live, Recoverable
 from .state_transfer import Manifest, flatten, recv_state, send_state
 
@@ -102,12 +94,13 @@ def from_checkpoint(loop: Recoverable, joining: bool) -> None:
 
     Raises:
         RuntimeError: there is no checkpoint and the state is not held by any member."""
-    if not loop.session.resume() and loop.session.checkpoints.sharded:
+    loaded = loop.session.resume()  # rank 0's choice: the same on every rank
+    if not loaded and loop.session.checkpoints.sharded:
         loop.recovery.ask_restart()
         raise RuntimeError("in-place recovery: no peer copy and no checkpoint holds the "
                            "sharded state; restarting every worker")
     loop.after_done = loop.session.state.step
-    loop.rewrap()
+    loop.rewrap(in_sync=loaded)  # nothing loaded: the replicas take rank 0's values
     loop.session.callbacks.on_recovered(loop.session.state.step, joining,
                                            loop.session.sampler.last_step)
 
@@ -136,22 +129,22 @@ def _rejoin_sharded(loop: Recoverable, joining: bool, report: RecoveryReport | N
         return
     step, sources = chosen
     wire = wire_device(loop)
-    received = hand_over(lambda: copies.held.payload,  # type: ignore[union-attr]
+    received = hand_over(lambda: copies.held,  # type: ignore[union-attr,return-value]
                          sources, rank, wire)
     if received is not None:  # plan() saw copies on every rank
-        copies.adopt(Copy(step, world_size, received))  # type: ignore[union-attr]
+        copies.adopt(received)  # type: ignore[union-attr]
     own = copies.own
     assert own is not None
     holder = sources.get(rank, rank)
     # the goodput account too: the undone steps must not stay productive (observe/goodput.py)
     loop.session.checkpoints.load_local_copy(
-        unpack(own.payload), f"rank {holder}'s copy of rank {rank}'s state (step {step})")
+        own.state(), f"rank {holder}'s copy of rank {rank}'s state (step {step})")
     copies.reshare(rank, world_size, wire)  # type: ignore[union-attr]
     loop.after_done = step
     if report is not None:
         report.source, report.received = holder, received is not None
         report.redone = max(report.step - step, 0)
-    loop.rewrap()
+    loop.rewrap(in_sync=True)
     loop.session.callbacks.on_recovered(step, joining, loop.session.sampler.last_step)
     log.info("rank %d %s step %d (peer copies; replacements %s)", rank,
              "received the state of" if received is not None else "rolled back to", step,
@@ -164,9 +157,10 @@ def _from_replicas(loop: Recoverable, live: Live | None, step: int, after: int,
     survivor reloads its own; nothing is redone. The peer copies are refreshed at once (the
     replacement has none)."""
     rank, world_size, wire = loop.info.rank, loop.info.world_size, wire_device(loop)
-    received = hand_over(lambda: pack(live.state), sources, rank, wire)  # type: ignore[union-attr]
+    received = hand_over(lambda: Copy.of(live.state, step, world_size),  # type: ignore[union-attr]
+                         sources, rank, wire)
     if received is not None:
-        state = unpack(received)
+        state = received.state()
     else:
         assert live is not None  # plan_replicas() saw every survivor's live state
         state = live.state
@@ -180,7 +174,7 @@ def _from_replicas(loop: Recoverable, live: Live | None, step: int, after: int,
     loop.after_done = after
     if report is not None:
         report.source, report.received = holder, rank in sources
-    loop.rewrap()
+    loop.rewrap(in_sync=True)
     loop.session.callbacks.on_recovered(step, joining, loop.session.sampler.last_step)
     log.info("rank %d %s step %d; replacement(s) %s received theirs from replica(s) %s", rank,
              "received the state of" if rank in sources else "goes on at", step, sorted(sources),
@@ -237,7 +231,7 @@ def _rejoin_replicated(loop: Recoverable, joining: bool, report: RecoveryReport 
     loop.after_done = best["after"]
     if report is not None:
         report.source, report.received = src, rank in receivers
-    loop.rewrap()
+    loop.rewrap(in_sync=True)
     loop.session.callbacks.on_recovered(loop.session.state.step, joining,
                                            loop.session.sampler.last_step)
     log.info("rank %d %s step %d from rank(s) %s", rank,

@@ -86,7 +86,8 @@ class Trainer:
     profile: RecoveryProfile
     results: dict[str, Any] = field(default_factory=dict)
     recovery: InPlaceRecovery | NoRecovery = field(default_factory=NoRecovery)
-    rewrap: Callable[[], None] = lambda: None  # a new DDP (and vote) on the current group
+    # a new DDP (and vote) on the current group; True: the ranks' models already agree
+    rewrap: Callable[[bool], None] = lambda in_sync: None
     parallelism: Parallelism = field(default_factory=SingleProcess)
     after_done: int = 0  # the last step whose evaluation / checkpoint work is done
     _best_pending: bool = False
