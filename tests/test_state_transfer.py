@@ -1,8 +1,8 @@
 """The state handed to a replacement (``recovery/state_transfer.py``): the manifest taken apart
 and read back, the units split the same way on every rank, a hostile or mismatched manifest
-refused; and three real gloo processes: two holders each send a share of a trained model's and
-AdamW's state, the replacement receives it into its own parameters and into optimizer state it
-did not have, bitwise."""
+refused; and four real gloo processes: two holders each send a share of a trained model's and
+AdamW's state to two receivers at once, the replacement receives it into its own parameters and
+into optimizer state it did not have, a survivor behind into new tensors, bitwise."""
 
 from __future__ import annotations
 
@@ -128,10 +128,18 @@ def _check(model: nn.Module):
 
 def _worker(rank: int, port: int, out: dict) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=3)
+    dist.init_process_group("gloo", rank=rank, world_size=4)
     try:
-        if rank > 0:  # two holders of the same trained state
-            st.send_state(_state(*_trained()), [0], [1, 2], rank, torch.device("cpu"))
+        if rank == 3:  # a survivor behind: received into new tensors, at once with rank 0
+            raw = st.recv_state(None, [1, 2], torch.device("cpu"))
+            want = _state(*_trained())
+            out["behind"] = all(torch.equal(raw["model"][k], v) for k, v in want["model"].items()) \
+                and all(torch.equal(a[k], b[k]) for a, b in zip(
+                    want["optimizer"]["state"].values(), raw["optimizer"]["state"].values(),
+                    strict=True) for k in a)
+            return
+        if rank > 0:  # two holders of the same trained state, two receivers
+            st.send_state(_state(*_trained()), [0, 3], [1, 2], rank, torch.device("cpu"))
             if rank == 1:  # a peer whose model has another width: only its manifest goes
                 manifest, _ = st.flatten(_state(*_trained(width=500)))
                 data = manifest.to_bytes()
@@ -166,13 +174,16 @@ def _worker(rank: int, port: int, out: dict) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_two_holders_send_a_trained_state_into_a_replacements_own_tensors_bitwise():
+def test_two_holders_send_a_trained_state_to_two_receivers_at_once_bitwise():
+    """Rank 0, a replacement, receives into its own tensors; rank 3, a survivor behind, into
+    new ones; both from the same two holders' sends."""
     with mp.Manager() as manager:
         out = manager.dict()
-        mp.start_processes(_worker, args=(free_port(), out), nprocs=3, join=True,
+        mp.start_processes(_worker, args=(free_port(), out), nprocs=4, join=True,
                            start_method="spawn")
         out = dict(out)
     assert out["model"] and out["optimizer"], out
+    assert out["behind"], "the survivor behind did not receive the state bitwise"
     assert out["moments"] == 4  # AdamW's state created on the receiver (it had none)
     assert out["in_place"], "the parameters were replaced, not received into"
     assert out["counters"] == {"step": 7, "cursor": (3, [1, 2]), "name": "x"}

@@ -9,7 +9,8 @@ to travel, straight into place:
    dtype and device type. It is ``torch.save`` bytes read with ``weights_only=True``: nothing a
    peer sends is unpickled beyond that (the dtypes are looked up in a fixed table);
 2. the tensors, as **units**: each tensor of at least :data:`DIRECT_BYTES` goes from its own
-   storage (no copy on the sender) into the receiver's tensor at the same key path when that
+   storage (no copy on the sender; as its ``uint8`` view, since NCCL sends some dtypes, such
+   as float8, not at all) into the receiver's tensor at the same key path when that
    has the declared shape and dtype (the model's parameters: no copy on the receiver either;
    loading them afterwards is a copy onto itself, which torch skips); the small ones travel
    packed in flat ``uint8`` buckets of at most :data:`BUCKET_BYTES`. Tensors the receiver does
@@ -219,9 +220,8 @@ def _bytes_of(t: torch.Tensor) -> torch.Tensor:
 
 
 def _payload(u: Unit, tensors: list[torch.Tensor], wire: torch.device) -> torch.Tensor:
-    if u.direct:
-        t = tensors[u.indices[0]]
-        return (t if t.is_contiguous() else t.contiguous()).to(wire)
+    if u.direct:  # as bytes: NCCL has no send for some dtypes (float8), bytes it has
+        return _bytes_of(tensors[u.indices[0]].to(wire))
     if not u.nbytes:
         return torch.empty(0, dtype=torch.uint8, device=wire)
     return torch.cat([_bytes_of(tensors[i].to(wire)) for i in u.indices])
@@ -281,7 +281,7 @@ def recv_state(template: Any, sources: list[int], wire: torch.device,
         out.append(out[m.alias] if m.alias >= 0 else _destination(m, live.get(m.path), wire))
     works, buckets = [], []
     for k, u in enumerate(units(manifest.metas, len(sources))):
-        buf = out[u.indices[0]] if u.direct else \
+        buf = _bytes_of(out[u.indices[0]]) if u.direct else \
             torch.empty(u.nbytes, dtype=torch.uint8, device=wire)
         works.append(dist.irecv(buf, sources[u.source], tag=_TAG_UNITS + k))
         if not u.direct:
