@@ -545,6 +545,7 @@ def _reset_iteration(model: torch.nn.Module) -> None:
     AttributeError)."""
     from torch.distributed.fsdp import FSDPModule
 
+    _drop_unreduced_grads(model)
     reset = getattr(model, "reset_iter_state", None)
     if isinstance(model, FSDPModule) and callable(reset):
         try:
@@ -555,6 +556,21 @@ def _reset_iteration(model: torch.nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()
+
+
+def _drop_unreduced_grads(model: torch.nn.Module) -> None:
+    """The failed iteration's gradients that were never reduced, dropped: an unsharded
+    parameter's ``.grad`` (autograd accumulated it; its group's post-backward, which
+    reduce-scatters and clears it, never ran: the root's, which runs at backward's end, when a
+    peer died in a unit's reduce-scatter) and a group's accumulated gradient (``no_sync``
+    under mixed precision). torch 2.13's ``reset_iter_state`` keeps both, and the redone step's
+    backward would add to them (the root's gradients of that step doubled)."""
+    for group in _fsdp_param_groups(model):
+        for param in group.fsdp_params:
+            unsharded = getattr(param, "_unsharded_param", None)
+            if unsharded is not None:
+                unsharded.grad = None
+            param.unsharded_accumulated_grad = None
 
 
 def fsdp_reattach_refusal(model: torch.nn.Module) -> str | None:
@@ -577,31 +593,43 @@ def fsdp_reattach_refusal(model: torch.nn.Module) -> str | None:
 def _fsdp_mesh_infos(model: torch.nn.Module) -> list[Any]:
     """The distinct FSDP mesh infos of ``model``'s FSDP2 modules (their param groups' and
     parameters', for the forward and after it)."""
+    infos: dict[int, Any] = {}
+    for group in _fsdp_param_groups(model):
+        for info in (group.mesh_info, group.post_forward_mesh_info,
+                     *(i for p in group.fsdp_params
+                       for i in (p.mesh_info, p.post_forward_mesh_info))):
+            if info is not None:
+                infos[id(info)] = info
+    return list(infos.values())
+
+
+def _fsdp_param_groups(model: torch.nn.Module) -> list[Any]:
+    """The FSDP param groups of ``model``'s FSDP2 modules (torch's private ``FSDPParamGroup``)."""
     from torch.distributed.fsdp import FSDPModule
 
-    infos: dict[int, Any] = {}
+    groups: list[Any] = []
     for module in model.modules():
         if not isinstance(module, FSDPModule):
             continue
         state = module._get_fsdp_state()
-        groups = getattr(state, "_fsdp_param_groups", None)
-        if groups is None:  # a torch with one param group per module
-            groups = [g for g in (getattr(state, "_fsdp_param_group", None),) if g is not None]
-        for group in groups:
-            for info in (group.mesh_info, group.post_forward_mesh_info,
-                         *(i for p in group.fsdp_params
-                           for i in (p.mesh_info, p.post_forward_mesh_info))):
-                if info is not None:
-                    infos[id(info)] = info
-    return list(infos.values())
+        own = getattr(state, "_fsdp_param_groups", None)
+        if own is None:  # a torch with one param group per module
+            own = [g for g in (getattr(state, "_fsdp_param_group", None),) if g is not None]
+        groups.extend(own)
+    return groups
 
 
 def _check_fsdp_reattach() -> str | None:
     from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.fsdp._fully_shard import _fsdp_common, _fsdp_param_group
+    from torch.distributed.fsdp._fully_shard import _fsdp_common, _fsdp_param, _fsdp_param_group
 
     if not callable(getattr(FSDPModule, "_get_fsdp_state", None)):
         return "FSDPModule._get_fsdp_state is gone"
+    param = _fsdp_param.FSDPParam
+    if not _mentions_name(param.init_unsharded_param, "_unsharded_param"):
+        return "FSDPParam no longer keeps its unsharded parameter in _unsharded_param"
+    if not _mentions_name(param.__init__, "unsharded_accumulated_grad"):
+        return "FSDPParam no longer keeps unsharded_accumulated_grad"
     if not _mentions_name(_fsdp_common.FSDPMeshInfo.__post_init__, "shard_process_group"):
         return "FSDPMeshInfo no longer caches shard_process_group"
     group = _fsdp_param_group.FSDPParamGroup

@@ -11,6 +11,7 @@ import time
 from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -440,3 +441,44 @@ def test_an_fsdp2_model_reattached_to_a_new_group_gathers_over_it_as_the_same_ob
     two_d = torch.nn.Linear(3, 2)
     fully_shard(two_d, mesh=init_device_mesh("cpu", (1, 1), mesh_dim_names=("r", "s")))
     assert "more than one dimension" in compat.fsdp_reattach_refusal(two_d)
+
+
+def test_an_fsdp2_backward_cut_short_leaves_nothing_to_the_redone_step(group):
+    """A peer dies in a unit's reduce-scatter: the backward stops there, after autograd put
+    the root's gradients on its unsharded parameters (the root reduces only at backward's
+    end). Once re-attached, the redone step's gradients equal an uninterrupted step's,
+    bitwise (torch's ``reset_iter_state`` alone left the root's doubled)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    def sharded() -> torch.nn.Sequential:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+        fully_shard(model[0], mesh=init_device_mesh("cpu", (1,)))
+        fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+        return model
+
+    def grads(model: torch.nn.Module) -> list[torch.Tensor]:
+        return [p.grad.full_tensor() for p in model.parameters()]
+
+    x = torch.arange(12.0).reshape(4, 3)
+    want = sharded()
+    want(x).square().sum().backward()
+    model = sharded()
+    params = list(model.parameters())  # the sharded ones, as the loop holds them
+
+    def peer_died(grad: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("Connection closed by peer")  # as gloo's reduce-scatter raises
+
+    def cut_backward_here(module: torch.nn.Module, args: Any, out: torch.Tensor) -> None:
+        out.register_hook(peer_died)
+
+    fault = model[0].register_forward_hook(cut_backward_here)
+    with pytest.raises(RuntimeError, match="closed by peer"):
+        model(x).square().sum().backward()
+    fault.remove()
+    for p in params:  # the loop drops the sharded gradients
+        p.grad = None
+    compat.fsdp_reattach(model)
+    model(x).square().sum().backward()
+    assert all(torch.equal(a, b) for a, b in zip(grads(want), grads(model), strict=True))
