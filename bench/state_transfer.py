@@ -58,16 +58,13 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from bench.common import free_port, spread
-from elastic_runner.recovery.state_transfer import recv_state, send_state
+from elastic_runner.recovery.state_transfer import flatten, recv_state, send_state
 
 METHODS = ("raw", "pickled", "transfer")
 # the causal_lm task at GPT-2-small width, small enough a step for 2 CPU cores
 GPT2_SMALL_CPU = ("model.n_layer=12", "model.n_head=12", "model.n_embd=768",
                   "data.block_size=64", "data.vocab_size=4096", "batch.micro_batch_size=1",
                   "batch.global_batch_size=2", "eval.every_steps=100000")
-# the next spare's start (its task built in about 12 s of CPU) after the recovery, not during
-# it: on 2 cores it would take them from the recovery measured
-NEXT_SPARE_LATER = ("recovery.spare_delay_seconds=20",)
 
 
 def _model(width: int, blocks: int, seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -128,7 +125,7 @@ def _once(method: str, rank: int, world: int, state: dict[str, Any] | None, nbyt
         template = {"model": model.state_dict(), "optimizer": opt.state_dict()}
         _load(model, opt, recv_state(template, list(range(1, world)), cpu))
     else:
-        send_state(state, [0], list(range(1, world)), rank, cpu)
+        send_state(flatten(state), [0], list(range(1, world)), rank, cpu)
     seconds = time.perf_counter() - t0
     dist.barrier()
     return seconds
@@ -285,7 +282,7 @@ def recoveries(repeats: int, keep: str | None) -> dict[str, Any]:
                 work = root / f"{path}-{r}"
                 # after the step-10 checkpoint is committed (written in about 6 s, async)
                 runs[path].append(kill_one("causal_lm", path, work,
-                                           (*GPT2_SMALL_CPU, *NEXT_SPARE_LATER),
+                                           GPT2_SMALL_CPU,
                                            kill_after=18))
                 newest = ckpt.latest_valid(work / "ck")
                 size = newest.size_bytes if newest is not None else size

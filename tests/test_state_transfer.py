@@ -139,12 +139,12 @@ def _worker(rank: int, port: int, out: dict) -> None:
                     strict=True) for k in a)
             return
         if rank > 0:  # two holders of the same trained state, two receivers
-            st.send_state(_state(*_trained()), [0, 3], [1, 2], rank, torch.device("cpu"))
+            cpu = torch.device("cpu")
+            st.send_state(st.flatten(_state(*_trained())), [0, 3], [1, 2], rank, cpu)
             if rank == 1:  # a peer whose model has another width: only its manifest goes
                 manifest, _ = st.flatten(_state(*_trained(width=500)))
-                data = manifest.to_bytes()
-                dist.send(torch.tensor([len(data)]), 0, tag=1)
-                dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), 0, tag=2)
+                for work in st.send_manifest(manifest, [0], cpu):
+                    work.wait()
             return
         model, opt = _trained(seed=1, step=False)
         params = [p.data_ptr() for p in model.parameters()]

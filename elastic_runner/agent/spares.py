@@ -20,6 +20,11 @@ from ..recovery.protocol import SPARE_ENV
 from .node_attempt import AGENT_LOG as log
 from .node_attempt import NodeAttempt
 
+# after a replacement, the next spare waits for the recovery's first committed step at most this
+# long, seconds (or spare_delay_seconds, if longer): a recovery that has not committed one by
+# then is stuck or was followed by another failure, whose replacement starts a spare itself
+RECOVERY_WAIT_S = 30.0
+
 # a dead worker's place, not a spare's: the agent hands these over at the replacement
 _RANK_VARIABLES = ("RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_ERROR_FILE")
 
@@ -98,20 +103,26 @@ class Spares:
 
 class WarmSpares(Spares):
     """One spare kept warm (``recovery.spare``), started ``delay_s`` seconds
-    (``recovery.spare_delay_seconds``) after the workers have built the task."""
+    (``recovery.spare_delay_seconds``) after the workers have built the task; once it took a
+    failed worker's place, the next one starts when that recovery's first step is committed
+    (:meth:`_due`)."""
 
     def __init__(self, attempt: NodeAttempt, delay_s: float) -> None:
         super().__init__(attempt)
         self._delay_s = delay_s
         self._built_since: float | None = None  # when the workers reported the task built
+        self._taken: tuple[int, float] | None = None  # the last replacement's generation, when
 
     def begin(self) -> None:
-        self._built_since = None
+        self._built_since, self._taken = None, None
+
+    def take(self, pc: Any) -> Spare:
+        spare = super().take(pc)
+        self._taken = (self._attempt.generation, time.monotonic())
+        return spare
 
     def keep(self, pc: Any) -> None:
-        """Start the spare once due (so it neither competes with the workers' start-up nor
-        makes a task artifact before rank 0 does, and a short job never starts one), note it
-        ready, replace one that died.
+        """Start the spare once due (:meth:`_due`), note it ready, replace one that died.
 
         Raises:
             Exception: any client error of an unreachable recovery store.
@@ -121,15 +132,30 @@ class WarmSpares(Spares):
                         self._spare.proc.returncode)
             self._spare = None
         spare, rs = self._spare, self._attempt.rs
-        if spare is None and self._built_since is None and rs.attempt.built():
-            self._built_since = time.monotonic()
-        if spare is None and self._built_since is not None \
-                and time.monotonic() - self._built_since >= self._delay_s:
+        if spare is None and self._due():
             self._spare = self.start(pc)
         elif spare is not None and not spare.ready and rs.attempt.is_spare_ready(spare.name):
             spare.ready = True
             log.info("spare %s ready (task built) %.1f s after its start", spare.name,
                      time.monotonic() - spare.started)
+
+    def _due(self) -> bool:
+        """Whether to start a spare now. At the start, ``delay_s`` after the workers built
+        the task: it neither competes with their start-up nor makes a task artifact before
+        rank 0 does, and a short job never starts one. After a replacement, once its
+        recovery's first step is committed: its build (imports, the task: seconds of CPU)
+        would compete with the recovery's state transfer and first step (on 2 cores it made
+        them about 1 s slower at GPT-2-small width, ``bench.state_transfer``); at the latest
+        :data:`RECOVERY_WAIT_S` or ``delay_s`` after the replacement."""
+        attempt = self._attempt.rs.attempt
+        if self._taken is not None:
+            generation, since = self._taken
+            return attempt.recovered(generation) or \
+                time.monotonic() - since >= max(self._delay_s, RECOVERY_WAIT_S)
+        if self._built_since is None and attempt.built():
+            self._built_since = time.monotonic()
+        return self._built_since is not None and \
+            time.monotonic() - self._built_since >= self._delay_s
 
 
 def spares_for(attempt: NodeAttempt, warm: bool, delay_s: float) -> Spares:

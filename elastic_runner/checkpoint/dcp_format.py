@@ -200,19 +200,20 @@ def load_shards(directory: str | Path, model: nn.Module,
                        optim_state_dict=state["optimizer"])
 
 
-def local_shards(state: Any) -> Any:
+def local_shards(state: Any, to_cpu: bool = True) -> Any:
     """``state`` (:func:`sharded_state`) with each DTensor replaced by this rank's local shard,
-    on the CPU (plain tensors too): what an in-memory copy of this rank's part holds, picklable
-    with ``torch.save`` and loadable with ``weights_only=True``. A CPU tensor is not copied (it
-    is the parameter's own storage): serialise it before the model changes."""
+    on the CPU (plain tensors too; ``to_cpu=False``: where they are, for a caller that copies
+    them itself): what an in-memory copy of this rank's part holds, picklable with
+    ``torch.save`` and loadable with ``weights_only=True``. A tensor already on the CPU is not
+    copied (it is the parameter's own storage): copy it before the model changes."""
     if isinstance(state, DTensor):
-        return state.to_local().detach().cpu()
+        state = state.to_local()
     if isinstance(state, torch.Tensor):
-        return state.detach().cpu()
+        return state.detach().cpu() if to_cpu else state.detach()
     if isinstance(state, dict):
-        return {k: local_shards(v) for k, v in state.items()}
+        return {k: local_shards(v, to_cpu) for k, v in state.items()}
     if isinstance(state, (list, tuple)):
-        return type(state)(local_shards(v) for v in state)
+        return type(state)(local_shards(v, to_cpu) for v in state)
     return state
 
 

@@ -461,14 +461,15 @@ class CheckpointManager:
             raise ckpt.CheckpointError("a sharded model's state is not held whole by any peer")
         self._apply(raw, f"rank {peer}'s state")
 
-    def local_copy(self) -> dict[str, Any]:
-        """This rank's part of the state, on the CPU: its local model and optimizer shards
-        (:func:`~elastic_runner.checkpoint.dcp_format.local_shards`: on a CPU device the
-        parameters' own storage, so serialise it before the next step) and the rest (sampler,
-        schedule, counters, RNG). What a peer keeps for an in-place recovery under FSDP
-        (``recovery/peer_copies.py``); sharded layout only, not collective."""
+    def local_copy(self, to_cpu: bool = True) -> dict[str, Any]:
+        """This rank's part of the state, on the CPU (``to_cpu=False``: the shards stay on
+        their device, for a caller that copies them into host memory itself): its local model
+        and optimizer shards (:func:`~elastic_runner.checkpoint.dcp_format.local_shards`: on a
+        CPU device the parameters' own storage, so copy it before the next step) and the rest
+        (sampler, schedule, counters, RNG). What a peer keeps for an in-place recovery under
+        FSDP (``recovery/peer_copies.py``); sharded layout only, not collective."""
         sharded = dcp_format.sharded_state(self.state["model"], self.state["optimizer"])
-        return {"shards": dcp_format.local_shards(sharded), "rest": self._rest()}
+        return {"shards": dcp_format.local_shards(sharded, to_cpu), "rest": self._rest()}
 
     def load_local_copy(self, raw: dict[str, Any], source: str) -> None:
         """Load :meth:`local_copy`'s ``raw`` (taken on this rank's position of a mesh of the

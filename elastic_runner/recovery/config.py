@@ -26,7 +26,9 @@ class RecoveryConfig(Section):
     """Keep one warm replacement per node (imported, task built)."""
     spare_delay_seconds: Float = Field(10.0, ge=0)
     """Start it this long after the workers built the task: a short job never pays for one (a
-    failure before gets a cold start)."""
+    failure before gets a cold start). Once it replaced a worker, the next one starts when that
+    recovery's first step is committed (its build would take the CPU from the recovery), or
+    this long after, at least 30 s, at the latest."""
     detect_timeout_seconds: Float = Field(10.0, gt=0)
     """A rank whose collective failed waits this long for its agent to name a failed peer; then the
     error is a failure as before."""

@@ -99,6 +99,9 @@ class NoRecovery:
     def announce_finished(self, rank: int) -> None:
         pass
 
+    def announce_recovered(self, rank: int, report: RecoveryReport) -> None:
+        pass
+
     def recover(self, error: BaseException, loop: Recoverable) -> RecoveryReport | None:
         return None
 
@@ -338,6 +341,13 @@ class InPlaceRecovery:
         self.copies.settle()
         self.signals.announce_finished(rank)
 
+    def announce_recovered(self, rank: int, report: RecoveryReport) -> None:
+        """At the first step committed after the recovery ``report`` describes, its lowest rank
+        that kept its process (a replacement has no report) tells the agents: the next spare
+        may start (:meth:`AgentSignals.announce_recovered`)."""
+        if all(r in report.failed_ranks for r in range(rank)):
+            self.signals.announce_recovered(report.generation)
+
     def ask_restart(self) -> None:
         """No agent replaces anyone in place in this attempt any more: torch's restart path."""
         self.signals.ask_restart()
@@ -356,6 +366,7 @@ class InPlaceRecovery:
             return
         copies = self.copies
         assert isinstance(copies, PeerCopies)
-        seconds = copies.refresh(loop.session.checkpoints.local_copy(), step, loop.info.rank,
-                                 loop.info.world_size, wire_device(loop))
+        state = loop.session.checkpoints.local_copy(to_cpu=False)  # copied into pinned memory
+        seconds = copies.refresh(state, step, loop.info.rank, loop.info.world_size,
+                                 wire_device(loop))
         log.debug("peer copies of step %d posted; the step waited %.3f s", step, seconds)

@@ -27,7 +27,6 @@ process.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -37,7 +36,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .state_transfer import Manifest, TensorMeta, flatten, rebuild
+from .group_sockets import NO_SOCKETS, GroupSockets, NoSockets
+from .state_transfer import Manifest, TensorMeta, flatten, rebuild, recv_manifest, send_manifest
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +58,11 @@ def offsets(metas: tuple[TensorMeta, ...]) -> tuple[list[int], int]:
     return out, end
 
 
+def host_buffer(size: int, pinned: bool = False) -> torch.Tensor:
+    """A new flat host buffer of ``size`` bytes (``uint8``), page-locked when ``pinned``."""
+    return torch.empty(size, dtype=torch.uint8, pin_memory=pinned)
+
+
 @dataclass
 class Copy:
     """One rank's state at ``step`` (taken at world size ``world_size``): its ``manifest`` and
@@ -70,19 +75,19 @@ class Copy:
 
     @classmethod
     def of(cls, state: Any, step: int, world_size: int,
-           reuse: Callable[[int], torch.Tensor | None] = lambda size: None) -> Copy:
-        """``state``'s tensors copied into ``reuse(size)`` (a buffer of an earlier copy of
-        that many bytes) or a new buffer."""
+           buffer: Callable[[int, bool], torch.Tensor] = host_buffer) -> Copy:
+        """``state``'s tensors (on the CPU or a GPU) copied into ``buffer(size, pinned)``: a
+        host buffer of that many bytes, pinned when a tensor is on a GPU (its device-to-host
+        copy is then asynchronous; all are waited for together)."""
         manifest, tensors = flatten(state)
         starts, size = offsets(manifest.metas)
-        data = reuse(size)
-        if data is None:
-            data = torch.empty(size, dtype=torch.uint8)
+        on_gpu = any(m.device_type == "cuda" for m in manifest.metas)
+        data = buffer(size, on_gpu)
         for m, t, at in zip(manifest.metas, tensors, starts, strict=True):
             if m.alias < 0 and m.nbytes:
                 data[at:at + m.nbytes].copy_(t.detach().contiguous().reshape(-1)
-                                             .view(torch.uint8), non_blocking=True)
-        if any(m.device_type == "cuda" for m in manifest.metas):
+                                             .view(torch.uint8), non_blocking=on_gpu)
+        if on_gpu:
             torch.cuda.synchronize()  # the device-to-host copies have landed
         return cls(step, world_size, manifest, data)
 
@@ -138,15 +143,17 @@ class PeerCopies:
 
     Args:
         every_steps: refresh the pair when the step is a multiple of it (> 0).
-        forming: the context a group of this process is made in (``GroupSockets.forming``:
-            its connections are cut with the default group's on a failure, which fails an
-            exchange in flight at once), and its ``epoch`` (a new default group formed since
-            the copies' own group was made: that one is gone with it).
+        sockets: this process's group sockets: the copies' own group is made in their
+            ``forming`` context (its connections are cut with the default group's on a
+            failure, which fails an exchange in flight at once), and their ``epoch`` says a
+            new default group formed since it was made (it is gone with the old one).
+            :class:`NoSockets` (a bench, no in-place recovery): nothing is cut.
     """
 
     enabled = True
 
-    def __init__(self, every_steps: int, sockets: Any = None) -> None:
+    def __init__(self, every_steps: int, sockets: GroupSockets | NoSockets = NO_SOCKETS
+                 ) -> None:
         self.every_steps = every_steps
         self.own: Copy | None = None
         self.held: Copy | None = None  # rank (r - 1) mod W's
@@ -163,8 +170,9 @@ class PeerCopies:
 
     def refresh(self, state: dict[str, Any], step: int, rank: int, world_size: int,
                 wire: torch.device) -> float:
-        """Copy ``state`` (``CheckpointManager.local_copy()``) into host memory and post its
-        exchange around the ring (collective: every rank at the same step; the bytes travel
+        """Copy ``state`` (``CheckpointManager.local_copy(to_cpu=False)``) into host memory
+        (pinned when it is on a GPU: one device-to-host copy) and post its exchange around
+        the ring (collective: every rank at the same step; the bytes travel
         while training goes on, on the copies' own gloo group from host memory, under NCCL
         too: ``wire`` is not used). The pair becomes :attr:`own` and :attr:`held` once the
         exchange completed (:meth:`settle`). Returns the seconds the step waited.
@@ -182,7 +190,7 @@ class PeerCopies:
             group = self._side_group()
             succ, pred = (rank + 1) % world_size, (rank - 1) % world_size
             manifest, size = _swap_manifests(own, succ, pred, group, torch.device("cpu"))
-            held = Copy(step, world_size, manifest, self._spare_of(size))
+            held = Copy(step, world_size, manifest, self._spare_of(size, False))
             self._in_flight = _InFlight(own, held, [dist.isend(own.data, succ, group=group),
                                                     dist.irecv(held.data, pred, group=group)])
         self.seconds = time.perf_counter() - t0
@@ -226,22 +234,20 @@ class PeerCopies:
                 "held": self.held.step if self.held else None,
                 "world_size": self.own.world_size if self.own else 0}
 
-    def _spare_of(self, size: int) -> torch.Tensor:
-        """A spare buffer of ``size`` bytes, else a new one."""
+    def _spare_of(self, size: int, pinned: bool) -> torch.Tensor:
+        """A spare buffer of ``size`` bytes (pinned if asked), else a new one."""
         for i, buf in enumerate(self._spare):
-            if buf.numel() == size:
+            if buf.numel() == size and buf.is_pinned() == pinned:
                 return self._spare.pop(i)
         self._spare = self._spare[-2:]  # of another size: no longer of use
-        return torch.empty(size, dtype=torch.uint8)
+        return host_buffer(size, pinned)
 
     def _side_group(self) -> Any:
         """The copies' own gloo group over the current default group's ranks, made once per
         default group (collective: at a refresh, every rank is here)."""
-        epoch = getattr(self._sockets, "epoch", 0)
+        epoch = self._sockets.epoch
         if self._group is None or epoch != self._epoch:
-            forming = self._sockets.forming(subgroups=True) if self._sockets is not None \
-                else contextlib.nullcontext()
-            with forming:
+            with self._sockets.forming(subgroups=True):
                 self._group = dist.new_group(backend="gloo")
             self._epoch = epoch
         return self._group
@@ -345,17 +351,11 @@ def _swap_manifests(own: Copy, succ: int, pred: int, group: Any, wire: torch.dev
                     ) -> tuple[Manifest, int]:
     """Send ``own``'s manifest and size to ``succ``, receive ``pred``'s: its manifest and the
     size of the data that follows."""
-    blob = own.manifest.to_bytes()
-    out = torch.tensor([len(blob), own.data.numel()], dtype=torch.int64, device=wire)
-    sizes = torch.zeros(2, dtype=torch.int64, device=wire)
-    for req in (dist.isend(out, succ, group=group), dist.irecv(sizes, pred, group=group)):
-        req.wait()
-    theirs = torch.empty(int(sizes[0].item()), dtype=torch.uint8, device=wire)
-    mine = torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(wire)
-    for req in (dist.isend(mine, succ, group=group), dist.irecv(theirs, pred, group=group)):
-        req.wait()
-    manifest = Manifest.from_bytes(theirs.cpu().numpy().tobytes(), f"rank {pred}'s peer copy")
-    return manifest, _declared(manifest, int(sizes[1].item()), pred)
+    works = send_manifest(own.manifest, [succ], wire, (own.data.numel(),), group)
+    manifest, (size,) = recv_manifest(pred, wire, 1, group, f"rank {pred}'s peer copy")
+    for work in works:
+        work.wait()
+    return manifest, _declared(manifest, size, pred)
 
 
 def _declared(manifest: Manifest, size: int, peer: int) -> int:
@@ -373,11 +373,11 @@ def _declared(manifest: Manifest, size: int, peer: int) -> int:
 
 
 def send(copy: Copy, dst: int, wire: torch.device) -> None:
-    """``copy`` to ``dst`` on the default group: the sizes, the manifest, the data."""
-    blob = copy.manifest.to_bytes()
-    dist.send(torch.tensor([len(blob), copy.data.numel(), copy.step, copy.world_size],
-                           dtype=torch.int64, device=wire), dst=dst)
-    dist.send(torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(wire), dst=dst)
+    """``copy`` to ``dst`` on the default group: its manifest with the data's size, step and
+    world size, then the data."""
+    for work in send_manifest(copy.manifest, [dst], wire,
+                              (copy.data.numel(), copy.step, copy.world_size)):
+        work.wait()
     dist.send(copy.data.to(wire), dst=dst)
 
 
@@ -386,12 +386,8 @@ def recv(src: int, wire: torch.device) -> Copy:
 
     Raises:
         CheckpointError: the manifest is unreadable or does not lay out the data's size."""
-    head = torch.zeros(4, dtype=torch.int64, device=wire)
-    dist.recv(head, src=src)
-    blob = torch.empty(int(head[0].item()), dtype=torch.uint8, device=wire)
-    dist.recv(blob, src=src)
-    manifest = Manifest.from_bytes(blob.cpu().numpy().tobytes(), f"rank {src}'s peer copy")
-    data = torch.empty(_declared(manifest, int(head[1].item()), src), dtype=torch.uint8,
-                       device=wire)
+    manifest, (size, step, world_size) = recv_manifest(src, wire, 3,
+                                                       source=f"rank {src}'s peer copy")
+    data = torch.empty(_declared(manifest, size, src), dtype=torch.uint8, device=wire)
     dist.recv(data, src=src)
-    return Copy(int(head[2].item()), int(head[3].item()), manifest, data.cpu())
+    return Copy(step, world_size, manifest, data.cpu())

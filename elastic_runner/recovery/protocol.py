@@ -15,6 +15,9 @@ key                                    written by -> read by
                                        (a spare may start; a script's loop recovers in place)
 ``finished``                           rank 0 at the end of training -> a replacement still
                                        waiting to join (it leaves with exit code 0)
+``recovered/<g>``                      the lowest rank that kept its process, at generation
+                                       ``g``'s first committed step -> the agent whose spare
+                                       was taken (the next one may start)
 ``joins_in_place``                     rank 0 of a loop that can regroup -> the agents (nodes
                                        join in place)
 ``generations``                        a counter every announcer draws from
@@ -88,6 +91,13 @@ class AttemptKeys:
 
     def announce_finished(self) -> None:
         self.store.set(self.key("finished"), "1")
+
+    def announce_recovered(self, generation: int) -> None:
+        """Generation ``generation``'s first step is committed: its recovery is over."""
+        self.store.set(self.key("recovered", generation), "1")
+
+    def recovered(self, generation: int) -> bool:
+        return self._has("recovered", generation)
 
     def finished(self) -> bool:
         return self._has("finished")

@@ -170,7 +170,8 @@ def _from_replicas(loop: Recoverable, live: Live | None, step: int, after: int,
                                         "replica)")
     copies = loop.recovery.copies
     if isinstance(copies, PeerCopies):
-        copies.refresh(loop.session.checkpoints.local_copy(), step, rank, world_size, wire)
+        copies.refresh(loop.session.checkpoints.local_copy(to_cpu=False), step, rank,
+                       world_size, wire)
     loop.after_done = after
     if report is not None:
         report.source, report.received = holder, rank in sources
@@ -204,8 +205,9 @@ def _rejoin_replicated(loop: Recoverable, joining: bool, report: RecoveryReport 
     """:func:`rejoin` of replicas (DDP): the members furthest along send the state."""
     rank, checkpoints = loop.info.rank, loop.session.checkpoints
     state = checkpoints.state_dict()
+    flat = flatten(state)
     everyone = gather(loop, {"step": loop.session.state.step, "after": loop.after_done,
-                             "joining": joining, "layout": flatten(state)[0].digest()})
+                             "joining": joining, "layout": flat[0].digest()})
     candidates = [r for r, s in enumerate(everyone) if not s["joining"]]
     if not candidates:  # every member is a replacement: the checkpoint is the fallback
         log.warning("in-place recovery: no survivor holds the state; resuming from the newest "
@@ -221,7 +223,7 @@ def _rejoin_replicated(loop: Recoverable, joining: bool, report: RecoveryReport 
     receivers = [r for r in range(len(everyone)) if r not in sources]
     wire = wire_device(loop)
     if rank in sources and receivers:
-        send_state(state, receivers, sources, rank, wire)
+        send_state(flat, receivers, sources, rank, wire)
     elif rank in receivers:
         # a replacement receives into its own tensors; a survivor behind into new ones: a
         # transfer cut short must not leave it holding half of another step's state

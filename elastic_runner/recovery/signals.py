@@ -1,6 +1,7 @@
 """What a worker tells the agents through the recovery store: the task is built (a spare may
-start), training finished (a waiting replacement leaves), and take torch's restart path (no
-agent replaces anyone in place any more). Keys behind
+start), a recovery is over (the next spare may start), training finished (a waiting
+replacement leaves), and take torch's restart path (no agent replaces anyone in place any
+more). Keys behind
 :class:`~elastic_runner.recovery.protocol.AttemptKeys`."""
 
 from __future__ import annotations
@@ -35,6 +36,14 @@ class AgentSignals:
         if rank == 0:
             with contextlib.suppress(RuntimeError, dist.DistError):
                 self.client.attempt.announce_finished()
+
+    def announce_recovered(self, generation: int) -> None:
+        """Generation ``generation`` committed its first step: its recovery is over, and the
+        agent whose spare took a failed worker's place starts the next one now (it would have
+        competed with the recovery for the CPU). A store that is gone is ignored: the agent
+        starts it later anyway (``agent/spares.py``)."""
+        with contextlib.suppress(RuntimeError, dist.DistError):
+            self.client.attempt.announce_recovered(generation)
 
     def ask_restart(self) -> None:
         """No agent replaces anyone in place in this attempt any more: torch's restart path. A

@@ -230,21 +230,42 @@ def _payload(u: Unit, tensors: list[torch.Tensor], wire: torch.device) -> torch.
 _TAG_SIZE, _TAG_MANIFEST, _TAG_UNITS = 1, 2, 3
 
 
-def send_state(state: Any, receivers: list[int], sources: list[int], rank: int,
-               wire: torch.device) -> None:
-    """Send this rank's share of ``state`` to every rank in ``receivers``: ``sources[0]`` sends
-    the manifest, each source its units (:func:`units`). Every rank in ``sources`` must hold
-    the same state (the same :meth:`Manifest.digest`) and call this; each receiver calls
-    :func:`recv_state`. Point to point, non-blocking sends, waited for together."""
-    manifest, tensors = flatten(state)
+def send_manifest(manifest: Manifest, receivers: list[int], wire: torch.device,
+                  head: tuple[int, ...] = (), group: Any = None) -> list[Any]:
+    """Post ``manifest`` to every rank in ``receivers`` (non-blocking; wait for the returned
+    works): its length in bytes with ``head`` (integers of the caller's protocol), then its
+    bytes. :func:`recv_manifest` reads it."""
+    data = manifest.to_bytes()
+    size = torch.tensor([len(data), *head], dtype=torch.int64, device=wire)
+    blob = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(wire)
+    return [w for r in receivers for w in (dist.isend(size, r, group=group, tag=_TAG_SIZE),
+                                           dist.isend(blob, r, group=group, tag=_TAG_MANIFEST))]
+
+
+def recv_manifest(src: int, wire: torch.device, head: int = 0, group: Any = None,
+                  source: str = "") -> tuple[Manifest, list[int]]:
+    """What :func:`send_manifest` on ``src`` sent: the manifest and the ``head`` integers.
+
+    Raises:
+        CheckpointError: the bytes are not a manifest (named by ``source``, else the rank)."""
+    size = torch.zeros(1 + head, dtype=torch.int64, device=wire)
+    dist.recv(size, src, group=group, tag=_TAG_SIZE)
+    blob = torch.empty(int(size[0].item()), dtype=torch.uint8, device=wire)
+    dist.recv(blob, src, group=group, tag=_TAG_MANIFEST)
+    manifest = Manifest.from_bytes(blob.cpu().numpy().tobytes(), source or f"rank {src}")
+    return manifest, [int(v) for v in size[1:].tolist()]
+
+
+def send_state(flat: tuple[Manifest, list[torch.Tensor]], receivers: list[int],
+               sources: list[int], rank: int, wire: torch.device) -> None:
+    """Send this rank's share of a state (``flat``: its :func:`flatten`) to every rank in
+    ``receivers``: ``sources[0]`` sends the manifest, each source its units (:func:`units`).
+    Every rank in ``sources`` must hold the same state (the same :meth:`Manifest.digest`) and
+    call this; each receiver calls :func:`recv_state`. Point to point, non-blocking sends,
+    waited for together."""
+    manifest, tensors = flat
     mine = sources.index(rank)
-    works = []
-    if mine == 0:
-        data = manifest.to_bytes()
-        blob = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(wire)
-        size = torch.tensor([len(data)], dtype=torch.int64, device=wire)
-        for r in receivers:
-            works += [dist.isend(size, r, tag=_TAG_SIZE), dist.isend(blob, r, tag=_TAG_MANIFEST)]
+    works = send_manifest(manifest, receivers, wire) if mine == 0 else []
     for k, u in enumerate(units(manifest.metas, len(sources))):
         if u.source != mine:
             continue
@@ -268,11 +289,7 @@ def recv_state(template: Any, sources: list[int], wire: torch.device,
     Raises:
         CheckpointError: the manifest is unreadable, or ``check`` refused it.
     """
-    size = torch.zeros(1, dtype=torch.int64, device=wire)
-    dist.recv(size, sources[0], tag=_TAG_SIZE)
-    blob = torch.empty(int(size.item()), dtype=torch.uint8, device=wire)
-    dist.recv(blob, sources[0], tag=_TAG_MANIFEST)
-    manifest = Manifest.from_bytes(blob.cpu().numpy().tobytes(), f"rank {sources[0]}")
+    manifest, _ = recv_manifest(sources[0], wire)
     if check is not None:
         check(manifest)
     live = dict(_walk(template, ()))

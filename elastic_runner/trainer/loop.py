@@ -210,6 +210,7 @@ class Trainer:
         """The first step after an in-place recovery is committed: report the recovery."""
         report, self._recovering = self._recovering, None
         report.phases["first step"] = time.perf_counter() - self._t_recovered
+        self.recovery.announce_recovered(self.info.rank, report)
         log.warning("in-place recovery %d done: step %d committed %.3f s after %s (%s)%s",
                     report.generation, self.state.step, report.seconds, report.cause,
                     ", ".join(f"{k} {v:.3f} s" for k, v in report.phases.items()),
