@@ -30,9 +30,15 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item, call):
-    """A failed test that launched jobs reports their last log lines (tests/procs.py)."""
+    """A failed test that launched jobs reports their last log lines, and where the processes
+    of the jobs still running were (their stacks, before the teardown kills them: a job held
+    up in a collective shows where; tests/procs.py)."""
     report = yield
     jobs = getattr(item, "launched_jobs", None)
     if report.when == "call" and report.failed and jobs:
         report.sections.append(("job logs", log_tails(jobs)))
+        running = [job for job in jobs if job.proc.poll() is None]
+        if running:
+            report.sections.append(("running jobs' stacks",
+                                    "\n".join(job.stacks() for job in running)))
     return report
