@@ -60,8 +60,10 @@ class Pace:
     def end(self) -> None:
         self.set(0.0)
 
-    def set(self, seconds: float) -> None:
-        """Change the slow-down (0: none) of the same rank from the next step on."""
+    def set(self, seconds: float, rank: int | None = None) -> None:
+        """Change the slow-down (0: none) from the next step on, of ``rank`` (None: the same
+        rank as before)."""
+        self.rank = self.rank if rank is None else rank
         with open(self.path, "r+") as f:
             fcntl.flock(f, fcntl.LOCK_EX)  # the ranks rewrite it under the same lock
             f.truncate()
