@@ -260,12 +260,16 @@ def test_an_fsdp2_loop_recovers_in_place_from_peer_copies_bitwise(launch, tmp_pa
     wait_until(lambda: len([r for r in job.workers(script) if r >= 0]) == 2, 60, "two ranks")
     pids = {rank: p.pid for rank, p in job.workers(script).items() if rank >= 0}
     for generation, rank in enumerate([1, 0], start=1):
-        # the survivor is the slowed rank: the victim dies waiting for it in a collective the
-        # loop guards, not while the survivor is in its own clip_grad_norm_ all-reduce (a
-        # failure there ends the process: docs/design/recovery.md)
-        pace.set(0.1, rank=1 - rank)
         wait_until(lambda g=generation: len(_READY.findall(job.output)) >= g, 60,
                    f"fault {generation}: a warm spare")
+        # the kill lands while the survivor sleeps before a step, so that its next collective
+        # is its forward's, which the loop guards, not its own clip_grad_norm_ all-reduce (a
+        # failure there ends the process: docs/design/recovery.md); a new length each time,
+        # so that the survivor's log line says it began
+        seconds = 0.5 + generation / 10
+        pace.set(seconds, rank=1 - rank)
+        wait_until(lambda s=seconds, r=1 - rank: f"rank {r} sleeps {s:g} s" in job.output, 30,
+                   f"fault {generation}: the survivor asleep")
         survivor = pids[1 - rank]
         psutil.Process(pids[rank]).kill()
         wait_until(lambda g=generation: g in done(job.output), 60,
