@@ -32,8 +32,11 @@ AdamW; 2 workers, gloo): rank 1 SIGKILLed after step 18 (:func:`bench.recovery.k
 place (once the warm spare is ready) and on the restart path; their phases and totals (the kill
 -> the first committed step after the recovery).
 
+``--device cuda``: every rank's model and state live on the one GPU (the ranks share it; the
+wire is still gloo through host memory): the replacement's state lands on the device.
+
     python -m bench.state_transfer [--world-sizes 2 4] [--blocks 8 28 84] [--width 1024]
-                                   [--repeats 3] [--recovery 2]
+                                   [--repeats 3] [--recovery 2] [--device cpu]
                                    [--json docs/bench/state_transfer.json]
 
 On this machine the ranks share two CPU cores: the wire is loopback TCP, whose rate the
@@ -67,15 +70,16 @@ GPT2_SMALL_CPU = ("model.n_layer=12", "model.n_head=12", "model.n_embd=768",
                   "batch.global_batch_size=2", "eval.every_steps=100000")
 
 
-def _model(width: int, blocks: int, seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+def _model(width: int, blocks: int, seed: int, device: str = "cpu"
+           ) -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(seed)
-    model = nn.Sequential(*(nn.Linear(width, width) for _ in range(blocks)))
+    model = nn.Sequential(*(nn.Linear(width, width) for _ in range(blocks))).to(device)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
 
 
-def _trained(width: int, blocks: int) -> dict[str, Any]:
-    model, opt = _model(width, blocks, 0)
-    model(torch.randn(2, width)).sum().backward()
+def _trained(width: int, blocks: int, device: str = "cpu") -> dict[str, Any]:
+    model, opt = _model(width, blocks, 0, device)
+    model(torch.randn(2, width, device=device)).sum().backward()
     opt.step()
     return {"model": model.state_dict(), "optimizer": opt.state_dict(),
             "rng": torch.get_rng_state()}
@@ -105,9 +109,9 @@ def _load(model: nn.Module, opt: torch.optim.Optimizer, raw: dict[str, Any]) -> 
 
 
 def _once(method: str, rank: int, world: int, state: dict[str, Any] | None, nbytes: int,
-          width: int, blocks: int) -> float:
+          width: int, blocks: int, device: str = "cpu") -> float:
     cpu = torch.device("cpu")
-    model, opt = _model(width, blocks, 1) if rank == 0 else (None, None)
+    model, opt = _model(width, blocks, 1, device) if rank == 0 else (None, None)
     buf = torch.empty(nbytes, dtype=torch.uint8) if method == "raw" and rank < 2 else None
     dist.barrier()
     t0 = time.perf_counter()
@@ -123,9 +127,12 @@ def _once(method: str, rank: int, world: int, state: dict[str, Any] | None, nbyt
             _load(model, opt, _recv_pickled(1))
     elif rank == 0:
         template = {"model": model.state_dict(), "optimizer": opt.state_dict()}
-        _load(model, opt, recv_state(template, list(range(1, world)), cpu))
+        _load(model, opt, recv_state(template, list(range(1, world)), cpu,
+                                     device=torch.device(device)))
     else:
         send_state(flatten(state), [0], list(range(1, world)), rank, cpu)
+    if device != "cpu":
+        torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
     dist.barrier()
     return seconds
@@ -134,11 +141,13 @@ def _once(method: str, rank: int, world: int, state: dict[str, Any] | None, nbyt
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: dict) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
+    if args.device != "cpu":
+        torch.cuda.set_device(torch.device(args.device).index or 0)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         results: dict[str, Any] = {}
         for blocks in args.blocks:
-            state = _trained(args.width, blocks) if rank > 0 else None
+            state = _trained(args.width, blocks, args.device) if rank > 0 else None
             # the parameters and AdamW's two moments (the transfer adds the step counters and
             # the RNG state: a few kB)
             nbytes = 3 * blocks * (args.width ** 2 + args.width) * 4
@@ -146,7 +155,8 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: dic
             times: dict[str, list[float]] = {m: [] for m in METHODS}
             for r in range(args.repeats):
                 for m in METHODS[r % 3:] + METHODS[:r % 3]:
-                    times[m].append(_once(m, rank, world, state, nbytes, args.width, blocks))
+                    times[m].append(_once(m, rank, world, state, nbytes, args.width, blocks,
+                                          args.device))
             results[str(blocks)] = {"bytes": nbytes, "seconds": times}
         if rank == 0:
             out["results"] = results
@@ -181,6 +191,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--world-sizes", nargs="*", type=int, default=[2, 4])
     p.add_argument("--blocks", nargs="+", type=int, default=[8, 28, 84])
     p.add_argument("--width", type=int, default=1024)
+    p.add_argument("--device", default="cpu",
+                   help="where every rank's model and state live (cuda: all on one GPU, the "
+                        "wire still gloo through host memory)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--load", action="store_true", help="also the checkpoint load (one process)")
     p.add_argument("--recovery", type=int, default=0,
@@ -190,6 +203,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = p.parse_args(argv)
     summary = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
                "cpus": os.cpu_count(), "width": args.width, "repeats": args.repeats,
+               "device": args.device if args.device == "cpu" else
+               f"{args.device} ({torch.cuda.get_device_name(torch.device(args.device).index or 0)})",
                "world_sizes": {str(w): summarize(run(w, args)) for w in args.world_sizes}}
     print_table(summary)
     if args.load:

@@ -146,6 +146,7 @@ _LATER_KEYS: dict[tuple[str, str], Any] = {("optimizer", "fused"): "auto",
                                            ("training", "deterministic"): False,
                                            ("batch", "keep_global_batch"): True,
                                            ("distributed", "strategy"): "ddp",
+                                           ("distributed", "eager_init"): True,
                                            ("distributed", "fsdp"): FSDPConfig().model_dump()}
 
 

@@ -153,13 +153,14 @@ def _check_deadline(deadline: float, timeout_s: float, what: str) -> None:
 
 
 def init_distributed(backend: str = "auto", timeout_s: float = 600.0,
-                     store: dist.Store | None = None) -> DistInfo:
+                     store: dist.Store | None = None, eager_init: bool = True) -> DistInfo:
     """Initialise the default process group from torchrun's environment.
 
     Without ``WORLD_SIZE`` in the environment (no launcher) no process group is created and the
     run is world size 1. ``store``: the group's store (in-place recovery's generation store,
     see ``recovery/inplace.py``); without it, under torchrun with a shared agent store, the group's store
-    is namespaced per attempt (see module docstring).
+    is namespaced per attempt (see module docstring). ``eager_init``: on CUDA, pass the device
+    as ``device_id`` (NCCL connects here, not at the first collective).
     """
     rank = _env_int("RANK", 0)
     local_rank = _env_int("LOCAL_RANK", 0)
@@ -180,7 +181,7 @@ def init_distributed(backend: str = "auto", timeout_s: float = 600.0,
         return info
     timeout = timedelta(seconds=timeout_s)
     kwargs: dict[str, Any] = {"backend": backend, "timeout": timeout}
-    if device.type == "cuda":
+    if device.type == "cuda" and eager_init:
         kwargs["device_id"] = device
     if store is not None:
         kwargs.update(store=store, rank=rank, world_size=world_size)

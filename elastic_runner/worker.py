@@ -105,7 +105,7 @@ def _train(config_path: str, overrides: list[str], resume: bool, entered: float,
             return EXIT_OK
         with recovery.sockets.forming():
             info = init_distributed(cfg.distributed.backend, cfg.distributed.timeout_seconds,
-                                    store)
+                                    store, cfg.distributed.eager_init)
         recovery.backend = info.backend
         marks.append(time.time())
         if info.rank == 0:

@@ -111,6 +111,46 @@ def test_prune_keeps_last_k_and_newest_best(tmp_path):
     assert names == ["best-step-00000004", "step-00000004", "step-00000005"]
 
 
+def test_background_prune_renames_at_once_and_deletes_later(tmp_path):
+    import threading
+
+    for s in range(1, 4):
+        save(tmp_path, s)
+    removals = ckpt.BackgroundRemovals(min_bytes=0)  # every checkpoint counts as large
+    gate = threading.Event()
+    removals._pool.submit(gate.wait)  # the remover thread is busy until the gate opens
+    removed = ckpt.prune(tmp_path, keep_last=1, removals=removals)
+    assert sorted(removed) == [str(tmp_path / "step-00000001"), str(tmp_path / "step-00000002")]
+    assert [c.step for c in ckpt.list_checkpoints(tmp_path)] == [3]
+    pending = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".pruned-"))
+    assert [n.split("-")[1:3] for n in pending] == [["step", "00000001"], ["step", "00000002"]]
+    gate.set()
+    removals.finish()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000003"]
+
+
+def test_a_dead_writers_pruned_leftovers_are_removed(tmp_path):
+    save(tmp_path, 1)
+    stray = tmp_path / ".pruned-step-00000000-0-999999"
+    stray.mkdir()
+    (stray / "state.pt").write_bytes(b"x")
+    assert str(stray) in ckpt.prune(tmp_path, keep_last=1)
+    assert not stray.exists()
+
+
+@pytest.mark.parametrize("mode", ["wb+", "wb"])
+def test_the_manifest_sha256_is_that_of_the_bytes_written(tmp_path, monkeypatch, mode):
+    """Read back in a thread (``wb+``) or hashed in line, over chunk boundaries and many small
+    writes, the digest is the file's."""
+    monkeypatch.setattr(ckpt, "_HASH_CHUNK", 1000)
+    big = {"a": torch.randn(100_000), "small": [torch.randn(7) for _ in range(300)], "n": 3}
+    for obj in ({"x": 1}, big):
+        with open(tmp_path / "s.pt", mode) as f:
+            got = ckpt._save_hashed(f, obj)
+        data = (tmp_path / "s.pt").read_bytes()
+        assert got == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
 class _TouchOnUnpickle:
     """Unpickling this runs code: ``pathlib.Path.touch(marker)``."""
 

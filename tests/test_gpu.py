@@ -1,8 +1,8 @@
 """The CUDA path on a real GPU: NCCL at world size 1, two ranks on one GPU (gloo with CUDA
 tensors: NCCL refuses two ranks on one device), bf16 autocast, fp16 with a GradScaler and a
-planted overflow, pinned asynchronous checkpoints and their resume, kill -9 and resume, in-place
-recovery with CUDA tensors, the CUDA memory series in a live scrape, and no host
-synchronisation in the step.
+planted overflow, pinned asynchronous checkpoints and their resume, kill -9 and resume (DDP and
+FSDP2), FSDP's peer copies through pinned memory, in-place recovery with CUDA tensors, the CUDA
+memory series in a live scrape, and no host synchronisation in the step.
 
 Every test is marked ``gpu`` and skipped, with the reason, where CUDA is not available (the CI
 machine); docs/gpu.md says where and how they ran.
@@ -28,6 +28,7 @@ from elastic_runner.trainer.build import build_trainer
 from .evidence import assert_same_optimizer, assert_same_tensors
 from .procs import CONFIGS, cli, free_port, wait_until
 from .test_metrics import get, samples
+from .test_sharded_checkpoint import local_copy_round_trip
 from .test_train_torchrun import final_state
 
 pytestmark = [pytest.mark.gpu,
@@ -164,6 +165,15 @@ def test_lagged_vote_skips_a_nan_step_on_the_device_like_the_eager_vote(tmp_path
         runs[lagged] = (params(t.model), skipped.steps, t.state.bad_steps)
     assert runs[True][1] == runs[False][1] == [7, 20, 21]
     assert_same_tensors(runs[True][0], runs[False][0])
+
+
+@pytest.mark.parametrize("param_dtype", [None, torch.bfloat16], ids=["fp32", "bf16"])
+def test_an_fsdp_peer_copy_goes_through_pinned_memory_and_loads_back_bitwise(tmp_path,
+                                                                            param_dtype):
+    """FSDP2 on NCCL (world size 1): the peer copies' device-to-host copy of the local shards
+    lands in pinned memory, and loaded into a module sharded on a new group it gives back the
+    weights and AdamW moments, on the GPU, and the next step bitwise."""
+    local_copy_round_trip(tmp_path, torch.device("cuda", 0), "nccl", param_dtype)
 
 
 # ------------------------------------------------------------ real launches

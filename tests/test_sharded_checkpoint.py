@@ -346,36 +346,47 @@ def test_ranks_share_the_sha256_check_each_reading_its_part(group, tmp_path):
 
 
 def test_a_local_copy_loads_into_the_module_rebuilt_on_a_new_group_bitwise(tmp_path):
+    local_copy_round_trip(tmp_path, CPU, "gloo")
+
+
+def local_copy_round_trip(tmp_path: Path, device: torch.device, backend: str,
+                          param_dtype: torch.dtype | None = None) -> None:
     """What an in-place recovery under FSDP does on one rank: copy the local shards and the
     rest (``local_copy``, through the wire format), destroy the group, form a new one, shard a
     module of the same structure (``module_for_new_group``: parameter-less until loaded) and
     load the copy: weights, AdamW moments and the rest equal the copy; the next step equals the
-    one the old model takes."""
+    one the old model takes. On ``device`` (a GPU: the shards are copied into pinned host memory
+    and loaded back onto the device), with ``backend`` and FSDP's ``param_dtype``."""
     from elastic_runner.recovery.peer_copies import Copy
     from elastic_runner.recovery.state_transfer import Manifest
 
     def init(name):
-        dist.init_process_group("gloo", init_method=f"file://{tmp_path / name}", rank=0,
+        dist.init_process_group(backend, init_method=f"file://{tmp_path / name}", rank=0,
                                 world_size=1)
+
+    def batch(g):
+        return torch.randn(8, 4, generator=g).to(device)
 
     init("pg-1")
     try:
-        strategy = FSDPParallelism(FSDPConfig(), 1, CPU)
-        model = strategy.wrap(Blocks(seed=3))
+        strategy = FSDPParallelism(FSDPConfig(), 1, device, param_dtype)
+        model = strategy.wrap(Blocks(seed=3).to(device))
         opt = torch.optim.AdamW(model.parameters(), lr=0.01)
         counter = Counter()
         counter.n = 7
         g = torch.Generator().manual_seed(3)
         for _ in range(2):
-            model(torch.randn(8, 4, generator=g)).square().mean().backward()
+            model(batch(g)).float().square().mean().backward()
             opt.step()
             opt.zero_grad()
-        taken = Copy.of(manager(tmp_path / "a", model, opt, counter).local_copy(), 2, 1)
+        shards = manager(tmp_path / "a", model, opt, counter).local_copy(to_cpu=False)
+        taken = Copy.of(shards, 2, 1)
+        assert taken.data.is_pinned() == (device.type == "cuda")
         # as a peer receives it: the manifest's bytes read back, the data in another buffer
         copy = Copy(2, 1, Manifest.from_bytes(taken.manifest.to_bytes(), "the peer"),
                     taken.data.clone()).state()
-        x = torch.randn(8, 4, generator=g)
-        model(x).square().mean().backward()
+        x = batch(g)
+        model(x).float().square().mean().backward()
         opt.step()
         want, want_opt = local(model), opt.state_dict()
         fresh = strategy.module_for_new_group(model)
@@ -384,22 +395,23 @@ def test_a_local_copy_loads_into_the_module_rebuilt_on_a_new_group_bitwise(tmp_p
         dist.destroy_process_group()
     init("pg-2")
     try:
-        rebuilt = FSDPParallelism(FSDPConfig(), 1, CPU).wrap(fresh)
+        rebuilt = FSDPParallelism(FSDPConfig(), 1, device, param_dtype).wrap(fresh)
         opt2 = torch.optim.AdamW(rebuilt.parameters(), lr=0.01)
         counter2 = Counter()
         manager(tmp_path / "b", rebuilt, opt2, counter2).load_local_copy(copy, "the copy")
         assert counter2.n == 7
-        rebuilt(x).square().mean().backward()
+        rebuilt(x).float().square().mean().backward()
         opt2.step()
         got = local(rebuilt)
         assert want.keys() == got.keys()
         for k in want:
-            assert torch.equal(want[k], got[k]), k
+            assert got[k].device.type == device.type and torch.equal(want[k], got[k]), k
         a, b = want_opt["state"], opt2.state_dict()["state"]
         for i in a:
             for k in ("exp_avg", "exp_avg_sq"):
                 assert torch.equal(a[i][k].to_local(), b[i][k].to_local()), (i, k)
-        other = FSDPParallelism(FSDPConfig(), 1, CPU).wrap(Blocks(width=5))
+        other = FSDPParallelism(FSDPConfig(), 1, device, param_dtype).wrap(
+            Blocks(width=5).to(device))
         with pytest.raises(ckpt.CheckpointError, match=r"the copy: shards.model.inp.weight: local shard \(6, 4\) does not fit"):
             manager(tmp_path / "c", other, torch.optim.AdamW(other.parameters()),
                     Counter()).load_local_copy(copy, "the copy")

@@ -162,6 +162,8 @@ class CheckpointManager:
         # sharded: every rank writes its part; async, on a group of its own, so the background
         # collectives never interleave with training's on the default group
         self._writer = self._new_writer()
+        # old checkpoints are deleted in a thread: unlinking GBs is not free (storage.prune)
+        self._removals = ckpt.BackgroundRemovals()
         self._group: torch.distributed.ProcessGroup | None = None
         self.renew_group()
         self._last_save = time.monotonic()
@@ -263,7 +265,8 @@ class CheckpointManager:
         """After a commit (rank 0): retention, the log line, the listener's event."""
         seconds = time.perf_counter() - t0
         size = ckpt.inspect(paths[0]).size_bytes
-        ckpt.prune(self.directory, self.keep_last, protect=self.resumed_from)
+        ckpt.prune(self.directory, self.keep_last, protect=self.resumed_from,
+                   removals=self._removals)
         log.info("committed %s %s (written in %.2f s)", what, ", ".join(paths), seconds)
         self.listener.checkpoint_committed(CheckpointEvent(paths, step, seconds, size))
 
@@ -330,11 +333,13 @@ class CheckpointManager:
         self._group = None
 
     def close(self) -> None:
-        """Commit the in-flight save, stop the writer thread and release the checkpoint group
-        (a gloo group left to the garbage collector after the default group is gone can block
-        in its destructor)."""
+        """Commit the in-flight save, stop the writer thread, wait until the pruned checkpoints
+        are deleted (in the background: :func:`~elastic_runner.checkpoint.storage.prune`) and
+        release the checkpoint group (a gloo group left to the garbage collector after the
+        default group is gone can block in its destructor)."""
         try:
             self._writer.close()
+            self._removals.finish()
         finally:
             group, self._group = self._group, None
             release_group(group)

@@ -13,8 +13,9 @@ from ..config_base import Float, Section
 class DDPConfig(Section):
     """Options of torch's DistributedDataParallel."""
 
-    bucket_cap_mb: Float = 25.0
-    """DDP's gradient bucket size, in MiB (torch's `bucket_cap_mb`)."""
+    bucket_cap_mb: Float | None = Field(25.0, gt=0)
+    """DDP's gradient bucket size, in MiB (torch's `bucket_cap_mb`); null: torch's default (25 MiB
+    buckets after a first bucket of 1 MiB, which starts the first all-reduce sooner)."""
     static_graph: StrictBool = False
     """DDP's `static_graph`: the same parameters are used in every iteration."""
     find_unused_parameters: StrictBool = False

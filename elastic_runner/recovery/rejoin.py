@@ -228,7 +228,7 @@ def _rejoin_replicated(loop: Recoverable, joining: bool, report: RecoveryReport 
         # a replacement receives into its own tensors; a survivor behind into new ones: a
         # transfer cut short must not leave it holding half of another step's state
         raw = recv_state(state if joining else None, sources, wire,
-                         check=lambda m: fits_model(loop, m, src))
+                         check=lambda m: fits_model(loop, m, src), device=loop.info.device)
         checkpoints.load_from_peer(raw, src)
     loop.after_done = best["after"]
     if report is not None:

@@ -276,15 +276,19 @@ def send_state(flat: tuple[Manifest, list[torch.Tensor]], receivers: list[int],
 
 
 def recv_state(template: Any, sources: list[int], wire: torch.device,
-               check: Callable[[Manifest], None] | None = None) -> Any:
+               check: Callable[[Manifest], None] | None = None,
+               device: torch.device | None = None) -> Any:
     """Receive the state :func:`send_state` on ``sources`` sends, into ``template``'s tensors
-    where a key path's tensor has the declared shape and dtype and is contiguous on the wire's
-    device (this rank's live state: the model's parameters), into new tensors elsewhere. Tensors
-    declared on the CPU end there. ``check(manifest)`` may refuse the state before any tensor
-    is received.
+    where a key path's tensor has the declared shape and dtype and is contiguous on its
+    destination device (this rank's live state: the model's parameters), into new tensors
+    elsewhere. Tensors declared on the CPU end there; those declared on a GPU end on ``device``
+    (default: the wire's). When the wire is host memory (gloo) and ``device`` a GPU, each
+    tensor's bytes are copied onto the device as soon as they have arrived, while the next
+    ones are still on the wire. ``check(manifest)`` may refuse the state before any tensor is
+    received.
 
     Returns:
-        the sender's state (nested like it), its tensors on ``wire`` (CPU-declared: CPU).
+        the sender's state (nested like it).
 
     Raises:
         CheckpointError: the manifest is unreadable, or ``check`` refused it.
@@ -295,21 +299,20 @@ def recv_state(template: Any, sources: list[int], wire: torch.device,
     live = dict(_walk(template, ()))
     out: list[torch.Tensor] = []
     for m in manifest.metas:
-        out.append(out[m.alias] if m.alias >= 0 else _destination(m, live.get(m.path), wire))
-    works, buckets = [], []
+        out.append(out[m.alias] if m.alias >= 0 else _destination(
+            m, live.get(m.path), device if device is not None and m.device_type != "cpu"
+            else wire))
+    pending = []
     for k, u in enumerate(units(manifest.metas, len(sources))):
-        buf = _bytes_of(out[u.indices[0]]) if u.direct else \
-            torch.empty(u.nbytes, dtype=torch.uint8, device=wire)
-        works.append(dist.irecv(buf, sources[u.source], tag=_TAG_UNITS + k))
-        if not u.direct:
-            buckets.append((u, buf))
-    for w in works:
-        w.wait()
-    for u, buf in buckets:
+        buf = _bytes_of(out[u.indices[0]]) if u.direct and out[u.indices[0]].device == wire \
+            else torch.empty(u.nbytes, dtype=torch.uint8, device=wire)
+        pending.append((dist.irecv(buf, sources[u.source], tag=_TAG_UNITS + k), u, buf))
+    for work, u, buf in pending:  # in the order posted, which is the order they arrive
+        work.wait()
         offset = 0
         for i in u.indices:
             n = manifest.metas[i].nbytes
-            if n:
+            if n and buf.data_ptr() != _bytes_of(out[i]).data_ptr():
                 _bytes_of(out[i]).copy_(buf[offset:offset + n])
             offset += n
     out = [t.cpu() if m.device_type == "cpu" else t for m, t in zip(manifest.metas, out,
@@ -317,9 +320,9 @@ def recv_state(template: Any, sources: list[int], wire: torch.device,
     return rebuild(manifest, out)
 
 
-def _destination(m: TensorMeta, mine: torch.Tensor | None, wire: torch.device
+def _destination(m: TensorMeta, mine: torch.Tensor | None, device: torch.device
                  ) -> torch.Tensor:
     if mine is not None and tuple(mine.shape) == m.shape and mine.dtype == m.dtype \
-            and mine.device == wire and mine.is_contiguous():
+            and mine.device == device and mine.is_contiguous():
         return mine
-    return torch.empty(m.shape, dtype=m.dtype, device=wire)
+    return torch.empty(m.shape, dtype=m.dtype, device=device)

@@ -194,6 +194,10 @@ class DistributedConfig(Section):
     """Process-group backend; `auto`: NCCL on CUDA, gloo on CPU."""
     timeout_seconds: Float = Field(600.0, gt=0)
     """Timeout of collectives and store operations, in seconds."""
+    eager_init: StrictBool = True
+    """On a GPU, pass the worker's device to `init_process_group` (its `device_id`): NCCL
+    creates its communicator at start-up, where the start-up report counts it, and a failure to
+    connect shows there; false: at the first collective (torch's default without `device_id`)."""
     strategy: Literal["ddp", "fsdp"] = "ddp"
     """`ddp`: every rank holds the whole model, optimizer state and gradients
     (DistributedDataParallel); `fsdp`: each rank holds 1/world_size of them (FSDP2,
