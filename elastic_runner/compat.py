@@ -205,7 +205,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 MIN_TORCH = "2.4"
-BELOW_TORCH = "2.14"
+BELOW_TORCH = "2.16"
 SUPPORTED_TORCH = f">={MIN_TORCH},<{BELOW_TORCH}"  # verified on 2.13.0 only, see above
 IGNORE_CHECK_ENV = "ELASTIC_RUNNER_IGNORE_TORCH_CHECK"
 
@@ -563,14 +563,24 @@ def _drop_unreduced_grads(model: torch.nn.Module) -> None:
     parameter's ``.grad`` (autograd accumulated it; its group's post-backward, which
     reduce-scatters and clears it, never ran: the root's, which runs at backward's end, when a
     peer died in a unit's reduce-scatter) and a group's accumulated gradient (``no_sync``
-    under mixed precision). torch 2.13's ``reset_iter_state`` keeps both, and the redone step's
-    backward would add to them (the root's gradients of that step doubled)."""
+    under mixed precision; torch 2.15 derives it from ``.grad``). torch 2.13's
+    ``reset_iter_state`` keeps both, and the redone step's backward would add to them (the
+    root's gradients of that step doubled)."""
     for group in _fsdp_param_groups(model):
         for param in group.fsdp_params:
             unsharded = getattr(param, "_unsharded_param", None)
             if unsharded is not None:
                 unsharded.grad = None
-            param.unsharded_accumulated_grad = None
+            if not _derived_accumulated_grad():  # torch <= 2.14 keeps it apart from .grad
+                param.unsharded_accumulated_grad = None
+
+
+def _derived_accumulated_grad() -> bool:
+    """Whether ``FSDPParam.unsharded_accumulated_grad`` is read from the unsharded parameter's
+    ``.grad`` (torch 2.15: a property) rather than kept apart (an attribute, torch <= 2.14)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+
+    return isinstance(getattr(FSDPParam, "unsharded_accumulated_grad", None), property)
 
 
 def fsdp_reattach_refusal(model: torch.nn.Module) -> str | None:
@@ -628,7 +638,8 @@ def _check_fsdp_reattach() -> str | None:
     param = _fsdp_param.FSDPParam
     if not _mentions_name(param.init_unsharded_param, "_unsharded_param"):
         return "FSDPParam no longer keeps its unsharded parameter in _unsharded_param"
-    if not _mentions_name(param.__init__, "unsharded_accumulated_grad"):
+    if not (_derived_accumulated_grad()
+            or _mentions_name(param.__init__, "unsharded_accumulated_grad")):
         return "FSDPParam no longer keeps unsharded_accumulated_grad"
     if not _mentions_name(_fsdp_common.FSDPMeshInfo.__post_init__, "shard_process_group"):
         return "FSDPMeshInfo no longer caches shard_process_group"

@@ -56,7 +56,7 @@ def test_supported_range_is_pyprojects_and_holds_the_installed_torch():
     assert re.findall(r'"torch([^"]*)"', pyproject) == [compat.SUPPORTED_TORCH]
     # an upgrade past the range fails here: verify the internals below, then widen the range
     assert compat.in_supported_range(), torch.__version__
-    assert not compat.in_supported_range("2.3.1") and not compat.in_supported_range("2.14.0")
+    assert not compat.in_supported_range("2.3.1") and not compat.in_supported_range("2.16.0")
 
 
 @pytest.mark.parametrize("role", ["agent", "worker"])
