@@ -3,11 +3,27 @@ module; most fixes live here too, and the patches that carry the agent's policie
 agent (fix 8's in ``agent/restart_budget.py``, fix 9's in ``agent/inplace_agent.py``).
 
 Supported torch: :data:`SUPPORTED_TORCH` (mirrored by the torch requirement in pyproject.toml).
-Verified: **torch 2.13.0 only** (the CPU wheel pinned in constraints/cpu.txt, on which the whole
-test suite runs). The lower bound is the one the project has always declared (the shared agent
-store that fixes 1 and 3 deal with appeared in torch 2.4/2.5); releases between it and 2.13 have
-not been run here. :func:`check_torch` verifies each internal below at start-up on whatever torch
-is installed, and tests/test_compat.py fails when a torch upgrade changes one of them.
+CI runs the whole suite on torch 2.13.0 (the CPU wheel pinned in constraints/cpu.txt) and the
+fast tier plus three multi-process runs on :data:`NEWEST_TORCH` (``.ci/newest_torch``); 2.14.1
+passed the same by hand, and 2.11 ran on GPUs (docs/gpu.md). The lower bound is the one the
+project has always declared (the shared agent store that fixes 1 and 3 deal with appeared in
+torch 2.4/2.5); releases between it and 2.11 have not been run here.
+
+**The registry.** Each fix in :data:`FIXES` lists the private torch names it (and the code it
+serves) relies on, in ``internals``; :func:`check_torch` verifies every one at start-up on
+whatever torch is installed, before the fix's own check, and turns the fix off with its
+warning when one is gone. Private names are imported inside the function that needs them, never
+at module top, so a renamed one disables its fix instead of breaking ``import elastic_runner``.
+tests/test_compat.py greps the package for private torch names (attributes, imports, names read
+by ``getattr``, and what the package's subclasses of torch classes override) and fails on one
+no fix lists; it also takes every listed internal away in a fresh interpreter and checks that
+the package imports and each fix is reported off.
+
+A public API that could replace a fix: ``torch.distributed.shrink_group`` (torch 2.10; NCCL
+only, through ``ncclCommShrink``; gloo raises ``TypeError``) shrinks a group without new
+processes. It fits ``recovery.continue_shrunk`` on NCCL, where the survivors now form a new
+group through the recovery store; it cannot add the rank a replacement brings (the common
+in-place case), and the CPU CI could not test it, so it is not used yet.
 
 Internals relied on (files under ``torch/distributed/`` of torch 2.13), and what the start-up check
 does when one is gone (required: exit code 2 with one line; optional: a warning, the run goes on):
@@ -149,6 +165,12 @@ does when one is gone (required: exit code 2 with one line; optional: a warning,
    default group's name again, which a 1-D mesh over the world holds). Without it a script's
    FSDP2 loop takes the restart path.
 
+16. **A fused optimizer skips an update on the device** (``optim/adam.py``, ``optim/sgd.py``:
+   ``_step_supports_amp_scaling``, set by a ``fused=True`` Adam, AdamW or SGD, whose ``step``
+   then takes GradScaler's ``found_inf``; optional, worker).
+   :func:`~elastic_runner.train.consensus.skips_on_device` reads it for the lagged step vote
+   (``training.lagged_vote: auto``). Without it the vote reads the device every step.
+
 Check 1 is the only required one: losing it breaks elastic membership changes silently (a hang
 until the rendezvous times out). ``ELASTIC_RUNNER_IGNORE_TORCH_CHECK=1`` turns that error into a
 warning for users who must run an untested torch.
@@ -158,6 +180,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dis
 import functools
 import importlib
 import inspect
@@ -178,12 +201,8 @@ from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
     RendezvousTimeout,
-    _BackendRendezvousStateHolder,
 )
-from torch.distributed.elastic.rendezvous.utils import (
-    _matches_machine_hostname,
-    parse_rendezvous_endpoint,
-)
+from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 from torch.distributed.run import config_from_args, determine_local_world_size, get_args_parser
 from torch.nn.parallel import DistributedDataParallel
 from torch.torch_version import TorchVersion
@@ -194,7 +213,7 @@ from .logs import first_line
 
 __all__ = [
     "AGENT_STORE_ENV", "BELOW_TORCH", "DEFAULT_JOIN_TIMEOUT_S", "ETCD_BACKENDS", "ETCD_OPTION_SPELLINGS",
-    "EXIT_BAD_INPUT", "IGNORE_CHECK_ENV", "METRICS_GROUP", "MIN_TORCH", "RDZV_SWITCHES", "REMAINING_RESTARTS",
+    "EXIT_BAD_INPUT", "IGNORE_CHECK_ENV", "METRICS_GROUP", "MIN_TORCH", "NEWEST_TORCH", "RDZV_SWITCHES", "REMAINING_RESTARTS",
     "RENDEZVOUS_DURATION", "RENDEZVOUS_SUCCESS", "SHARE_STORE_SWITCH", "SUPPORTED_TORCH",
     "WORKERS_STARTED", "WORKERS_STOPPED", "WORKER_GROUP", "TorchCompatError", "agent_store",
     "apply_rendezvous_fixes", "check_monitor_workers", "check_torch", "config_from_args", "determine_local_world_size",
@@ -206,7 +225,8 @@ log = logging.getLogger(__name__)
 
 MIN_TORCH = "2.4"
 BELOW_TORCH = "2.16"
-SUPPORTED_TORCH = f">={MIN_TORCH},<{BELOW_TORCH}"  # verified on 2.13.0 only, see above
+SUPPORTED_TORCH = f">={MIN_TORCH},<{BELOW_TORCH}"
+NEWEST_TORCH = "2.15.0"  # the newest release CI tests (.ci/newest_torch), beside the pinned 2.13
 IGNORE_CHECK_ENV = "ELASTIC_RUNNER_IGNORE_TORCH_CHECK"
 
 
@@ -251,7 +271,7 @@ def _check_outage_patch() -> str | None:
     for name in ("_state_holder", "_this_node"):
         if not _mentions_name(init, name):
             return f"DynamicRendezvousHandler no longer keeps self.{name}"
-    holder = _BackendRendezvousStateHolder
+    holder = _state_holder_class()
     for name in ("sync", "_sanitize"):
         fn = getattr(holder, name, None)
         if fn is None or list(inspect.signature(fn).parameters) != ["self"]:
@@ -262,16 +282,29 @@ def _check_outage_patch() -> str | None:
     return None
 
 
+def _state_holder_class() -> type:
+    """torch's ``_BackendRendezvousStateHolder`` (private: imported here, where fix 2 needs it).
+
+    Raises:
+        ImportError: this torch has no such class."""
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+        _BackendRendezvousStateHolder,
+    )
+
+    return _BackendRendezvousStateHolder
+
+
 def apply_rendezvous_fixes(cls: type = DynamicRendezvousHandler,
-                           holder: type = _BackendRendezvousStateHolder) -> bool:
+                           holder: type | None = None) -> bool:
     """Patch ``cls`` (torch's ``DynamicRendezvousHandler``; a subclass in tests) and ``holder``
-    (its state holder class) in this process with the outage tolerance of fix 2 (idempotent).
-    Returns False, without patching, when the methods no longer look as expected
-    (:func:`check_torch` has said so)."""
+    (its state holder class; default torch's) in this process with the outage tolerance of
+    fix 2 (idempotent). Returns False, without patching, when the methods no longer look as
+    expected (:func:`check_torch` has said so)."""
     if getattr(cls.__dict__.get("next_rendezvous"), _MARK, False):
         return True
-    if _check_outage_patch() is not None:
+    if _problem(FIX_OUTAGE) is not None:
         return False
+    holder = holder or _state_holder_class()
     cls.next_rendezvous = _retry_until_join_timeout(cls.next_rendezvous)  # type: ignore
     cls.num_nodes_waiting = _tolerate_outage(cls.num_nodes_waiting)  # type: ignore
     if not getattr(holder.__dict__.get("sync"), _MARK, False):
@@ -735,6 +768,54 @@ class _Fix:
     required: bool
     check: Callable[[], str | None]
     without: str  # what happens when it cannot apply
+    # every private torch name the fix (and the code it serves) relies on, as "module" or
+    # "module:Name.attr" (an attribute of a class, or one its methods assign): the start-up
+    # check verifies each, and tests/test_compat.py fails on a private torch name the package
+    # uses that no fix lists
+    internals: tuple[str, ...] = ()
+
+
+def _no_check() -> None:
+    return None
+
+
+def _resolves(ref: str) -> bool:
+    """Whether ``ref`` ("module" or "module:Name.attr") exists in this torch: the module
+    imports, each name is an attribute, and the last is a class attribute or assigned by a
+    method of the class (an instance attribute)."""
+    module, _, path = ref.partition(":")
+    try:
+        obj: Any = importlib.import_module(module)
+    except ImportError:
+        return False
+    *owners, name = path.split(".") if path else [""]
+    for owner in owners:
+        obj = getattr(obj, owner, None)
+        if obj is None:
+            return False
+    if not name or hasattr(obj, name) or name in getattr(obj, "__annotations__", {}):
+        return True
+    return isinstance(obj, type) and any(
+        _assigns(inspect.unwrap(f), name) for klass in obj.__mro__
+        for f in vars(klass).values() if inspect.isfunction(f))
+
+
+def _assigns(fn: Any, name: str) -> bool:
+    """Whether ``fn`` assigns the attribute ``name`` (``self.name = ...``)."""
+    return _mentions_name(fn, name) and any(
+        i.opname == "STORE_ATTR" and i.argval == name for i in dis.get_instructions(fn))
+
+
+def _problem(fix: _Fix) -> str | None:
+    """Why ``fix`` cannot apply on this torch (None: it can): a listed internal is gone, or
+    its own check failed."""
+    gone = next((ref for ref in fix.internals if not _resolves(ref)), None)
+    if gone is not None:
+        return f"{gone} is gone"
+    try:
+        return fix.check()
+    except Exception as e:  # an internal so changed that inspecting it fails
+        return first_line(e)
 
 
 def dcp_internals() -> tuple[type, Callable[..., Any], Callable[..., Any]]:
@@ -814,48 +895,106 @@ def _check_dcp_internals() -> str | None:
     return None
 
 
+_DR = "torch.distributed.elastic.rendezvous.dynamic_rendezvous"
+_API = "torch.distributed.elastic.agent.server.api:SimpleElasticAgent"
+_LOCAL = "torch.distributed.elastic.agent.server.local_elastic_agent:LocalElasticAgent"
+_DDP = "torch.nn.parallel.distributed"
+_FSDP = "torch.distributed.fsdp._fully_shard"
+
+FIX_OUTAGE = _Fix(
+    "the rendezvous outage tolerance", ("agent",), False, _check_outage_patch,
+    "an unreachable rendezvous backend fails the job, as under plain torchrun",
+    (f"{_DR}:DynamicRendezvousHandler._settings", f"{_DR}:DynamicRendezvousHandler._state_holder",
+     f"{_DR}:DynamicRendezvousHandler._this_node", f"{_DR}:_BackendRendezvousStateHolder",
+     f"{_DR}:_BackendRendezvousStateHolder._sanitize",
+     f"{_DR}:_BackendRendezvousStateHolder._state",
+     f"{_DR}:_BackendRendezvousStateHolder._dead_nodes"))
+
 FIXES = (
     _Fix("the rendezvous store switch (node join/leave)", ("agent",), True,
          _check_share_store_switch,
          "a node whose rank changes between rounds may hang the restarted group"),
-    _Fix("the rendezvous outage tolerance", ("agent",), False, _check_outage_patch,
-         "an unreachable rendezvous backend fails the job, as under plain torchrun"),
+    FIX_OUTAGE,
     _Fix("the restart budget by cause", ("agent",), False, check_monitor_workers,
          "every failure spends one of --max-restarts: bad input (exit 2), preemptions (143) "
-         "and crash loops alike"),
+         "and crash loops alike",
+         (f"{_LOCAL}._monitor_workers", f"{_LOCAL}._pcontext", f"{_API}._invoke_run",
+          f"{_API}._remaining_restarts")),
     _Fix("in-place recovery", ("agent",), False, _check_inplace_agent,
-         "a failed worker makes the agent restart every worker"),
+         "a failed worker makes the agent restart every worker",
+         (f"{_LOCAL}._start_workers", f"{_LOCAL}._stop_workers", f"{_LOCAL}._shutdown",
+          f"{_LOCAL}._pcontext", f"{_LOCAL}._monitor_workers",
+          f"{_LOCAL}._check_uninterruptible_state_timeout",
+          f"{_LOCAL}._uninterruptible_state_timeout", f"{_API}._exit_barrier",
+          f"{_API}._restart_workers", f"{_API}._rendezvous", f"{_API}._worker_group",
+          f"{_API}._remaining_restarts",
+          "torch.distributed.elastic.multiprocessing.api:SubprocessContext._start",
+          f"{_DR}:DynamicRendezvousHandler._stop_heartbeats",
+          "torch.distributed.elastic.rendezvous.utils:_matches_machine_hostname")),
     _Fix("the agent metrics", ("agent",), False, _check_metric_names,
-         "the elastic_runner_agent_state, restarts and rendezvous series stop changing"),
+         "the elastic_runner_agent_state, restarts and rendezvous series stop changing",
+         (f"{_API}._rendezvous", f"{_API}._invoke_run", f"{_LOCAL}._start_workers",
+          f"{_LOCAL}._stop_workers")),
     _Fix("the preemption grace (torchrun --shutdown-timeout)", ("agent",), False,
          _check_shutdown_timeout,
          f"the agent SIGKILLs its workers {TORCH_FIXED_SHUTDOWN_S} s after SIGTERM, whatever "
          "preemption.grace_seconds says"),
     _Fix("the per-attempt process-group namespace", ("worker",), False, _check_agent_store_env,
-         "under plain torchrun a restarted group may read the dead workers' store keys"),
+         "under plain torchrun a restarted group may read the dead workers' store keys",
+         ("torch.distributed.rendezvous:_torchelastic_use_agent_store",)),
     _Fix("the DDP comm-hook detection", ("worker",), False, _check_comm_hook_record,
-         "a comm hook registered before the step vote's goes unnoticed"),
+         "a comm hook registered before the step vote's goes unnoticed",
+         (f"{_DDP}:DistributedDataParallel._comm_hooks",
+          f"{_DDP}:DistributedDataParallel._check_comm_hook")),
+    _Fix("the lagged step vote (a fused optimizer skips an update on the device)", ("worker",),
+         False, _no_check,
+         "the step vote reads the device every step (training.lagged_vote: auto turns it off)",
+         ("torch.optim.adam:Adam._step_supports_amp_scaling",
+          "torch.optim.sgd:SGD._step_supports_amp_scaling")),
     _Fix("the sharded checkpoints' loading (DCP internals)", ("worker",), False,
          _check_dcp_internals,
          "sharded (DCP) checkpoints cannot be loaded: resume and export fail naming the "
-         "checkpoint"),
+         "checkpoint",
+         ("torch.distributed.checkpoint.default_planner:_EmptyStateDictLoadPlanner",
+          "torch.distributed.checkpoint.state_dict_loader:_load_state_dict",
+          "torch.distributed.checkpoint._nested_dict")),
     _Fix("sharded checkpoints on object stores (DCP's fsspec reader and writer)", ("worker",),
          False, _check_dcp_fsspec,
          "a sharded (DCP) checkpoint on an s3:// (or other fsspec) URL cannot be written or "
-         "read: the save or load fails naming the checkpoint"),
+         "read: the save or load fails naming the checkpoint",
+         ("torch.distributed.checkpoint._fsspec_filesystem",)),
     _Fix("the release of a sharded model's process groups (DeviceMesh._pg_registry)",
          ("worker",), False, _check_mesh_registry,
          "under FSDP a destroyed gloo group lives until the interpreter exits, where it may "
-         "abort the finished process (SIGABRT); a replaced group keeps its threads and sockets"),
+         "abort the finished process (SIGABRT); a replaced group keeps its threads and sockets",
+         ("torch.distributed.device_mesh:DeviceMesh._pg_registry",
+          "torch.distributed.device_mesh:DeviceMesh._root_mesh")),
     _Fix("a script's DDP moved to a new group in place (DDP's unpickling path and its "
          "construction collectives)", ("worker",), False, _check_ddp_reattach,
          "a script's own loop recovers through torch's restart path: a failed worker "
-         "restarts every worker"),
+         "restarts every worker",
+         (f"{_DDP}:DistributedDataParallel._build_params_for_reducer",
+          f"{_DDP}:DistributedDataParallel._ddp_init_helper",
+          f"{_DDP}:_verify_param_shape_across_processes", f"{_DDP}:_sync_module_states")),
     _Fix("a script's FSDP2 model moved to a new group in place (its mesh infos' cached "
          "process groups)", ("worker",), False, _check_fsdp_reattach,
          "a script's FSDP2 loop recovers through torch's restart path: a failed worker "
-         "restarts every worker"),
+         "restarts every worker",
+         ("torch.distributed.fsdp:FSDPModule._get_fsdp_state",
+          f"{_FSDP}._fsdp_state:FSDPState._fsdp_param_group",
+          f"{_FSDP}._fsdp_param:FSDPParam._unsharded_param",
+          f"{_FSDP}._fsdp_common:FSDPMeshInfo",
+          f"{_FSDP}._fsdp_param_group:FSDPParamGroup._all_gather_process_group",
+          f"{_FSDP}._fsdp_param_group:FSDPParamGroup._reduce_scatter_process_group")),
 )
+
+
+def private_torch_names() -> set[str]:
+    """Every private name (a path component starting with one ``_``) of the internals the
+    fixes list: what the package may use of torch's private API."""
+    return {part for fix in FIXES for ref in fix.internals
+            for part in ref.replace(":", ".").split(".")
+            if part.startswith("_") and not part.startswith("__")}
 
 
 def in_supported_range(version: str | None = None) -> bool:
@@ -879,10 +1018,7 @@ def check_torch(role: str) -> list[str]:
     for fix in FIXES:
         if role not in fix.roles:
             continue
-        try:
-            problem = fix.check()
-        except Exception as e:  # an internal so changed that inspecting it fails
-            problem = first_line(e)
+        problem = _problem(fix)
         if problem is None:
             continue
         if fix.required and os.environ.get(IGNORE_CHECK_ENV) != "1":
@@ -938,7 +1074,15 @@ def names_this_machine(host: str) -> bool:
     """Whether ``host`` (a name or address) is this machine, by torch's own rule for whether an
     agent hosts the c10d rendezvous store (``_matches_machine_hostname`` in
     ``torch.distributed.elastic.rendezvous.utils``, private; kept here with the other uses of
-    torch internals)."""
+    torch internals). Without it (a torch that renamed it): whether ``host`` is this machine's
+    host name, fully qualified name or a loopback address."""
+    try:
+        from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
+    except ImportError:
+        import socket
+
+        return host in ("localhost", "127.0.0.1", "::1", socket.gethostname(),
+                        socket.getfqdn())
     return _matches_machine_hostname(host)
 
 

@@ -5,8 +5,12 @@ internal it names, and the start-up check names the torch version when a fix can
 from __future__ import annotations
 
 import importlib
+import json
 import logging
+import os
 import re
+import subprocess
+import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -56,6 +60,7 @@ def test_supported_range_is_pyprojects_and_holds_the_installed_torch():
     assert re.findall(r'"torch([^"]*)"', pyproject) == [compat.SUPPORTED_TORCH]
     # an upgrade past the range fails here: verify the internals below, then widen the range
     assert compat.in_supported_range(), torch.__version__
+    assert compat.in_supported_range(compat.NEWEST_TORCH)  # CI's second environment's
     assert not compat.in_supported_range("2.3.1") and not compat.in_supported_range("2.16.0")
 
 
@@ -92,11 +97,22 @@ def test_optional_fix_missing_warns_naming_torch(monkeypatch, caplog):
     assert compat.check_torch("worker") == [warning] and not caplog.records
 
 
-def test_a_check_that_cannot_inspect_torch_reports_instead_of_crashing(monkeypatch):
+def test_a_missing_internal_turns_off_every_fix_that_lists_it(monkeypatch):
     monkeypatch.delattr(SimpleElasticAgent, "_invoke_run")
     warnings = compat.check_torch("agent")
-    assert len(warnings) == 2 and all(" is off (AttributeError" in w for w in warnings)
+    gone = "(torch.distributed.elastic.agent.server.api:SimpleElasticAgent._invoke_run is gone)"
+    assert len(warnings) == 2 and all(gone in w for w in warnings), warnings
     assert "agent metrics is off" in warnings[1] and "restart budget by cause is off" in warnings[0]
+
+
+def test_a_check_that_cannot_inspect_torch_reports_instead_of_crashing(monkeypatch):
+    def inspecting() -> str | None:  # as a check whose internal changed shape
+        return SimpleElasticAgent._no_such_method.__code__
+
+    probe = compat._Fix("the probe", ("agent",), False, inspecting, "nothing")
+    monkeypatch.setattr(compat, "FIXES", (*compat.FIXES, probe))
+    (warning,) = compat.check_torch("agent")
+    assert "the probe is off (AttributeError" in warning
 
 
 # --- 1. the rendezvous store switch (replaces the stale-bootstrap-store patch) ---
@@ -356,7 +372,8 @@ def test_a_moved_dcp_internal_is_reported_and_fails_a_sharded_load_naming_it(mon
     monkeypatch.delattr(default_planner, "_EmptyStateDictLoadPlanner")
     monkeypatch.delenv("RANK", raising=False)
     (warning,) = compat.check_torch("worker")
-    assert "sharded checkpoints' loading (DCP internals) is off (AttributeError" in warning
+    assert ("sharded checkpoints' loading (DCP internals) is off (torch.distributed.checkpoint."
+            "default_planner:_EmptyStateDictLoadPlanner is gone)") in warning
     path = tmp_path / "step-00000001"
     path.mkdir()
     (path / ".metadata").write_bytes(b"")
@@ -482,3 +499,160 @@ def test_an_fsdp2_backward_cut_short_leaves_nothing_to_the_redone_step(group):
     compat.fsdp_reattach(model)
     model(x).square().sum().backward()
     assert all(torch.equal(a, b) for a, b in zip(grads(want), grads(model), strict=True))
+
+
+# ------------------------------------------------------------ the registry of torch internals
+
+PACKAGE = Path(compat.__file__).parent
+# private names of other libraries the package uses (argparse, os, namedtuple, fsspec, abc)
+NOT_TORCH = {"_actions", "_exit", "_fields", "_parent", "_abc_impl"}
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _scan() -> tuple[dict[str, set[str]], set[str], set[str]]:
+    """The package's private names: used (name -> files: attributes, getattr-style string
+    constants, private parts of torch imports), defined (functions, classes, assigned names
+    and attributes, parameters) and any string constant that is a private identifier."""
+    import ast
+
+    used: dict[str, set[str]] = {}
+    defined: set[str] = set()
+    strings: set[str] = set()  # private identifiers as string constants (names inspected)
+    for path in PACKAGE.rglob("*.py"):
+        rel = str(path.relative_to(PACKAGE.parent))
+        for node in ast.walk(ast.parse(path.read_text())):
+            names: list[str] = []
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                defined.add(node.name)
+            elif isinstance(node, ast.arg):
+                defined.add(node.arg)
+            elif isinstance(node, ast.Assign | ast.AnnAssign | ast.AugAssign):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                defined.update(n.id if isinstance(n, ast.Name) else n.attr for t in targets
+                               for n in ast.walk(t) if isinstance(n, ast.Name | ast.Attribute))
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) \
+                    and node.value.isidentifier() and _private(node.value):
+                strings.add(node.value)
+            if isinstance(node, ast.Attribute):
+                names.append(node.attr)
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \
+                    and node.func.id in ("getattr", "hasattr", "setattr") and len(node.args) > 1 \
+                    and isinstance(node.args[1], ast.Constant) \
+                    and isinstance(node.args[1].value, str):
+                names.append(node.args[1].value)
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch"):
+                names += [*node.module.split("."), *(a.name for a in node.names)]
+            for name in filter(_private, names):
+                used.setdefault(name, set()).add(rel)
+    return used, defined, strings
+
+
+def _torch_overrides() -> dict[str, str]:
+    """Private names that the package's subclasses of torch classes define or use on ``self``
+    and that their torch bases have: torch's internals, overridden or read (name -> class)."""
+    import inspect
+    import pkgutil
+
+    import elastic_runner
+
+    out: dict[str, str] = {}
+    for info in pkgutil.walk_packages(elastic_runner.__path__, "elastic_runner."):
+        if info.name.endswith("__main__"):  # runs the CLI
+            continue
+        module = importlib.import_module(info.name)
+        for cls in vars(module).values():
+            if not isinstance(cls, type) or cls.__module__ != info.name:
+                continue
+            bases = [b for b in cls.__mro__[1:] if b.__module__.startswith("torch")]
+            if not bases:
+                continue
+            mine = set(vars(cls)) | {n for f in vars(cls).values() if inspect.isfunction(f)
+                                     for n in f.__code__.co_names}
+            for name in filter(_private, mine):
+                if any(compat._resolves(f"{b.__module__}:{b.__qualname__}.{name}")
+                       for b in bases):
+                    out[name] = cls.__qualname__
+    return out
+
+
+def test_every_private_torch_name_the_package_uses_is_in_the_registry():
+    """A private torch name used anywhere in the package (outside the fixes' list in
+    compat.FIXES) fails here: a torch upgrade must not break it unchecked."""
+    used, defined, strings = _scan()
+    registered = compat.private_torch_names()
+    strays = {n: sorted(files) for n, files in used.items()
+              if n not in defined and n not in NOT_TORCH and n not in registered}
+    assert not strays, f"private torch names outside compat.FIXES' internals: {strays}"
+    overrides = {n: c for n, c in _torch_overrides().items()
+                 if n not in registered and n not in NOT_TORCH}
+    assert not overrides, f"torch internals overridden or read by subclasses, unregistered: " \
+                          f"{overrides}"
+    leaves = {ref.replace(":", ".").rsplit(".", 1)[-1] for fix in compat.FIXES
+              for ref in fix.internals}
+    stale = {n for n in leaves if _private(n)} - set(used) - strings - set(_torch_overrides())
+    assert not stale, f"registered but no longer used: {sorted(stale)}"
+
+
+def test_the_registry_catches_a_stray_private_name(tmp_path, monkeypatch):
+    """The scan sees a private torch attribute that no fix lists (the test above can fail)."""
+    stray = tmp_path / "elastic_runner" / "stray.py"
+    stray.parent.mkdir()
+    stray.write_text("import torch\n\ndef f(m):\n    return m._forward_hooks\n")
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", stray.parent)
+    used, defined, _ = _scan()
+    assert "_forward_hooks" in used and "_forward_hooks" not in defined
+    assert "_forward_hooks" not in compat.private_torch_names()
+
+
+def test_every_fix_is_turned_off_with_its_warning_when_its_internals_are_missing():
+    """In a fresh interpreter, every registered internal that can be taken away (a module, a
+    module's name, a class attribute) is taken away; ``import elastic_runner`` and every module
+    of it still import, and the start-up check turns each affected fix off with its warning."""
+    script = '''
+import importlib, inspect, json, pkgutil, sys
+from elastic_runner import compat
+removed = {}
+for fix in compat.FIXES:
+    for ref in fix.internals:
+        module, _, path = ref.partition(":")
+        if not path:
+            parent, _, leaf = module.rpartition(".")
+            importlib.import_module(module)
+            sys.modules[module] = None
+            if hasattr(sys.modules[parent], leaf):
+                delattr(sys.modules[parent], leaf)
+            removed.setdefault(fix.name, []).append(ref)
+            continue
+        *owners, name = path.split(".")
+        try:
+            obj = importlib.import_module(module)
+        except ImportError:
+            continue
+        for owner in owners:
+            obj = getattr(obj, owner, None)
+        holders = obj.__mro__ if isinstance(obj, type) else (() if obj is None else (obj,))
+        holder = next((k for k in holders if name in vars(k)), None)
+        if holder is not None:
+            delattr(holder, name)
+            vars(holder).get("__annotations__", {}).pop(name, None)
+            if not compat._resolves(ref):  # a method still assigns it: an instance attribute
+                removed.setdefault(fix.name, []).append(ref)
+import elastic_runner
+for info in pkgutil.walk_packages(elastic_runner.__path__, "elastic_runner."):
+    if not info.name.endswith("__main__"):
+        importlib.import_module(info.name)
+warnings = compat.check_torch("agent") + compat.check_torch("worker")
+print(json.dumps({"removed": removed, "warnings": warnings}))
+'''
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "RANK": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    removed, warnings = result["removed"], result["warnings"]
+    assert len(removed) >= 10, removed  # most fixes have an internal that can be taken away
+    for name in removed:
+        assert any(f"{name} is off (" in w and " is gone)" in w for w in warnings), \
+            (name, warnings)
