@@ -39,6 +39,7 @@ import argparse
 import datetime
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -50,7 +51,15 @@ from typing import Any
 import torch
 from torch.utils.data import default_collate
 
-from .common import REPO, free_port, run_argv, run_logged, spread, steps_per_second
+from .common import (
+    REPO,
+    RUNNER_STEP,
+    free_port,
+    run_argv,
+    run_logged,
+    spread,
+    steps_per_second,
+)
 from .overhead import BARE_STEP, overhead_ms
 
 CONFIG = "configs/causal_lm.yaml"
@@ -130,9 +139,22 @@ def _rate(variant: str, steps: int, workdir: Path, overrides: tuple[str, ...] = 
     # where a launch's time goes (the H200's took about 65 s each, 2026-11-28)
     startup = next((ln.split("startup: ", 1)[1] for ln in log.splitlines()
                     if "startup: " in ln), "-")
+    pattern = BARE_STEP if variant == "bare" else RUNNER_STEP
     print(f"  {variant} {' '.join(overrides)}: {time.perf_counter() - t0:.1f} s in all; "
-          f"startup: {startup}", flush=True)
-    return steps_per_second(log, BARE_STEP) if variant == "bare" else steps_per_second(log)
+          f"ms per step between log lines {_intervals(log, pattern)}; startup: {startup}",
+          flush=True)
+    return steps_per_second(log, pattern)
+
+
+def _intervals(log: str, pattern: re.Pattern[str]) -> str:
+    """Median and maximum ms per step between consecutive logged steps: a per-step cost moves
+    the median, a one-time stall only the maximum."""
+    day = datetime.date.today().isoformat()
+    points = [(datetime.datetime.strptime(f"{day} {m[1]}", "%Y-%m-%d %H:%M:%S.%f").timestamp(),
+               int(m[2])) for ln in log.splitlines() if (m := pattern.match(ln))]
+    ms = [1000 * (t1 - t0) / (s1 - s0)
+          for (t0, s0), (t1, s1) in zip(points, points[1:], strict=False) if s1 > s0]
+    return f"median {statistics.median(ms):.1f}, max {max(ms):.1f}" if ms else "-"
 
 
 def _candidates(steps: int, workdir: Path) -> dict[str, Any]:
