@@ -1,38 +1,35 @@
-"""elastic-runner: fault-tolerant elastic DDP training on torchrun.
+"""elastic-runner: fault-tolerant elastic training with DDP and FSDP2 on torchrun.
 
 Use it whole (``elastic-runner run CONFIG``: the built-in trainer) or in your own loop
-(:func:`fault_tolerant`, see ``examples/own_loop.py``). The parts, one module per concern, each
-usable alone:
+(:func:`fault_tolerant`, see ``examples/own_loop.py``). The package, one subpackage per concern:
 
-==========================  ====================================================================
-``checkpointing``           :class:`CheckpointManager` over ``dict[str, Stateful]``: cadence,
-                            atomic commit (``checkpoint``: storage format), async save
-                            (``async_save``), best, retention, resume, rollback
-``data``, ``sampler``       :func:`elastic_dataloader`, :class:`ElasticDataLoader`,
-                            :class:`ElasticSampler`: the global cursor, any world size
-``consensus``               :class:`StepConsensus` (``should_commit``): the per-step vote on the
-                            DDP comm hook or a plain all-reduce
-``stop``                    :class:`StopPolicy`, :class:`StopReason`; ``early_stop``: the
-                            patience rule, decided on rank 0
-``engine``                  :class:`StepEngine`: forward/backward, accumulation, autocast,
-                            clipping, optimizer and scheduler steps
-``batches``                 how a tensor, tuple or mapping batch reaches the model and its loss
-                            (``model(**batch)``, ``outputs.loss``); :func:`to_device`
-``session``                 :class:`TrainingSession`: the step protocol composing the above
-``callbacks``, ``reporting``  :class:`Callback` events; metrics, TensorBoard, progress bar,
-                            sample trace, watchdog heartbeat, fault injection
-``own_loop``                :func:`fault_tolerant`: the session for a user's own loop
-``rank_session``            one rank's session with its checkpoints and reporting, assembled
-                            the same way for the built-in trainer and a user's own loop
-``loop``, ``build``         the built-in :class:`Trainer` and its assembly from a config
-``dist``, ``preempt``,      process groups per attempt, SIGTERM, hang watchdog, straggler,
-``watchdog``, ``straggler`` per-rank metrics (``metrics``, ``health``, ``agent_metrics``)
-``compat``                  every reliance on torch internals, with the supported torch range
-``tasks``, ``hf``           the task interface (``tasks.base``), built-in tasks; export and
-                            ``generate()`` of transformers models
-``config``, ``cli``,        typed config, command line, the agent (``launch``), the worker
-``launch``, ``worker``
-==========================  ====================================================================
+===============  ==========================================================================
+``checkpoint``   :class:`CheckpointManager` over ``dict[str, Stateful]``: atomic commit with a
+                 sha256 manifest (``storage``), asynchronous save (``async_save``), sharded DCP
+                 checkpoints (``dcp_format``), fencing of stale writers, retention, resume
+``data``         :func:`elastic_dataloader`, :class:`ElasticDataLoader`,
+                 :class:`ElasticSampler` (the global cursor, any world size), batches
+                 (:func:`to_device`, :func:`batch_loss`), the sample audit trace
+``train``        the step protocol: :class:`TrainingSession`, the step vote
+                 (:class:`StepConsensus`), stop and early stopping, :class:`Callback` events,
+                 the straggler exchange, fault injection
+``trainer``      the built-in :class:`Trainer`, its :class:`StepEngine` and its assembly from a
+                 config (``build``)
+``own_loop``     :func:`fault_tolerant`: the session for a user's own loop, in place too
+``parallel``     DDP and FSDP2 (``fully_shard``, HSDP) behind one strategy interface
+``recovery``     in-place recovery: the recovery store and its protocol, group formation, the
+                 state handed to a replacement (``state_transfer``), FSDP peer copies,
+                 membership changes
+``agent``        ``elastic-runner run``'s agent on torchrun's: warm spares, replacement of a
+                 dead worker, nodes leaving and joining, the restart budget, hang checks
+``observe``      per-rank and per-node Prometheus metrics, health endpoints, goodput,
+                 reporting (logs, TensorBoard, progress bar), the hang watchdog
+``tasks``        the task interface (``tasks.base``) and the built-in tasks; export and
+                 ``generate()`` of transformers models
+top level        typed config (``config``), the command line (``cli``), the worker, process
+                 groups (``dist``), SIGTERM (``preempt``), exit codes, and ``compat``: every
+                 reliance on torch internals, with the supported torch range
+===============  ==========================================================================
 
 Importing the package is cheap; the names below load their module (and torch) on first use.
 """

@@ -77,8 +77,8 @@ def _overrides(args: argparse.Namespace) -> list[str]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="elastic-runner",
-        description="Fault-tolerant elastic DDP training on torchrun: atomic checkpoints, "
-                    "automatic resume, rank-0 early stopping.",
+        description="Fault-tolerant elastic DDP and FSDP2 training on torchrun: in-place "
+                    "recovery, atomic checkpoints, automatic resume, rank-0 early stopping.",
         epilog="exit codes: " + "; ".join(f"{code} {name.removeprefix('EXIT_').lower().replace('_', ' ')}"
                                           for name, code, _ in described()))
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")

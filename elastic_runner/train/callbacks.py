@@ -109,13 +109,17 @@ class Callback:
         """Step ``step`` (1-based, global) is about to run; the attempt's ``steps_this_attempt``-th."""
 
     def on_step_end(self, event: StepEnd) -> None:
-        pass
+        """Step ``event.step`` ended on this rank, committed (applied on every rank) or
+        skipped (``event.committed``); :class:`StepEnd` has its loss, samples and seconds."""
 
     def on_log(self, event: LogEvent) -> None:
-        pass
+        """A logging step's figures (every ``training.log_every_steps``), once its loss
+        averaged over ranks has arrived: reported at the next step's end, on every rank."""
 
     def on_skipped_step(self, step: int, in_row: int, limit: int) -> None:
-        pass
+        """Step ``step``'s update was skipped on every rank (a non-finite loss or gradient on
+        some rank); ``in_row`` skipped in a row so far, ``limit``: after this many the run
+        rolls back to the last checkpoint (``training.max_bad_steps``)."""
 
     def on_rollback(self, step: int) -> None:
         """The run rolled back to the checkpoint of ``step`` (after a non-finite streak)."""
@@ -124,16 +128,20 @@ class Callback:
         """Epoch ``epoch`` ended after ``step``; ``dropped`` gives its tail indices."""
 
     def on_eval(self, step: int, metrics: dict[str, float]) -> None:
-        pass
+        """An evaluation after ``step``: ``metrics`` by name (``val_loss``, the task's own),
+        averaged over ranks; the same on every rank."""
 
     def on_early_stopping(self, metric: str, best: float | None, patience_left: int) -> None:
-        pass
+        """After an evaluation: the early-stopping ``metric``, its ``best`` value so far (None:
+        none yet) and the evaluations without improvement still allowed."""
 
     def on_resumed(self, step: int) -> None:
         """Training (re)starts after ``step`` (0: from scratch); before the first step."""
 
     def on_finish(self, reason: StopReason | None, message: str) -> None:
-        pass
+        """The run stops after the current step for ``reason`` (the step or epoch limit,
+        early stopping, a preemption: before its checkpoint), ``message`` saying why; on every
+        rank, at the same step."""
 
     def on_recovered(self, step: int, joining: bool,
                      last_step: Callable[[int], tuple[int, int, list[int]]]) -> None:
@@ -151,16 +159,17 @@ class Callback:
 
     # CheckpointListener
     def checkpoint_stall(self, seconds: float) -> None:
-        pass
+        """A save blocked training for ``seconds`` (the synchronous write, or the copy into
+        staging buffers when asynchronous)."""
 
     def checkpoint_committed(self, event: CheckpointEvent) -> None:
-        pass
+        """A checkpoint was committed (on rank 0): its paths, step, write seconds and bytes."""
 
     def checkpoint_loaded(self, info: CheckpointInfo) -> None:
-        pass
+        """A checkpoint was loaded to resume or roll back; ``info`` names it and its step."""
 
     def close(self) -> None:
-        pass
+        """The run is over on this rank: release what the callback holds (files, writers)."""
 
 
 class Callbacks(Callback):
