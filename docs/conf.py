@@ -27,11 +27,17 @@ extensions = [
     "sphinx.ext.napoleon",
     "sphinxarg.ext",
     "sphinxcontrib.mermaid",
+    "sphinx_copybutton",
     "er_reference",
 ]
 source_suffix = {".md": "markdown", ".rst": "restructuredtext"}
 exclude_patterns = ["_build", "bench/*.json", "**/.ipynb_checkpoints"]
 root_doc = "index"
+# commands and options are copied from these pages: ``--`` must stay two hyphens, not become
+# an en dash, and quotes must stay straight
+smartquotes = False
+copybutton_prompt_text = r"\$ "  # a leading "$ " is not copied
+copybutton_prompt_is_regexp = True
 
 myst_enable_extensions = ["colon_fence", "deflist"]
 myst_heading_anchors = 3  # links to a page's sections: page.md#section-title

@@ -67,13 +67,17 @@ def test_every_example_is_run_by_a_test():
 @pytest.mark.slow
 def test_the_site_builds_with_warnings_as_errors(tmp_path):
     require_modules("sphinx", "myst_parser", "furo", "sphinxarg", "sphinxcontrib.mermaid",
-                    install_hint=DOCS_EXTRA)
+                    "sphinx_copybutton", install_hint=DOCS_EXTRA)
     done = subprocess.run([sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b",
                            "html", str(DOCS), str(tmp_path / "html")],
                           capture_output=True, text=True, timeout=600, cwd=REPO)
     assert done.returncode == 0, done.stderr[-6000:]
     config = (tmp_path / "html" / "reference" / "config.html").read_text()
     assert "recovery.node_timeout_seconds" in config  # the generated reference is there
+    cli_page = (tmp_path / "html" / "reference" / "cli.html").read_text()
+    # options are copied from it: two hyphens, never an en dash (smartquotes off)
+    assert "--trace-samples" in cli_page and "\u2013trace-samples" not in cli_page
+    assert "copybutton" in (tmp_path / "html" / "index.html").read_text()
 
 
 def copy_example(name: str, to) -> None:
