@@ -73,7 +73,8 @@ def _worker(args: argparse.Namespace) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     net(torch.randn(4, args.width)).sum().backward()
     opt.step()
-    state_bytes = 3 * sum(p.numel() * 4 for p in model.parameters()) * (world if fsdp else 1)
+    # a sharded parameter is a DTensor: its numel() is the whole tensor's
+    state_bytes = 3 * sum(p.numel() * 4 for p in model.parameters())
     root = Path(args.dir)
     out: dict[str, Any] = {"save": [], "stall": [], "state_bytes": state_bytes}
     for mode in ("save", "stall"):
