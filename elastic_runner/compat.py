@@ -809,11 +809,9 @@ def _assigns(fn: Any, name: str) -> bool:
 def _problem(fix: _Fix) -> str | None:
     """Why ``fix`` cannot apply on this torch (None: it can): a listed internal is gone, or
     its own check failed."""
-    gone = next((ref for ref in fix.internals if not _resolves(ref)), None)
-    if gone is not None:
-        return f"{gone} is gone"
     try:
-        return fix.check()
+        gone = next((ref for ref in fix.internals if not _resolves(ref)), None)
+        return f"{gone} is gone" if gone is not None else fix.check()
     except Exception as e:  # an internal so changed that inspecting it fails
         return first_line(e)
 
