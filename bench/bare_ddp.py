@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import sys
 from collections.abc import Callable, Mapping
 from datetime import datetime
 
@@ -143,8 +144,14 @@ def main() -> None:
             if step >= args.steps:
                 break
         epoch += 1
-    dist.barrier()  # no rank tears gloo down while its peer still talks to it
-    dist.destroy_process_group()
+    dist.barrier()  # no rank leaves while its peer still talks to it
+    # leave without tearing the group and DDP's reducer down: torch 2.13's gloo group, freed
+    # while its worker thread still frees a finished work (which takes the GIL the freeing
+    # thread holds), can deadlock (seen in CI under load: the join in ~ProcessGroupGloo); the
+    # runner's workers leave the same way (elastic_runner/__main__.py)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
