@@ -31,12 +31,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def step_stamps(log: str, pattern: re.Pattern[str] = RUNNER_STEP) -> list[tuple[float, int]]:
+    """(seconds since the epoch, step) of every logged step line; ``pattern`` captures
+    (HH:MM:SS.mmm, step), taken as today's."""
+    day = datetime.now().strftime("%Y-%m-%d")
+    return [(datetime.strptime(f"{day} {m[1]}", "%Y-%m-%d %H:%M:%S.%f").timestamp(), int(m[2]))
+            for ln in log.splitlines() if (m := pattern.match(ln))]
+
+
 def steps_per_second(log: str, pattern: re.Pattern[str] = RUNNER_STEP) -> float:
     """Optimizer steps per second between the first and the last logged step (so process start,
     rendezvous and imports are excluded); ``pattern`` captures (HH:MM:SS.mmm, step)."""
-    day = datetime.now().strftime("%Y-%m-%d")
-    points = [(datetime.strptime(f"{day} {m[1]}", "%Y-%m-%d %H:%M:%S.%f").timestamp(), int(m[2]))
-              for ln in log.splitlines() if (m := pattern.match(ln))]
+    points = step_stamps(log, pattern)
     if len(points) < 2:
         raise RuntimeError(f"fewer than two step lines in the log:\n{log[-2000:]}")
     (t0, s0), (t1, s1) = points[0], points[-1]

@@ -58,6 +58,7 @@ from .common import (
     run_argv,
     run_logged,
     spread,
+    step_stamps,
     steps_per_second,
 )
 from .overhead import BARE_STEP, overhead_ms
@@ -149,9 +150,7 @@ def _rate(variant: str, steps: int, workdir: Path, overrides: tuple[str, ...] = 
 def _intervals(log: str, pattern: re.Pattern[str]) -> str:
     """Median and maximum ms per step between consecutive logged steps: a per-step cost moves
     the median, a one-time stall only the maximum."""
-    day = datetime.date.today().isoformat()
-    points = [(datetime.datetime.strptime(f"{day} {m[1]}", "%Y-%m-%d %H:%M:%S.%f").timestamp(),
-               int(m[2])) for ln in log.splitlines() if (m := pattern.match(ln))]
+    points = step_stamps(log, pattern)
     ms = [1000 * (t1 - t0) / (s1 - s0)
           for (t0, s0), (t1, s1) in zip(points, points[1:], strict=False) if s1 > s0]
     return f"median {statistics.median(ms):.1f}, max {max(ms):.1f}" if ms else "-"

@@ -586,13 +586,13 @@ def test_every_private_torch_name_the_package_uses_is_in_the_registry():
     strays = {n: sorted(files) for n, files in used.items()
               if n not in defined and n not in NOT_TORCH and n not in registered}
     assert not strays, f"private torch names outside compat.FIXES' internals: {strays}"
-    overrides = {n: c for n, c in _torch_overrides().items()
-                 if n not in registered and n not in NOT_TORCH}
+    found = _torch_overrides()
+    overrides = {n: c for n, c in found.items() if n not in registered and n not in NOT_TORCH}
     assert not overrides, f"torch internals overridden or read by subclasses, unregistered: " \
                           f"{overrides}"
     leaves = {ref.replace(":", ".").rsplit(".", 1)[-1] for fix in compat.FIXES
               for ref in fix.internals}
-    stale = {n for n in leaves if _private(n)} - set(used) - strings - set(_torch_overrides())
+    stale = {n for n in leaves if _private(n)} - set(used) - strings - set(found)
     assert not stale, f"registered but no longer used: {sorted(stale)}"
 
 
