@@ -246,6 +246,9 @@ def _run_script(args: argparse.Namespace) -> int:
     # is not recovers through the restart path all the same: its workers exit on a failure
     args.recovery = script_recovery_config(args.recovery_mode)
     args.batch = None  # the runner does not know a script's batch: any world size
+    # the restart budget's defaults; the script's checkpoint directory is its own business, so
+    # a crash loop is judged by the failures alone (the same one 3 times in a row: exit 5)
+    args.restarts = RestartBudget()
     return launch(args)
 
 

@@ -15,9 +15,10 @@ import torch
 from torch import nn
 
 from elastic_runner.checkpoint import storage as ckpt
+from elastic_runner.checkpoint.fencing import Fence
 from elastic_runner.data.loader import elastic_dataloader
 from elastic_runner.data.sampler import step_seed
-from elastic_runner.exit_codes import EXIT_PREEMPTED
+from elastic_runner.exit_codes import EXIT_FENCED, EXIT_PREEMPTED
 from elastic_runner.observe.reporting import WatchdogHeartbeat
 from elastic_runner.own_loop import DEFAULT_EVERY_SECONDS, fault_tolerant
 from elastic_runner.preempt import Preempted
@@ -292,6 +293,29 @@ def test_step_done_turns_preemption_into_exit_143(tmp_path, parts):
     # the loop closed its reporting on the way out: the watchdog thread is gone
     (heartbeat,) = [c for c in ft.session.callbacks.items if isinstance(c, WatchdogHeartbeat)]
     assert not heartbeat.watchdog._thread.is_alive()
+
+
+@pytest.mark.usefixtures("restore_signals")
+def test_a_loop_fenced_out_at_its_boundary_commit_exits_3(tmp_path, parts, caplog):
+    """A newer group claims the directory while this loop trains: the commit at the next
+    step's first batch is refused, and the process ends with exit 3 (not a traceback, not 1),
+    so the agent does not restart a stale writer; nothing of that step is published."""
+    model, opt, loader = parts
+    ft = fault_tolerant(model, opt, loader, checkpoint_dir=str(tmp_path), every_steps=1,
+                        async_save=False)
+    ft.resume()
+    batches = iter(loader)
+    x, y = next(batches)
+    ft.backward(nn.functional.mse_loss(model(x), y))
+    assert ft.should_commit()
+    opt.step()
+    assert ft.step_done() == 1
+    newer = Fence.claim(str(tmp_path))
+    with pytest.raises(SystemExit) as exit_info:
+        next(batches)  # step 2's first batch: step 1's checkpoint is committed here
+    assert exit_info.value.code == EXIT_FENCED == 3
+    assert f"fencing token {newer.token}" in caplog.text and "fenced out: " in caplog.text
+    assert ckpt.list_checkpoints(tmp_path) == []
 
 
 def test_close_after_the_preemption_exit_is_harmless(tmp_path, parts):

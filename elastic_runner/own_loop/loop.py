@@ -5,20 +5,24 @@ step N+1 begins (the package docstring), and in-place recovery through
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
+from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 from torch.distributed.tensor import DTensor
 
 from ..checkpoint import storage
+from ..checkpoint.fencing import FencedOut
 from ..checkpoint.manager import CheckpointManager
 from ..data.sampler import ElasticSampler
 from ..dist import DistInfo, release_groups_of
-from ..exit_codes import EXIT_PREEMPTED
+from ..exit_codes import EXIT_FENCED, EXIT_PREEMPTED
 from ..parallel.base import total_norm
 from ..preempt import Preempted
 from ..recovery.inplace import InPlaceRecovery, NoRecovery
@@ -31,6 +35,25 @@ from .in_place import LoopRecovery
 from .parts import LoopParts
 
 log = logging.getLogger("elastic_runner.own_loop")
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _fenced_out_exits(method: _F) -> _F:
+    """A newer group claimed the checkpoint directory (:class:`FencedOut`, from a claim or a
+    commit): this process ends with exit 3 (``EXIT_FENCED``) and one line, as the built-in
+    trainer's worker does, so the agent's restart budget does not restart a stale writer."""
+
+    @functools.wraps(method)
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(*args, **kwargs)
+        except FencedOut as e:
+            ErrorHandler().record_exception(e)  # the agent's summary names it
+            log.error("fenced out: %s", e)
+            raise SystemExit(EXIT_FENCED) from None
+
+    return checked  # type: ignore[return-value]
 
 
 class FaultTolerantLoop:
@@ -87,6 +110,7 @@ class FaultTolerantLoop:
     def checkpoints(self) -> CheckpointManager:
         return self.session.checkpoints
 
+    @_fenced_out_exits
     def resume(self) -> tuple[int, int]:
         """Load the newest valid checkpoint on every rank (collective); returns ``(step,
         epoch)`` to continue from ((0, 0) without one). A replacement that joins a running
@@ -150,6 +174,7 @@ class FaultTolerantLoop:
 
         return self.in_place.collective(decide) and decided[0]
 
+    @_fenced_out_exits
     def step_done(self) -> int:
         """The step is over (after ``optimizer.step()``): move the cursor, report, and decide
         whether this step is checkpointed; the snapshot is taken at the next boundary, after
@@ -158,6 +183,8 @@ class FaultTolerantLoop:
         Raises:
             SystemExit(143): preemption: every rank discarded this step, and the checkpoint of
                 the last applied one is committed.
+            SystemExit(3): fenced out: a newer group claimed the checkpoint directory (also
+                from :meth:`resume`, :meth:`close` and the boundary's commit).
             TrainingFailed: ``max_bad_steps`` non-finite steps in a row (a restart resumes from
                 the last checkpoint).
         """
@@ -185,6 +212,7 @@ class FaultTolerantLoop:
         self.session.callbacks.on_phase("training", f"the loop's work after step {step}", True)
         return step
 
+    @_fenced_out_exits
     def _begin_step(self) -> None:
         """The loop reached the next step (its first batch, or its backward): commit the
         checkpoint ``step_done()`` asked for, then begin the step."""
@@ -204,6 +232,7 @@ class FaultTolerantLoop:
         self.after_done = self.step
         self.session.begin_step()
 
+    @_fenced_out_exits
     def close(self) -> None:
         """Checkpoint the last step (unless just saved), wait for the commit, stop reporting;
         a sharded model's process groups are left to ``destroy_process_group`` to free
