@@ -1,6 +1,7 @@
 """Config loading: typed sections, overrides, and errors that name the key path."""
 
 import importlib
+import importlib.util
 import json
 import sys
 import uuid
@@ -61,6 +62,16 @@ def test_an_hf_task_without_the_extra_names_it(monkeypatch):
                                           r"needs 'transformers'.*pip install "
                                           r"'elastic-runner\[hf\]'"):
         load_config(CONFIGS / "causal_lm.yaml")
+
+
+def test_tensorboard_without_the_extra_is_refused_naming_the_key(monkeypatch, tmp_path):
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "tensorboard" else real_find_spec(name, *a))
+    assert load_config(CONFIGS / "digits.yaml").logging.tensorboard_dir is None  # shipped: off
+    with pytest.raises(ConfigError, match=r"^logging\.tensorboard_dir: needs TensorBoard.*"
+                                          r"pip install 'elastic-runner\[tensorboard\]'"):
+        load_config(CONFIGS / "digits.yaml", [f"logging.tensorboard_dir={tmp_path}"])
 
 
 def test_overrides_are_parsed_as_yaml_and_typed():

@@ -68,8 +68,9 @@ def test_digits_splits(digits_bundle: TaskBundle) -> None:
     assert set(yt.tolist()) <= set(range(10))
 
 
-def test_digits_read_without_scikit_learn_are_what_load_digits_gives() -> None:
-    """The file read directly is the data scikit-learn's loader returns, bit for bit."""
+def test_the_packaged_digits_are_what_load_digits_gives() -> None:
+    """The package's copy of the digits file is the data scikit-learn's loader returns, bit for
+    bit (the task reads it without scikit-learn)."""
     from sklearn.datasets import load_digits
 
     images, labels = digits.load_digits_arrays()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 from pydantic import Field, StrictBool, field_validator
 
 from ..config_base import Float, Port, Section, invalid
@@ -13,7 +15,17 @@ class LoggingConfig(Section):
     progress_bar: StrictBool = True
     """A tqdm progress bar on rank 0's terminal (only when it is one)."""
     tensorboard_dir: str | None = None
-    """Rank 0 writes TensorBoard scalars (loss, learning rate, evaluation metrics) here; null: off."""
+    """Rank 0 writes TensorBoard scalars (loss, learning rate, evaluation metrics) here; null: off.
+    Needs the ``tensorboard`` extra."""
+
+    @field_validator("tensorboard_dir")
+    @classmethod
+    def _tensorboard_installed(cls, value: str | None) -> str | None:
+        # checked when the config is read, on the launching machine: not at rank 0's first step
+        if value is not None and importlib.util.find_spec("tensorboard") is None:
+            raise invalid("needs TensorBoard, which is not installed: "
+                          "pip install 'elastic-runner[tensorboard]', or set it to null")
+        return value
 
 
 class WatchdogConfig(Section):

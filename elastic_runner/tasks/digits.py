@@ -8,7 +8,6 @@ standardised with one scalar mean/std computed on the training split only.
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +21,9 @@ from ..config_base import ConfigError
 from ..data.config import DataConfig as BaseDataConfig
 from ..train.config import ModelConfig as BaseModelConfig
 from .base import MetricSums, TaskBundle, check_split_fractions
+
+DIGITS_FILE = Path(__file__).parent / "data" / "digits.csv.gz"
+"""1,797 rows of 65 integers: 64 pixels (0..16, row-major 8x8), then the label (0..9)."""
 
 NUM_CLASSES = 10
 IMAGE_SHAPE = (1, 8, 8)  # (channels, height, width)
@@ -114,26 +116,18 @@ def metrics_fn(outputs: torch.Tensor, targets: torch.Tensor) -> MetricSums:
 
 
 def load_digits_arrays() -> tuple[np.ndarray, np.ndarray]:
-    """scikit-learn's digits: images float64 ``[1797, 8, 8]`` (0..16) and labels int64
-    ``[1797]``, as ``sklearn.datasets.load_digits`` gives them.
+    """The UCI handwritten digits as scikit-learn's ``load_digits`` gives them: images float64
+    ``[1797, 8, 8]`` (0..16) and labels int64 ``[1797]``.
 
-    Read from the file scikit-learn ships and ``load_digits`` parses
-    (``sklearn/datasets/data/digits.csv.gz``: per row the 64 pixels, then the label) without
-    importing scikit-learn: its import (scipy) took 0.8 s of every worker's and spare's start
-    here, a share of each restart's and replacement's time. Through ``load_digits`` when the
-    file is not where that release keeps it.
+    Read from ``tasks/data/digits.csv.gz`` (per row the 64 pixels, then the label), a copy of
+    the file scikit-learn ships (``sklearn/datasets/data/digits.csv.gz``, BSD-3-Clause; the data:
+    E. Alpaydin and C. Kaynak, "Optical Recognition of Handwritten Digits", UCI Machine Learning
+    Repository, 1998, CC BY 4.0, its test set). The task needs no scikit-learn, whose import
+    (scipy) took 0.8 s of every worker's and spare's start here;
+    ``tests/test_tasks.py`` checks the copy against ``load_digits`` bit for bit.
     """
-    spec = importlib.util.find_spec("sklearn")  # finds the package without importing it
-    path = (Path(spec.origin).parent / "datasets" / "data" / "digits.csv.gz"
-            if spec is not None and spec.origin else None)
-    if path is not None and path.is_file():
-        data = np.loadtxt(path, delimiter=",")
-        return data[:, :-1].reshape(-1, 8, 8), data[:, -1].astype(np.int64)
-    from sklearn.datasets import load_digits  # bundled with scikit-learn, no download
-
-    digits = load_digits()
-    return (np.asarray(digits.images, dtype=np.float64),
-            np.asarray(digits.target, dtype=np.int64))
+    data = np.loadtxt(DIGITS_FILE, delimiter=",")
+    return data[:, :-1].reshape(-1, 8, 8), data[:, -1].astype(np.int64)
 
 
 def build(cfg: Config) -> TaskBundle:
