@@ -39,6 +39,9 @@ wire is still gloo through host memory): the replacement's state lands on the de
                                    [--repeats 3] [--recovery 2] [--device cpu]
                                    [--json docs/bench/state_transfer.json]
 
+``--json`` merges into an existing file: the sections a run measured replace the file's, the
+others stay, and ``runs`` records each section's date and command.
+
 On this machine the ranks share two CPU cores: the wire is loopback TCP, whose rate the
 senders' and the receiver's copies compete for; more sources than cores add no bandwidth.
 """
@@ -50,6 +53,7 @@ import io
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -215,8 +219,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         summary["recovery"] = recoveries(args.recovery, args.dir)
         print_recoveries(summary["recovery"])
     if args.json:
-        Path(args.json).write_text(json.dumps(summary, indent=1) + "\n")
+        write_json(Path(args.json), summary, sys.argv[1:] if argv is None else argv)
     return summary
+
+
+SECTIONS = ("world_sizes", "load", "recovery")
+
+
+def write_json(path: Path, summary: dict[str, Any], argv: list[str]) -> None:
+    """Write ``summary`` into ``path``, merged: the sections this run measured
+    (:data:`SECTIONS`; ``--world-sizes`` with no value measures none) replace the file's, the
+    others are kept, and ``runs`` names the date and the command of each section's run."""
+    old = json.loads(path.read_text()) if path.is_file() else {}
+    measured = [k for k in SECTIONS if summary.get(k)]
+    command = " ".join(["python -m bench.state_transfer", *argv])
+    merged = {**old, **{k: v for k, v in summary.items() if k not in SECTIONS or k in measured}}
+    merged["runs"] = {**old.get("runs", {}),
+                      **{k: {"date": summary["date"], "command": command} for k in measured}}
+    path.write_text(json.dumps(merged, indent=1) + "\n")
 
 
 def print_table(summary: dict[str, Any]) -> None:

@@ -1,5 +1,7 @@
 """Smoke test: the benchmarks run at their smallest size and report ratios (no timing asserts)."""
 
+import json
+
 import pytest
 
 from bench import (
@@ -34,6 +36,16 @@ def test_state_transfer_smoke(tmp_path, capsys):
     assert rows["2"]["transfer_vs_raw"] == \
         rows["2"]["raw"]["seconds"] / rows["2"]["transfer"]["seconds"]
     assert "xfer/raw" in capsys.readouterr().out and (tmp_path / "out.json").is_file()
+    # a second run measures only the load: its section is merged in, the first run's stays
+    second = ["--world-sizes", "--width", "64", "--blocks", "1", "--repeats", "1", "--load",
+              "--json", str(tmp_path / "out.json")]
+    state_transfer.main(second)
+    merged = json.loads((tmp_path / "out.json").read_text())
+    assert merged["world_sizes"] == json.loads(json.dumps(out["world_sizes"]))
+    assert set(merged["load"]) == {"1"}
+    assert merged["runs"]["load"]["command"] == " ".join(["python -m bench.state_transfer",
+                                                           *second])
+    assert "--world-sizes 3" in merged["runs"]["world_sizes"]["command"]
 
 
 @pytest.mark.slow
