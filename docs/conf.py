@@ -26,12 +26,11 @@ extensions = [
     "sphinx.ext.autodoc",
     "sphinx.ext.napoleon",
     "sphinxarg.ext",
-    "sphinxcontrib.mermaid",
     "sphinx_copybutton",
     "er_reference",
 ]
 source_suffix = {".md": "markdown", ".rst": "restructuredtext"}
-exclude_patterns = ["_build", "bench/*.json", "**/.ipynb_checkpoints"]
+exclude_patterns = ["_build", "_tools", "bench/*.json", "**/.ipynb_checkpoints"]
 root_doc = "index"
 # commands and options are copied from these pages: ``--`` must stay two hyphens, not become
 # an en dash, and quotes must stay straight
@@ -41,7 +40,6 @@ copybutton_prompt_is_regexp = True
 
 myst_enable_extensions = ["colon_fence", "deflist"]
 myst_heading_anchors = 3  # links to a page's sections: page.md#section-title
-myst_fence_as_directive = ["mermaid"]
 
 autodoc_member_order = "bysource"
 autodoc_typehints = "description"

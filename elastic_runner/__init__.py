@@ -58,6 +58,7 @@ _EXPORTS = {
     "TrainingFailed": "train.session",
     "Callback": "train.callbacks",
     "StepEnd": "train.callbacks",
+    "LogEvent": "train.callbacks",  # what Callback.on_log receives
     "fault_tolerant": "own_loop",
     "FaultTolerantLoop": "own_loop",
     "init_distributed": "recovery.script",

@@ -58,6 +58,9 @@ def _propagate(monkeypatch):
 def test_supported_range_is_pyprojects_and_holds_the_installed_torch():
     pyproject = (REPO / "pyproject.toml").read_text()
     assert re.findall(r'"torch([^"]*)"', pyproject) == [compat.SUPPORTED_TORCH]
+    # the image's first install pins the same range (it was left at <2.14 once)
+    dockerfile = (REPO / "Dockerfile").read_text()
+    assert set(re.findall(r"torch(>=[\d.]+,<[\d.]+)", dockerfile)) == {compat.SUPPORTED_TORCH}
     # an upgrade past the range fails here: verify the internals below, then widen the range
     assert compat.in_supported_range(), torch.__version__
     assert compat.in_supported_range(compat.NEWEST_TORCH)  # CI's second environment's

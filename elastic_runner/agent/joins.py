@@ -71,7 +71,8 @@ class Joins:
     def takes_joins(self) -> bool:
         """Whether a node waiting in the rendezvous may join in place: several nodes, this
         node's workers run (not joining themselves), no restart under way, and the workers
-        said they can take nodes in (the built-in trainer; a script's own loop cannot)."""
+        said they can take nodes in (the built-in trainer and a script's ``fault_tolerant``
+        loop, once bound: ``InPlaceRecovery.bind``)."""
         rs = self._attempt.rs
         if not rs.multi_node or self._joining is not None:
             return False

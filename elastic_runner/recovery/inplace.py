@@ -27,8 +27,9 @@ Protocol (sequence diagram in ``docs/design/recovery.md``):
    (committed step, whether that step's evaluation/checkpoint is done) and task fingerprint;
    the member furthest along is the source. It sends its checkpoint state (model, optimizer,
    scheduler, sampler cursor, step counters, stop policy, RNG) to the joiner and to any member
-   behind it, as ``torch.save`` bytes over the group (``torch.load(weights_only=True)`` on the
-   receiver). No checkpoint is read.
+   behind it over the group: a manifest (``torch.load(weights_only=True)`` on the receiver),
+   then the tensors' bytes straight into the receiver's own tensors
+   (:mod:`~elastic_runner.recovery.state_transfer`). No checkpoint is read.
 4. Everyone wraps the model in a new DDP on the new group, the trainer re-creates its data
    iterator from the sampler cursor and trains on. The step in flight was applied by nobody (its
    gradient all-reduce failed, or its update vote never completed), its samples stay
@@ -228,8 +229,8 @@ class InPlaceRecovery:
     def bind(self, loop: Recoverable) -> None:
         """``loop`` recovers through this: a join request stops it at the next step
         boundary (the step vote, :attr:`~elastic_runner.preempt.PreemptionFlag.membership`),
-        and rank 0 tells the agents that nodes may join in place (a script's own loop does
-        not bind, so its nodes join through torch's restart)."""
+        and rank 0 tells the agents that nodes may join in place (the built-in trainer and a
+        script's ``fault_tolerant`` loop both bind)."""
         if not loop.session.checkpoints.sharded:  # a DDP survivor holds the whole state already
             self.copies = NoCopies()
         self.nodes.bind(loop)
