@@ -26,7 +26,8 @@ class Box:
         self.value = state["value"].clone()
 
 
-@pytest.fixture(params=["local", "memory", "s3"])
+# s3 starts a server (taken inside the fixture, so tests/conftest.py cannot see it): slow tier
+@pytest.fixture(params=["local", "memory", pytest.param("s3", marks=pytest.mark.slow)])
 def directory(request, tmp_path):
     """A checkpoint directory on a filesystem, on fsspec's in-memory store, and on a real S3
     API server (moto; claims are conditional creates there)."""
