@@ -1,9 +1,10 @@
 """Built-in task ``digits``: 10-class classification of the UCI 8x8 handwritten digits.
 
 The data (1797 grey-scale images, pixel values 0..16, UCI "optdigits" test set, as scikit-learn
-ships it) is carried in the package (:data:`DIGITS_FILE`), so the task works offline. The split is a random permutation drawn from a numpy
-``Generator`` seeded with ``cfg.seed``, identical on every rank and restart. Inputs are
-standardised with one scalar mean/std computed on the training split only.
+ships it) is carried in the package (:data:`DIGITS_FILE`), so the task works offline. The split
+is a random permutation drawn from a numpy ``Generator`` seeded with ``cfg.seed``, identical on
+every rank and restart. Inputs are standardised with one scalar mean/std computed on the
+training split only.
 """
 
 from __future__ import annotations
