@@ -160,6 +160,7 @@ def resumed(log: str) -> list[tuple[str, int]]:
 # ---------------------------------------------------------------- a: SIGKILL mid-write
 
 WIDE = ["task=tests.test_outside_faults:wide_task", "model.hidden=384", "model.layers=12"]
+WRITER_STEPS = 45
 MANIFEST = ckpt.MANIFEST
 
 
@@ -245,8 +246,10 @@ def test_sigkill_of_the_writer_mid_checkpoint_resumes_the_previous_one(launch, t
     partial checkpoint ever appears under a final name, each restart resumes from the previous
     checkpoint, and the run ends with an exact audit."""
     ck, trace = tmp_path / "ck", tmp_path / "trace"
+    # 45 steps, a checkpoint every 3: room for up to 6 tries at each mark (on a loaded machine
+    # the poll missed the 90 % mark 3 times in a row once: CI, 2026-11-28)
     job = launch_run(launch, "writer", *WIDE, f"checkpoint.dir={ck}", "recovery.mode=restart",
-                     "training.max_steps=27", "checkpoint.every_steps=3",
+                     f"training.max_steps={WRITER_STEPS}", "checkpoint.every_steps=3",
                      "--trace-samples", str(trace), restarts=4)
     offsets = []
     for fraction in (0.1, 0.5, 0.9):
@@ -254,7 +257,7 @@ def test_sigkill_of_the_writer_mid_checkpoint_resumes_the_previous_one(launch, t
         wait_until(lambda: (p := ckpt.latest_valid(ck)) is not None and p.step > max(
             [s for _, s, *_ in offsets], default=0), 240, "a committed checkpoint")
         stopped = None
-        for _ in range(3):  # the write may outrun the poll: then the next checkpoint's
+        for _ in range(6):  # the write may outrun the poll: then the next checkpoint's
             stopped = stop_writer_at(job, ck, fraction, timeout=240)
             if stopped is not None:
                 break
@@ -280,9 +283,9 @@ def test_sigkill_of_the_writer_mid_checkpoint_resumes_the_previous_one(launch, t
         assert fraction <= offset < 0.98, offsets
     assert_only_whole_checkpoints(ck)
     assert not list(ck.glob(".tmp-*"))  # the dead writers' leftovers are pruned
-    assert ckpt.latest_valid(ck).step == 27
+    assert ckpt.latest_valid(ck).step == WRITER_STEPS
     # wide_task trains digits' data at 2 ranks (global batch 64); restarts only: no repair
-    assert_exact_audit(trace, steps=27, global_batch=DIGITS_GLOBAL_BATCH,
+    assert_exact_audit(trace, steps=WRITER_STEPS, global_batch=DIGITS_GLOBAL_BATCH,
                        num_samples=DIGITS_TRAIN)
 
 
