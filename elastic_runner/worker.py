@@ -16,39 +16,29 @@ import threading
 import time
 
 import torch
-from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
+from torch.distributed.elastic.multiprocessing.errors import record
 
-from .checkpoint.fencing import FencedOut
-from .checkpoint.storage import CheckpointError
 from .compat import check_torch
 from .config import Config, load_config
 from .config_base import ConfigError
 from .dist import destroy_distributed, init_distributed, is_peer_failure, open_device
-from .exit_codes import EXIT_BAD_INPUT, EXIT_FENCED, EXIT_OK, EXIT_PEER_LOST, EXIT_PREEMPTED
+from .exit_codes import EXIT_OK, EXIT_PEER_LOST
 from .logs import first_line, setup_logging
 from .observe.config import MetricsConfig
 from .observe.goodput import process_start_time
 from .observe.health import MetricsServer
 from .observe.metrics import AGENT_ENV, RankMetrics
-from .preempt import Preempted
 from .recovery.heartbeat import Heartbeat
 from .recovery.inplace import InPlaceRecovery, JobFinished, NoRecovery, Regroup
 from .recovery.protocol import SPARE_ENV
 from .recovery.rejoin import rejoin
 from .tasks.base import TaskBundle
 from .train.callbacks import JOINING
+from .train.endings import expected_exit
 from .trainer.build import build_optimizer, build_task, build_trainer
-from .trainer.loop import Trainer, TrainingFailed
+from .trainer.loop import Trainer
 
 log = logging.getLogger("elastic_runner.worker")
-
-_EXPECTED: dict[type[BaseException], tuple[int, int, str]] = {
-    FencedOut: (EXIT_FENCED, logging.ERROR, "fenced out: "),
-    ConfigError: (EXIT_BAD_INPUT, logging.ERROR, ""),
-    CheckpointError: (EXIT_BAD_INPUT, logging.ERROR, ""),
-    Preempted: (EXIT_PREEMPTED, logging.WARNING, ""),
-    TrainingFailed: (1, logging.ERROR, "training failed: "),
-}
 
 
 def main(config_path: str, overrides: list[str], resume: bool = True, verbose: bool = False
@@ -60,14 +50,10 @@ def main(config_path: str, overrides: list[str], resume: bool = True, verbose: b
     setup_logging(int(os.environ.get("RANK", 0)), verbose)
     try:
         return _train(config_path, overrides, resume, entered, verbose)
-    except tuple(_EXPECTED) as e:
-        # an expected ending: one message and an exit code, the error file names it for the
-        # agent's summary, no traceback
-        code, level, prefix = next(v for k, v in _EXPECTED.items() if isinstance(e, k))
-        ErrorHandler().record_exception(e)
-        log.log(level, "%s%s", prefix, e)
-        return code
     except Exception as e:
+        code = expected_exit(e, log)
+        if code is not None:
+            return code
         if not is_peer_failure(e):
             raise
         # another rank died or hung: a membership change for the agent's restart budget

@@ -361,3 +361,19 @@ def test_missing_or_malformed_data_file(tmp_path: Path) -> None:
 def test_unknown_key_is_rejected() -> None:
     with pytest.raises(ConfigError, match="data.vocab"):
         make_cfg({"vocab": 100})
+
+
+def test_the_baselines_command_without_the_hf_extra_names_it(monkeypatch, capsys) -> None:
+    """``python -m elastic_runner.tasks.text_classification`` without tokenizers: one line
+    naming the extra and exit 2, not an import traceback; an import by the runner still raises
+    (its task loading names the extra, test_config.py)."""
+    import runpy
+
+    monkeypatch.setitem(sys.modules, "tokenizers", None)  # an import of it now fails
+    monkeypatch.delitem(sys.modules, tc.__name__)
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_module(tc.__name__, run_name="__main__")
+    assert exit_info.value.code == 2
+    assert "'tokenizers' is not installed" in capsys.readouterr().err
+    with pytest.raises(ModuleNotFoundError):
+        runpy.run_module(tc.__name__)

@@ -14,7 +14,6 @@ from typing import Any, TypeVar
 
 import torch
 from torch import nn
-from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 from torch.distributed.tensor import DTensor
 
 from ..checkpoint import storage
@@ -22,13 +21,14 @@ from ..checkpoint.fencing import FencedOut
 from ..checkpoint.manager import CheckpointManager
 from ..data.sampler import ElasticSampler
 from ..dist import DistInfo, release_groups_of
-from ..exit_codes import EXIT_FENCED, EXIT_PREEMPTED
+from ..exit_codes import EXIT_PREEMPTED
 from ..parallel.base import total_norm
 from ..preempt import Preempted
 from ..recovery.inplace import InPlaceRecovery, NoRecovery
 from ..recovery.rejoin import rejoin
 from ..script_env import NO_RESUME_ENV
 from ..train.callbacks import JOINING
+from ..train.endings import expected_exit
 from ..train.session import RollbackRequested, TrainingFailed, TrainingSession
 from ..train.state import TrainState
 from .in_place import LoopRecovery
@@ -49,9 +49,7 @@ def _fenced_out_exits(method: _F) -> _F:
         try:
             return method(*args, **kwargs)
         except FencedOut as e:
-            ErrorHandler().record_exception(e)  # the agent's summary names it
-            log.error("fenced out: %s", e)
-            raise SystemExit(EXIT_FENCED) from None
+            raise SystemExit(expected_exit(e, log)) from None
 
     return checked  # type: ignore[return-value]
 

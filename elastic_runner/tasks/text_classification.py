@@ -54,28 +54,36 @@ from typing import Any
 
 import numpy as np
 import torch.nn.functional as F
-from tokenizers import (
-    Tokenizer,
-    decoders,
-    models,
-    normalizers,
-    pre_tokenizers,
-    processors,
-    trainers,
-)
 from torch.utils.data import Dataset
-from transformers import (
-    DataCollatorWithPadding,
-    DistilBertConfig,
-    DistilBertForSequenceClassification,
-    PreTrainedTokenizerFast,
-)
 
 from ..config import Config
 from ..config_base import ConfigError
 from ..data.config import DataConfig as BaseDataConfig
 from ..train.config import ModelConfig as BaseModelConfig
 from .base import MetricSums, TaskBundle, check_split_fractions, weight_decay_groups
+
+try:
+    from tokenizers import (
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
+    from transformers import (
+        DataCollatorWithPadding,
+        DistilBertConfig,
+        DistilBertForSequenceClassification,
+        PreTrainedTokenizerFast,
+    )
+except ModuleNotFoundError as e:  # the [hf] extra; the runner's task loading names it too
+    if __name__ != "__main__":
+        raise
+    print(f"error: {e.name!r} is not installed; install the Hugging Face extra: "
+          "pip install 'elastic-runner[hf]'", file=sys.stderr)
+    raise SystemExit(2) from None
 
 log = logging.getLogger(__name__)
 
