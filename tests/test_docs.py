@@ -137,6 +137,50 @@ def test_every_diagram_is_rendered_from_its_source():
         assert f"]({svg.name})" in shown, f"no page shows {svg.name}"
 
 
+def run_time(seconds: float) -> str:
+    """``seconds`` as the tasks table writes a run's time: ``3 min 17 s``, ``13 s``."""
+    minutes, rest = divmod(round(seconds), 60)
+    return f"{minutes} min {rest} s" if minutes else f"{rest} s"
+
+
+def task_figures(task: str, done: dict, base: dict) -> list[str]:
+    """What the tasks table says of ``task``'s final figures and baselines."""
+    if task == "digits":
+        return [f"test accuracy {done['test_accuracy']:.3f}"]
+    if task == "char_lm":
+        return [f"val {done['val_loss']:.3f} nats per character",
+                f"character unigram {base['unigram_entropy_nats']:.3f} nats"]
+    if task == "causal_lm":
+        return [f"val {done['val_nats_per_byte']:.3f} nats per byte",
+                f"(test {done['test_nats_per_byte']:.3f})",
+                f"byte unigram {base['byte_unigram_nats_per_byte']:.3f}",
+                f"token unigram {base['token_unigram_nats_per_byte']:.3f} nats"]
+    return [f"test accuracy {done['test_accuracy']:.3f}",
+            f"majority class (`adj.all`) {base['majority_test_accuracy']:.3f}",
+            f"logistic regression (scikit-learn) {base['tfidf_logreg_test_accuracy']:.3f}"]
+
+
+def test_the_built_in_tasks_table_quotes_its_benchmark():
+    """The transformers guide's "Built-in tasks" table quotes ``docs/bench/task_quality.json``
+    (``python -m bench.task_quality``): each task's run time, steps, final figures and
+    baselines, and the runs' date."""
+    runs = json.loads((DOCS / "bench" / "task_quality.json").read_text())["tasks"]
+    text = (DOCS / "guides" / "transformers.md").read_text()
+    rows = {m[1]: m[0] for m in re.finditer(r"^\| `(\w+)`.*$", text, re.MULTILINE)}
+    assert set(rows) == set(runs), (set(rows), set(runs))
+    assert {run["date"] for run in runs.values()} == {
+        re.search(r"Figures of (\S+) on", text)[1]}
+    for task, run in runs.items():
+        done = run["finished"]
+        quoted = [run_time(run["seconds"]), f"{done['step']:,} steps"]
+        quoted += task_figures(task, done, run["baselines"])
+        for figure in quoted:
+            assert figure in rows[task], f"{task}: the table does not say {figure!r}"
+    per_byte = runs["causal_lm"]["finished"]["val_nats_per_byte"]
+    below = round(100 * (1 - per_byte / runs["char_lm"]["finished"]["val_loss"]))
+    assert f"ends {below}% below char_lm's final loss per byte" in text
+
+
 def copy_example(name: str, to) -> None:
     shutil.copytree(EXAMPLES / name, to, dirs_exist_ok=True)
 
