@@ -12,7 +12,8 @@
 # overhead section holds about five launches in its 400 s.
 #
 # The machine's python3 holds torch with CUDA; the project's dependencies it lacks travel as
-# wheels in .whl/ (docs/gpu.md names them). JSON and logs go to $OUT (default /tmp/gpu-out).
+# wheels in .whl/ (docs/gpu.md names them; `bash bench/gpu_wheels.sh` makes them here, and the
+# device tool carries them: carry [".whl"]). JSON and logs go to $OUT (default /tmp/gpu-out).
 set -u
 out=${OUT:-/tmp/gpu-out}
 mkdir -p "$out"
