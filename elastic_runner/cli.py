@@ -14,13 +14,18 @@ import json
 import logging
 import os
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .agent.restart_budget import RestartBudget
-from .checkpoint.storage import CheckpointError, newest_checkpoint_step
+from .checkpoint.storage import (
+    CheckpointError,
+    newest_checkpoint_step,
+    newest_checkpoint_step_named_in,
+)
 from .config_base import ConfigError
 from .exit_codes import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, described
 
@@ -230,7 +235,7 @@ def _run_script(args: argparse.Namespace) -> int:
     from .agent.launch import launch
     from .observe.config import MetricsConfig
     from .recovery.script import script_recovery_config
-    from .script_env import NO_RESUME_ENV, TRACE_DIR_ENV
+    from .script_env import CHECKPOINT_DIR_FILE_ENV, NO_RESUME_ENV, TRACE_DIR_ENV
 
     if not Path(args.config).is_file():
         raise ConfigError(f"training script {args.config} not found")
@@ -246,10 +251,16 @@ def _run_script(args: argparse.Namespace) -> int:
     # is not recovers through the restart path all the same: its workers exit on a failure
     args.recovery = script_recovery_config(args.recovery_mode)
     args.batch = None  # the runner does not know a script's batch: any world size
-    # the restart budget's defaults; the script's checkpoint directory is its own business, so
-    # a crash loop is judged by the failures alone (the same one 3 times in a row: exit 5)
-    args.restarts = RestartBudget()
-    return launch(args)
+    # the restart budget's defaults; a crash loop looks at the checkpoints of the directory
+    # the script's fault_tolerant loop names in a file of ours (by the failures alone without)
+    with tempfile.TemporaryDirectory(prefix="elastic-runner-") as ours:
+        named_in = os.path.join(ours, "checkpoint_dir")
+        os.environ[CHECKPOINT_DIR_FILE_ENV] = named_in
+        args.restarts = RestartBudget(progress=newest_checkpoint_step_named_in(named_in))
+        try:
+            return launch(args)
+        finally:
+            del os.environ[CHECKPOINT_DIR_FILE_ENV]
 
 
 def cmd_train(args: argparse.Namespace) -> int:

@@ -11,6 +11,11 @@ NO_RESUME_ENV = "ELASTIC_RUNNER_NO_RESUME"
 """``run script.py --no-resume``: ``1``: the job's first attempt starts from step 0 whatever
 ``checkpoint_dir`` holds (its restarts resume what it wrote)."""
 
+CHECKPOINT_DIR_FILE_ENV = "ELASTIC_RUNNER_CHECKPOINT_DIR_FILE"
+"""``run script.py``: a file of the agent's into which each node's local rank 0 writes the
+``checkpoint_dir`` its ``fault_tolerant`` loop was given (one line, absolute unless a URL), so
+that the agent's crash-loop rule sees checkpoints committed between two failures."""
+
 RECOVERY_ENV = "ELASTIC_RUNNER_RECOVERY"
 """A script's ``recovery`` settings (a YAML mapping of the ``recovery`` section's keys, e.g.
 ``{heartbeat_timeout_seconds: 5}``), read by ``run`` and by its workers alike."""

@@ -152,6 +152,36 @@ def test_progress_reads_the_newest_complete_checkpoint(tmp_path):
     assert newest_checkpoint_step(str(tmp_path))() == 7
 
 
+def test_run_script_judges_a_crash_loop_by_the_loops_checkpoints(tmp_path, monkeypatch):
+    """``run script.py``: the agent puts a file in its workers' environment, the script's loop
+    names its checkpoint directory there (own_loop's side: test_session.py), and the restart
+    budget reads that directory's newest checkpoint; the variable is gone after the run. The
+    launch is a stand-in that does what a worker would."""
+    from elastic_runner.agent import launch as agent_launch
+    from elastic_runner.checkpoint.storage import write_checkpoint
+    from elastic_runner.cli import main
+    from elastic_runner.script_env import CHECKPOINT_DIR_FILE_ENV
+
+    script, ck = tmp_path / "train.py", tmp_path / "ck"
+    script.write_text("")
+    seen = []
+
+    def launch(args) -> int:
+        named_in = os.environ[CHECKPOINT_DIR_FILE_ENV]
+        seen.append(args.restarts.progress())  # the loop has not named it yet
+        with open(named_in, "w") as f:
+            f.write(f"{ck}\n")
+        seen.append(args.restarts.progress())  # named, empty
+        write_checkpoint(ck, "step-00000005", {"x": 5}, {"step": 5})
+        seen.append(args.restarts.progress())
+        return 0
+
+    monkeypatch.setattr(agent_launch, "launch", launch)
+    assert main(["run", str(script)]) == 0
+    assert seen == [-1, -1, 5]
+    assert CHECKPOINT_DIR_FILE_ENV not in os.environ
+
+
 # ---- end to end: elastic-runner run's agent applies the rules (restart path, real workers)
 
 DIGITS = [str(CONFIGS / "digits.yaml"), "logging.tensorboard_dir=null",

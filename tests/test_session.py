@@ -22,6 +22,7 @@ from elastic_runner.exit_codes import EXIT_FENCED, EXIT_PREEMPTED
 from elastic_runner.observe.reporting import WatchdogHeartbeat
 from elastic_runner.own_loop import DEFAULT_EVERY_SECONDS, fault_tolerant
 from elastic_runner.preempt import Preempted
+from elastic_runner.script_env import CHECKPOINT_DIR_FILE_ENV
 from elastic_runner.train.consensus import LocalConsensus
 from elastic_runner.train.session import RollbackRequested, TrainingFailed
 from elastic_runner.train.state import RNGState
@@ -316,6 +317,33 @@ def test_a_loop_fenced_out_at_its_boundary_commit_exits_3(tmp_path, parts, caplo
     assert exit_info.value.code == EXIT_FENCED == 3
     assert f"fencing token {newer.token}" in caplog.text and "fenced out: " in caplog.text
     assert ckpt.list_checkpoints(tmp_path) == []
+
+
+@pytest.mark.usefixtures("restore_signals")
+def test_under_run_script_the_agent_sees_the_loops_checkpoint_progress(tmp_path, parts,
+                                                                        monkeypatch):
+    """``run script.py`` names a file (``CHECKPOINT_DIR_FILE_ENV``); the loop writes its
+    ``checkpoint_dir`` there, absolute, so the agent's crash-loop rule reads the newest
+    committed step of it (-1 before the first)."""
+    model, opt, loader = parts
+    named_in = tmp_path / "agent" / "checkpoint_dir"
+    named_in.parent.mkdir()
+    progress = ckpt.newest_checkpoint_step_named_in(str(named_in))
+    assert progress() == -1  # no loop yet
+    monkeypatch.setenv(CHECKPOINT_DIR_FILE_ENV, str(named_in))
+    monkeypatch.chdir(tmp_path)
+    ft = fault_tolerant(model, opt, loader, checkpoint_dir="ck", every_steps=2, async_save=False)
+    assert named_in.read_text() == f"{tmp_path / 'ck'}\n"
+    ft.resume()
+    assert progress() == -1  # no checkpoint committed yet
+    for x, y in loader:
+        ft.backward(nn.functional.mse_loss(model(x), y))
+        ft.should_commit()
+        opt.step()
+        if ft.step_done() == 3:
+            break
+    ft.close()
+    assert progress() == 3 == ckpt.latest_valid(tmp_path / "ck").step
 
 
 def test_close_after_the_preemption_exit_is_harmless(tmp_path, parts):

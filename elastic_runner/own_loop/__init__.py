@@ -37,6 +37,7 @@ import hashlib
 import logging
 import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -57,7 +58,7 @@ from ..preempt import PreemptionFlag
 from ..rank_session import CheckpointSpec, ReportingSpec, SessionSpec, assemble_session
 from ..recovery.recoverable import RecoveryProfile
 from ..recovery.script import ScriptRecovery
-from ..script_env import FAULTS_ENV, FAULTS_TRIGGER_ENV, TRACE_DIR_ENV
+from ..script_env import CHECKPOINT_DIR_FILE_ENV, FAULTS_ENV, FAULTS_TRIGGER_ENV, TRACE_DIR_ENV
 from ..train.callbacks import Callback
 from ..train.config import FaultConfig, FaultSpec
 from ..train.consensus import CommHook, StepConsensus, make_consensus
@@ -119,6 +120,7 @@ def fault_tolerant(model: nn.Module, optimizer: torch.optim.Optimizer,
         TypeError: a value of ``state`` is not ``Stateful``.
     """
     trace_dir = os.environ.get(TRACE_DIR_ENV) or trace_dir
+    _tell_the_agent(checkpoint_dir)
     inner = model.module if isinstance(model, DDP) else model
     device = next(inner.parameters()).device
     rank, sampler = current_rank(), loader.elastic_sampler
@@ -166,6 +168,22 @@ def fault_tolerant(model: nn.Module, optimizer: torch.optim.Optimizer,
         loop.in_place.guard(model)
     loader.before_hand_out = loop._begin_step  # the next step's first batch: its boundary
     return loop
+
+
+def _tell_the_agent(checkpoint_dir: str) -> None:
+    """Under ``run script.py``: write ``checkpoint_dir`` into the agent's file
+    (``CHECKPOINT_DIR_FILE_ENV``), from each node's local rank 0, whole or not at all; a
+    failure to write it is a warning, not an error."""
+    named_in = os.environ.get(CHECKPOINT_DIR_FILE_ENV)
+    if not named_in or os.environ.get("LOCAL_RANK", "0") != "0":
+        return
+    where = checkpoint_dir if "://" in checkpoint_dir else os.path.abspath(checkpoint_dir)
+    try:
+        Path(f"{named_in}.tmp").write_text(where + "\n")
+        os.replace(f"{named_in}.tmp", named_in)
+    except OSError as e:  # the agent then judges a crash loop by the failures alone
+        log.warning("could not name the checkpoint directory to the agent (%s): %s",
+                    CHECKPOINT_DIR_FILE_ENV, e)
 
 
 def _dist_info(rank: int, world_size: int, device: torch.device) -> DistInfo:
