@@ -14,10 +14,12 @@ serves) relies on, in ``internals``; :func:`check_torch` verifies every one at s
 whatever torch is installed, before the fix's own check, and turns the fix off with its
 warning when one is gone. Private names are imported inside the function that needs them, never
 at module top, so a renamed one disables its fix instead of breaking ``import elastic_runner``.
-tests/test_compat.py greps the package for private torch names (attributes, imports, names read
-by ``getattr``, and what the package's subclasses of torch classes override) and fails on one
-no fix lists; it also takes every listed internal away in a fresh interpreter and checks that
-the package imports and each fix is reported off.
+Whatever a fix serves asks :func:`applies` whether the fix is on, so a fix the check reports
+off is off. tests/test_compat.py scans the package for private torch names (attributes read or
+written, both forms of import, names read by ``getattr``, and what the package's subclasses of
+torch classes override) and fails on one no fix lists; it also takes the listed internals away
+in a fresh interpreter, all at once and each alone, and checks that the package imports, that
+each fix is reported off and that what it serves does without it.
 
 A public API that could replace a fix: ``torch.distributed.shrink_group`` (torch 2.10; NCCL
 only, through ``ncclCommShrink``; gloo raises ``TypeError``) shrinks a group without new
@@ -302,7 +304,7 @@ def apply_rendezvous_fixes(cls: type = DynamicRendezvousHandler,
     expected (:func:`check_torch` has said so)."""
     if getattr(cls.__dict__.get("next_rendezvous"), _MARK, False):
         return True
-    if _problem(FIX_OUTAGE) is not None:
+    if not applies(FIX_OUTAGE):
         return False
     holder = holder or _state_holder_class()
     cls.next_rendezvous = _retry_until_join_timeout(cls.next_rendezvous)  # type: ignore
@@ -422,8 +424,9 @@ AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"
 
 def shares_agent_store(env: Mapping[str, str] = os.environ) -> bool:
     """Whether torchrun's agent told this worker that MASTER_ADDR/MASTER_PORT is its own,
-    long-lived store (read as torch's ``_torchelastic_use_agent_store`` reads it)."""
-    return env.get(AGENT_STORE_ENV) == str(True)
+    long-lived store (read as torch's ``_torchelastic_use_agent_store`` reads it), and fix 3
+    applies: False where it is off, and the worker's group is initialised as torch does."""
+    return env.get(AGENT_STORE_ENV) == str(True) and applies(FIX_AGENT_STORE)
 
 
 def agent_store(timeout: timedelta) -> dist.Store:
@@ -475,8 +478,9 @@ def registered_comm_hook(ddp: DistributedDataParallel
     ``register_comm_hook`` (by the user, or by torch for ``mixed_precision``), None without one.
 
     Built-in C++ hooks (the private ``_register_builtin_comm_hook``) are not recorded by DDP and
-    not reported; DDP refuses a second hook of any kind ("can only be called once")."""
-    hooks = getattr(ddp, "_comm_hooks", None)
+    not reported; DDP refuses a second hook of any kind ("can only be called once"). None, too,
+    where fix 5 is off."""
+    hooks = getattr(ddp, "_comm_hooks", None) if applies(FIX_COMM_HOOK) else None
     if not hooks:
         return None
     hook, state = hooks[-1]
@@ -532,11 +536,8 @@ def ddp_construction_collectives(ddp: DistributedDataParallel, src_is_peer: bool
 
 
 def ddp_reattach_supported() -> bool:
-    """Whether fix 14 applies on this torch (:func:`_check_ddp_reattach`)."""
-    try:
-        return _check_ddp_reattach() is None
-    except Exception:  # an internal so changed that inspecting it fails
-        return False
+    """Whether fix 14 applies on this torch (its internals and :func:`_check_ddp_reattach`)."""
+    return applies(FIX_DDP_REATTACH)
 
 
 def _check_ddp_reattach() -> str | None:
@@ -621,7 +622,7 @@ def fsdp_reattach_refusal(model: torch.nn.Module) -> str | None:
     they can): fix 15 does not apply on this torch, or a mesh is not 1-D over the default group
     (HSDP, a 2-D mesh, a subgroup), whose groups a re-formed default group does not bring
     back."""
-    problem = _check_fsdp_reattach()
+    problem = _problem(FIX_FSDP_REATTACH)
     if problem is not None:
         return f"torch {torch.__version__}: {problem} (compat fix 15)"
     world = dist.group.WORLD.group_name if dist.is_initialized() else None
@@ -728,7 +729,7 @@ def agent_class(factory: Callable[..., Any]) -> Iterator[bool]:
     are gone."""
     from torch.distributed.launcher import api as launcher_api
 
-    problem = _check_inplace_agent()
+    problem = _problem(FIX_INPLACE)
     if problem is not None:
         log.warning("in-place recovery is off (%s): a failed worker restarts all of them",
                     problem)
@@ -822,6 +823,13 @@ def dcp_internals() -> tuple[type, Callable[..., Any], Callable[..., Any]]:
     Raises:
         ImportError, AttributeError: this torch has moved or removed one of them.
     """
+    found = _dcp_internals()  # a name that is gone raises here, as torch's import does
+    if not applies(FIX_DCP_LOAD):
+        raise ImportError(f"{FIX_DCP_LOAD.name} is off: {_problem(FIX_DCP_LOAD)}")
+    return found
+
+
+def _dcp_internals() -> tuple[type, Callable[..., Any], Callable[..., Any]]:
     from torch.distributed.checkpoint import _nested_dict, default_planner, state_dict_loader
 
     return (default_planner._EmptyStateDictLoadPlanner, state_dict_loader._load_state_dict,
@@ -835,6 +843,13 @@ def dcp_fsspec() -> tuple[type, type]:
     Raises:
         ImportError, AttributeError: this torch has moved or removed them.
     """
+    found = _dcp_fsspec()  # a name that is gone raises here, as torch's import does
+    if not applies(FIX_DCP_FSSPEC):
+        raise ImportError(f"{FIX_DCP_FSSPEC.name} is off: {_problem(FIX_DCP_FSSPEC)}")
+    return found
+
+
+def _dcp_fsspec() -> tuple[type, type]:
     from torch.distributed.checkpoint import _fsspec_filesystem
 
     return _fsspec_filesystem.FsspecReader, _fsspec_filesystem.FsspecWriter
@@ -842,7 +857,7 @@ def dcp_fsspec() -> tuple[type, type]:
 
 def _check_dcp_fsspec() -> str | None:
     try:
-        reader, writer = dcp_fsspec()
+        reader, writer = _dcp_fsspec()
     except (ImportError, AttributeError) as e:
         return first_line(e)
     if "path" not in inspect.signature(reader.__init__).parameters:
@@ -865,6 +880,8 @@ def release_mesh_groups(mesh: Any) -> None:
     is how an FSDP worker that had finished its work could die with -6. Released, the group is
     freed by ``destroy_process_group`` while the interpreter still runs. A no-op where the
     attribute is gone (:func:`_check_mesh_registry` warns at start-up)."""
+    if not applies(FIX_MESH_RELEASE):
+        return
     for m in (mesh, getattr(mesh, "_root_mesh", None)):
         registry = getattr(m, "_pg_registry", None)
         if isinstance(registry, dict):
@@ -881,7 +898,7 @@ def _check_mesh_registry() -> str | None:
 
 def _check_dcp_internals() -> str | None:
     try:
-        _, load, set_element = dcp_internals()
+        _, load, set_element = _dcp_internals()
     except (ImportError, AttributeError) as e:
         return first_line(e)
     wanted = ("state_dict", "storage_reader", "planner", "no_dist")
@@ -908,83 +925,105 @@ FIX_OUTAGE = _Fix(
      f"{_DR}:_BackendRendezvousStateHolder._state",
      f"{_DR}:_BackendRendezvousStateHolder._dead_nodes"))
 
-FIXES = (
-    _Fix("the rendezvous store switch (node join/leave)", ("agent",), True,
-         _check_share_store_switch,
-         "a node whose rank changes between rounds may hang the restarted group"),
-    FIX_OUTAGE,
-    _Fix("the restart budget by cause", ("agent",), False, check_monitor_workers,
-         "every failure spends one of --max-restarts: bad input (exit 2), preemptions (143) "
-         "and crash loops alike",
-         (f"{_LOCAL}._monitor_workers", f"{_LOCAL}._pcontext", f"{_API}._invoke_run",
-          f"{_API}._remaining_restarts")),
-    _Fix("in-place recovery", ("agent",), False, _check_inplace_agent,
-         "a failed worker makes the agent restart every worker",
-         (f"{_LOCAL}._start_workers", f"{_LOCAL}._stop_workers", f"{_LOCAL}._shutdown",
-          f"{_LOCAL}._pcontext", f"{_LOCAL}._monitor_workers",
-          f"{_LOCAL}._check_uninterruptible_state_timeout",
-          f"{_LOCAL}._uninterruptible_state_timeout", f"{_API}._exit_barrier",
-          f"{_API}._restart_workers", f"{_API}._rendezvous", f"{_API}._worker_group",
-          f"{_API}._remaining_restarts",
-          "torch.distributed.elastic.multiprocessing.api:SubprocessContext._start",
-          f"{_DR}:DynamicRendezvousHandler._stop_heartbeats",
-          "torch.distributed.elastic.rendezvous.utils:_matches_machine_hostname")),
-    _Fix("the agent metrics", ("agent",), False, _check_metric_names,
-         "the elastic_runner_agent_state, restarts and rendezvous series stop changing",
-         (f"{_API}._rendezvous", f"{_API}._invoke_run", f"{_LOCAL}._start_workers",
-          f"{_LOCAL}._stop_workers")),
-    _Fix("the preemption grace (torchrun --shutdown-timeout)", ("agent",), False,
-         _check_shutdown_timeout,
-         f"the agent SIGKILLs its workers {TORCH_FIXED_SHUTDOWN_S} s after SIGTERM, whatever "
-         "preemption.grace_seconds says"),
-    _Fix("the per-attempt process-group namespace", ("worker",), False, _check_agent_store_env,
-         "under plain torchrun a restarted group may read the dead workers' store keys",
-         ("torch.distributed.rendezvous:_torchelastic_use_agent_store",)),
-    _Fix("the DDP comm-hook detection", ("worker",), False, _check_comm_hook_record,
-         "a comm hook registered before the step vote's goes unnoticed",
-         (f"{_DDP}:DistributedDataParallel._comm_hooks",
-          f"{_DDP}:DistributedDataParallel._check_comm_hook")),
-    _Fix("the lagged step vote (a fused optimizer skips an update on the device)", ("worker",),
-         False, _no_check,
-         "the step vote reads the device every step (training.lagged_vote: auto turns it off)",
-         ("torch.optim.adam:Adam._step_supports_amp_scaling",
-          "torch.optim.sgd:SGD._step_supports_amp_scaling")),
-    _Fix("the sharded checkpoints' loading (DCP internals)", ("worker",), False,
-         _check_dcp_internals,
-         "sharded (DCP) checkpoints cannot be loaded: resume and export fail naming the "
-         "checkpoint",
-         ("torch.distributed.checkpoint.default_planner:_EmptyStateDictLoadPlanner",
-          "torch.distributed.checkpoint.state_dict_loader:_load_state_dict",
-          "torch.distributed.checkpoint._nested_dict")),
-    _Fix("sharded checkpoints on object stores (DCP's fsspec reader and writer)", ("worker",),
-         False, _check_dcp_fsspec,
-         "a sharded (DCP) checkpoint on an s3:// (or other fsspec) URL cannot be written or "
-         "read: the save or load fails naming the checkpoint",
-         ("torch.distributed.checkpoint._fsspec_filesystem",)),
-    _Fix("the release of a sharded model's process groups (DeviceMesh._pg_registry)",
-         ("worker",), False, _check_mesh_registry,
-         "under FSDP a destroyed gloo group lives until the interpreter exits, where it may "
-         "abort the finished process (SIGABRT); a replaced group keeps its threads and sockets",
-         ("torch.distributed.device_mesh:DeviceMesh._pg_registry",
-          "torch.distributed.device_mesh:DeviceMesh._root_mesh")),
-    _Fix("a script's DDP moved to a new group in place (DDP's unpickling path and its "
-         "construction collectives)", ("worker",), False, _check_ddp_reattach,
-         "a script's own loop recovers through torch's restart path: a failed worker "
-         "restarts every worker",
-         (f"{_DDP}:DistributedDataParallel._build_params_for_reducer",
-          f"{_DDP}:DistributedDataParallel._ddp_init_helper",
-          f"{_DDP}:_verify_param_shape_across_processes", f"{_DDP}:_sync_module_states")),
-    _Fix("a script's FSDP2 model moved to a new group in place (its mesh infos' cached "
-         "process groups)", ("worker",), False, _check_fsdp_reattach,
-         "a script's FSDP2 loop recovers through torch's restart path: a failed worker "
-         "restarts every worker",
-         ("torch.distributed.fsdp:FSDPModule._get_fsdp_state",
-          f"{_FSDP}._fsdp_state:FSDPState._fsdp_param_group",
-          f"{_FSDP}._fsdp_param:FSDPParam._unsharded_param",
-          f"{_FSDP}._fsdp_common:FSDPMeshInfo",
-          f"{_FSDP}._fsdp_param_group:FSDPParamGroup._all_gather_process_group",
-          f"{_FSDP}._fsdp_param_group:FSDPParamGroup._reduce_scatter_process_group")),
-)
+FIX_STORE_SWITCH = _Fix(
+    "the rendezvous store switch (node join/leave)", ("agent",), True, _check_share_store_switch,
+    "a node whose rank changes between rounds may hang the restarted group")
+FIX_RESTART_BUDGET = _Fix(
+    "the restart budget by cause", ("agent",), False, check_monitor_workers,
+    "every failure spends one of --max-restarts: bad input (exit 2), preemptions (143) and "
+    "crash loops alike",
+    (f"{_LOCAL}._monitor_workers", f"{_LOCAL}._pcontext", f"{_API}._invoke_run",
+     f"{_API}._remaining_restarts"))
+FIX_INPLACE = _Fix(
+    "in-place recovery", ("agent",), False, _check_inplace_agent,
+    "a failed worker makes the agent restart every worker",
+    (f"{_LOCAL}._start_workers", f"{_LOCAL}._stop_workers", f"{_LOCAL}._shutdown",
+     f"{_LOCAL}._pcontext", f"{_LOCAL}._monitor_workers",
+     f"{_LOCAL}._check_uninterruptible_state_timeout",
+     f"{_LOCAL}._uninterruptible_state_timeout", f"{_API}._exit_barrier",
+     f"{_API}._restart_workers", f"{_API}._rendezvous", f"{_API}._worker_group",
+     f"{_API}._remaining_restarts",
+     "torch.distributed.elastic.multiprocessing.api:SubprocessContext._start",
+     f"{_DR}:DynamicRendezvousHandler._stop_heartbeats",
+     "torch.distributed.elastic.rendezvous.utils:_matches_machine_hostname"))
+FIX_AGENT_METRICS = _Fix(
+    "the agent metrics", ("agent",), False, _check_metric_names,
+    "the elastic_runner_agent_state, restarts and rendezvous series stop changing",
+    (f"{_API}._rendezvous", f"{_API}._invoke_run", f"{_LOCAL}._start_workers",
+     f"{_LOCAL}._stop_workers"))
+FIX_SHUTDOWN_TIMEOUT = _Fix(
+    "the preemption grace (torchrun --shutdown-timeout)", ("agent",), False,
+    _check_shutdown_timeout,
+    f"the agent SIGKILLs its workers {TORCH_FIXED_SHUTDOWN_S} s after SIGTERM, whatever "
+    "preemption.grace_seconds says")
+FIX_AGENT_STORE = _Fix(
+    "the per-attempt process-group namespace", ("worker",), False, _check_agent_store_env,
+    "under plain torchrun a restarted group may read the dead workers' store keys",
+    ("torch.distributed.rendezvous:_torchelastic_use_agent_store",))
+FIX_COMM_HOOK = _Fix(
+    "the DDP comm-hook detection", ("worker",), False, _check_comm_hook_record,
+    "a comm hook registered before the step vote's goes unnoticed",
+    (f"{_DDP}:DistributedDataParallel._comm_hooks",
+     f"{_DDP}:DistributedDataParallel._check_comm_hook"))
+FIX_LAGGED_VOTE = _Fix(
+    "the lagged step vote (a fused optimizer skips an update on the device)", ("worker",),
+    False, _no_check,
+    "the step vote reads the device every step (training.lagged_vote: auto turns it off)",
+    ("torch.optim.adam:Adam._step_supports_amp_scaling",
+     "torch.optim.sgd:SGD._step_supports_amp_scaling"))
+FIX_DCP_LOAD = _Fix(
+    "the sharded checkpoints' loading (DCP internals)", ("worker",), False,
+    _check_dcp_internals,
+    "sharded (DCP) checkpoints cannot be loaded: resume and export fail naming the checkpoint",
+    ("torch.distributed.checkpoint.default_planner:_EmptyStateDictLoadPlanner",
+     "torch.distributed.checkpoint.state_dict_loader:_load_state_dict",
+     "torch.distributed.checkpoint._nested_dict"))
+FIX_DCP_FSSPEC = _Fix(
+    "sharded checkpoints on object stores (DCP's fsspec reader and writer)", ("worker",),
+    False, _check_dcp_fsspec,
+    "a sharded (DCP) checkpoint on an s3:// (or other fsspec) URL cannot be written or read: "
+    "the save or load fails naming the checkpoint",
+    ("torch.distributed.checkpoint._fsspec_filesystem",))
+FIX_MESH_RELEASE = _Fix(
+    "the release of a sharded model's process groups (DeviceMesh._pg_registry)", ("worker",),
+    False, _check_mesh_registry,
+    "under FSDP a destroyed gloo group lives until the interpreter exits, where it may abort "
+    "the finished process (SIGABRT); a replaced group keeps its threads and sockets",
+    ("torch.distributed.device_mesh:DeviceMesh._pg_registry",
+     "torch.distributed.device_mesh:DeviceMesh._root_mesh"))
+FIX_DDP_REATTACH = _Fix(
+    "a script's DDP moved to a new group in place (DDP's unpickling path and its construction "
+    "collectives)", ("worker",), False, _check_ddp_reattach,
+    "a script's own loop recovers through torch's restart path: a failed worker restarts "
+    "every worker",
+    (f"{_DDP}:DistributedDataParallel._build_params_for_reducer",
+     f"{_DDP}:DistributedDataParallel._ddp_init_helper",
+     f"{_DDP}:_verify_param_shape_across_processes", f"{_DDP}:_sync_module_states"))
+FIX_FSDP_REATTACH = _Fix(
+    "a script's FSDP2 model moved to a new group in place (its mesh infos' cached process "
+    "groups)", ("worker",), False, _check_fsdp_reattach,
+    "a script's FSDP2 loop recovers through torch's restart path: a failed worker restarts "
+    "every worker",
+    ("torch.distributed.fsdp:FSDPModule._get_fsdp_state",
+     f"{_FSDP}._fsdp_state:FSDPState._fsdp_param_group",
+     f"{_FSDP}._fsdp_param:FSDPParam._unsharded_param",
+     f"{_FSDP}._fsdp_common:FSDPMeshInfo",
+     f"{_FSDP}._fsdp_param_group:FSDPParamGroup._all_gather_process_group",
+     f"{_FSDP}._fsdp_param_group:FSDPParamGroup._reduce_scatter_process_group"))
+
+FIXES = (FIX_STORE_SWITCH, FIX_OUTAGE, FIX_RESTART_BUDGET, FIX_INPLACE, FIX_AGENT_METRICS,
+         FIX_SHUTDOWN_TIMEOUT, FIX_AGENT_STORE, FIX_COMM_HOOK, FIX_LAGGED_VOTE, FIX_DCP_LOAD,
+         FIX_DCP_FSSPEC, FIX_MESH_RELEASE, FIX_DDP_REATTACH, FIX_FSDP_REATTACH)
+
+
+@functools.cache
+def applies(fix: _Fix) -> bool:
+    """Whether ``fix`` applies on the installed torch: each of its internals resolves and its
+    own check passes. Every piece of code a fix serves gates on this, so a fix that
+    :func:`check_torch` reports off is off (tests/test_compat.py takes each internal away and
+    checks both). Decided once per process (torch does not change under a running process;
+    some gates are asked every step)."""
+    return _problem(fix) is None
 
 
 def private_torch_names() -> set[str]:

@@ -47,8 +47,11 @@ def assert_exact_audit(trace: str | Path, *, steps: int, global_batch: int | Non
 
     ``global_batch``: the run's constant global batch (samples); every complete epoch then
     dropped exactly ``num_samples % global_batch`` (``num_samples``: the training split; None:
-    what the epoch-end records say, which must agree). None: the global batch changed, and only
-    the audit's own tail rule holds. Returns the reports.
+    what the epoch-end records say, which must agree). Every epoch, the one in progress too,
+    then holds each of its steps' ``global_batch`` samples exactly once; the epoch in progress
+    has exactly the steps taken since the last epoch's end. None: the global batch changed, and
+    only the audit's own rules hold (no duplicates; a complete epoch's tail). Returns the
+    reports.
     """
     reports = audit.audit(trace)
     assert reports, f"no trace entries in {trace}"
@@ -63,6 +66,14 @@ def assert_exact_audit(trace: str | Path, *, steps: int, global_batch: int | Non
     bad = [r for r in reports if not r.ok or r.planned]
     assert not bad, bad
     assert sum(r.repaired for r in reports) <= repaired_at_most, reports
+    assert sum(r.steps for r in reports) == len(traced), reports  # each step in one epoch
+    if global_batch is not None:  # every epoch, the unfinished one too: each step's samples once
+        for r in reports:
+            assert r.global_batches in ([global_batch], []), r
+            assert r.seen_once == r.steps * global_batch, r
+    if global_batch is not None and num_samples is None and first_step == 1:
+        # no epoch ended: all of them are the first one's
+        assert [(r.epoch, r.complete) for r in reports] == [(0, False)], reports
     if global_batch is not None and num_samples is not None and first_step == 1:
         per_epoch = num_samples // global_batch
         complete, partial = divmod(steps, per_epoch)
@@ -74,4 +85,6 @@ def assert_exact_audit(trace: str | Path, *, steps: int, global_batch: int | Non
         for r in reports[:complete]:
             assert r.global_batches == [global_batch], r
             assert r.dropped == num_samples % global_batch, r
+        if partial:  # the epoch in progress: the steps taken in it, no more and no fewer
+            assert not reports[-1].complete and reports[-1].steps == partial, reports[-1]
     return reports

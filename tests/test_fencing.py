@@ -12,6 +12,9 @@ from elastic_runner.checkpoint import storage as ckpt
 from elastic_runner.checkpoint.fencing import Fence, FencedOut
 from elastic_runner.checkpoint.manager import CheckpointManager
 
+from .commit_log import CommitLog
+from .procs import wait_until
+
 
 class Box:
     """A minimal Stateful."""
@@ -58,6 +61,27 @@ def test_tokens_grow_and_a_stale_commit_is_refused(directory):
     ckpt.write_checkpoint(directory, "step-00000015", {"x": 3}, {"step": 15}, new)
     assert ckpt.latest_valid(directory).fence == new.token
 
+
+
+def test_the_commit_log_sees_every_commit_set_aside_and_claim_as_it_happens(tmp_path):
+    """tests/commit_log.py, the record the split-brain tests check: each commit with its step,
+    token and writer, also those retention removed since; a set-aside; each claim."""
+    directory = tmp_path / "ck"
+    with CommitLog(directory) as log:
+        old = Fence.claim(str(directory))
+        for step in (1, 2, 3):
+            ckpt.write_checkpoint(directory, f"step-{step:08d}", {"x": step}, {"step": step},
+                                  old)
+        ckpt.prune(directory, keep_last=1)  # steps 1 and 2 are gone
+        new = Fence.claim(str(directory))
+        ckpt.write_checkpoint(directory, "step-00000003", {"x": 3}, {"step": 3}, new)
+        wait_until(lambda: len(log.snapshot()[0]) == 4 and log.snapshot()[1], 10,
+                   "four commits and a set-aside")
+    commits, aside, claims = log.snapshot()
+    assert [(c.name, c.step, c.fence, c.pid) for c in commits] == [
+        (f"step-{s:08d}", s, t, os.getpid()) for s, t in ((1, 1), (2, 1), (3, 1), (3, 2))]
+    assert aside == ["step-00000003".join((".superseded-", "-fence-1"))]
+    assert [c.token for c in claims] == [1, 2] and claims[0].time <= commits[0].time
 
 def test_a_stale_writer_whose_staging_a_newer_group_pruned_is_fenced_out(tmp_path, monkeypatch):
     """Group A is frozen while it stages step 20; group B claims the directory and its prune

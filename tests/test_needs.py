@@ -140,8 +140,9 @@ def test_require_netns_follows_the_probe(monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 def test_ci_run_sets_ci_and_installs_iproute2_and_slurm() -> None:
-    script = (REPO / ".ci" / "run").read_text()
-    assert '\nexport CI="${CI:-1}"\n' in script
+    assert '\nexport CI="${CI:-1}"\n' in (REPO / ".ci" / "run").read_text()
+    assert "\nbash .ci/debian_packages\n" in (REPO / ".ci" / "run").read_text()
+    script = (REPO / ".ci" / "debian_packages").read_text()
     for command in ("ip", "tc", "slurmctld", "slurmd", "sbatch", "munged"):
         assert f"command -v {command} " in script, command
     (install,) = [line for line in script.replace("\\\n", " ").splitlines()

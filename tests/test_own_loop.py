@@ -8,7 +8,9 @@ import difflib
 import re
 import signal
 import sys
+import time
 import urllib.request
+from pathlib import Path
 
 import psutil
 import pytest
@@ -136,6 +138,65 @@ def test_sigterm_and_kill_9_under_torchrun_resume_bitwise_then_2_1_2_ranks_audit
     assert capsys.readouterr().out.count(" ok ") == 2
 
 
+# a forward hook on the user's model, registered before the loop: each forward appends
+# "<unix time> <id of the hooked module>" to <ER_TEST_MODEL_PROBE>/<pid>
+_PROBE = """
+
+def _er_test_probe(model):
+    import os
+    import time
+
+    path = os.path.join(os.environ["ER_TEST_MODEL_PROBE"], str(os.getpid()))
+
+    def hook(module, args, output):
+        with open(path, "a") as f:
+            f.write(f"{time.time():.3f} {id(module)}\\n")
+
+    model.register_forward_hook(hook)
+
+"""
+
+
+def with_model_probe(script: Path, into: Path) -> Path:
+    """A copy of the example ``script`` in ``into`` whose user model carries a forward hook
+    (:data:`_PROBE`) from before its loop: the survivor of an in-place recovery must go on
+    with that very object, the hook still firing (a new model object would not carry it)."""
+    text = script.read_text()
+    anchor = "    step, epoch = ft.resume()"
+    main = 'if __name__ == "__main__":'
+    assert text.count(anchor) == 1 and text.count(main) == 1, script
+    text = text.replace(anchor, "    _er_test_probe(model)\n" + anchor)
+    copy = into / script.name
+    copy.write_text(text.replace(main, _PROBE.lstrip("\n") + "\n" + main))
+    return copy
+
+
+def newest_trainers(trace: Path) -> dict[int, int]:
+    """Rank -> the pid of the process that traced that rank's newest step."""
+    newest: dict[int, dict] = {}
+    for e in audit.read_entries(trace):
+        if "indices" in e and e.get("pid") is not None:
+            newest[e["rank"]] = max(newest.get(e["rank"], e), e, key=lambda x: x["step"])
+    return {r: e["pid"] for r, e in newest.items()}
+
+
+def assert_trained_by(trace: Path, pids: dict[int, int]) -> None:
+    """Each rank's newest traced step comes to be trained by the process ``pids`` names (after
+    a recovery: the survivor's rank by the survivor, the dead one's by its replacement)."""
+    wait_until(lambda: newest_trainers(trace) == pids, 60, f"steps trained by {pids}")
+
+
+def assert_model_kept(probe_dir: Path, survivors: list[tuple[int, float]]) -> None:
+    """Each ``(pid, unix time of a fault)``: that process's hooked model is one object for the
+    whole run, and its hook fired after the fault."""
+    for pid, t_fault in survivors:
+        path = probe_dir / str(pid)
+        assert path.is_file(), f"the hook on the model never fired in process {pid}"
+        lines = [ln.split() for ln in path.read_text().splitlines()]
+        assert len({ident for _, ident in lines}) == 1, (pid, lines[:3])
+        assert any(float(t) > t_fault for t, _ in lines), (pid, t_fault, lines[-3:])
+
+
 def scrape(port: int) -> str:
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
@@ -161,31 +222,37 @@ def test_three_kills_and_a_stop_under_elastic_runner_run_recover_in_place_bitwis
     assert job.wait(timeout=240) == 0, job.output[-3000:]
 
     ck, trace, port = tmp_path / "ck", tmp_path / "trace", free_port()
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    script = str(with_model_probe(EXAMPLES / "own_loop.py", tmp_path))
     # rank 0 paced until the last recovery: a spare is ready 2-4 s after the one before
     pace = Pace(tmp_path / "pace", 0.1)
-    job = launch(cli("run", str(EXAMPLES / "own_loop.py"), "--nproc-per-node", "2",
+    job = launch(cli("run", script, "--nproc-per-node", "2",
                      "--max-restarts", "5", "--metrics-port", str(port), "--",
                      "--steps", str(IN_PLACE_STEPS), "--checkpoint-dir", str(ck),
                      "--trace-dir", str(trace)), name="run",
                  env={"ELASTIC_RUNNER_FAULTS_TRIGGER": str(pace.path),
+                      "ER_TEST_MODEL_PROBE": str(probe),
                       "ELASTIC_RUNNER_RECOVERY": "{spare_delay_seconds: 0, "
                                                  "heartbeat_timeout_seconds: 3}"})
     series = re.compile(r'^elastic_runner_step\{[^}]*rank="(\d)"[^}]*\} (\d+)', re.M)
     wait_until(lambda: {m[1] for m in series.finditer(scrape(port))} == {"0", "1"}, 60,
                "both ranks' step series on the node endpoint")
-    pids = {rank: p.pid for rank, p in job.workers(str(EXAMPLES / "own_loop.py")).items() if rank >= 0}
+    pids = {rank: p.pid for rank, p in job.workers(script).items() if rank >= 0}
     faults = [(1, signal.SIGKILL), (0, signal.SIGKILL), (1, signal.SIGKILL), (0, signal.SIGSTOP)]
+    survivors = []
     for generation, (rank, sig) in enumerate(faults, start=1):
         wait_until(lambda g=generation: len(_READY.findall(job.output)) >= g, 60,
                    f"fault {generation}: a warm spare")
         survivor = pids[1 - rank]
+        survivors.append((survivor, time.time()))
         psutil.Process(pids[rank]).send_signal(sig)
         wait_until(lambda g=generation: g in done(job.output), 60,
                    f"fault {generation}: a step committed after the recovery")
         new = replacements(job.output)[generation - 1]
         assert new[0] == rank and new[4] == generation, new
         pids[rank] = new[3]
-        assert psutil.Process(survivor).is_running() and pids[1 - rank] == survivor
+        assert_trained_by(trace, {1 - rank: survivor, rank: new[3]})
     pace.end()
     assert job.wait(timeout=240) == 0, job.output[-4000:]
 
@@ -194,6 +261,7 @@ def test_three_kills_and_a_stop_under_elastic_runner_run_recover_in_place_bitwis
     assert "sent no heartbeat for" in log  # the stopped rank, found silent and killed
     assert [r[1] for r in replacements(log)] == [-9] * 4
     assert_exact_audit(trace, steps=IN_PLACE_STEPS, global_batch=32, repaired_at_most=4)
+    assert_model_kept(probe, survivors)
     want, got = (ckpt.load_state(ckpt.latest_valid(d).path) for d in (ref, ck))
     assert_same_tensors(want["model"], got["model"])
     assert_same_optimizer(want["optimizer"], got["optimizer"])
@@ -249,16 +317,20 @@ def test_an_fsdp2_loop_recovers_in_place_from_peer_copies_bitwise(launch, tmp_pa
                  name="reference")
     assert job.wait(timeout=240) == 0, job.output[-3000:]
 
-    script = str(EXAMPLES / "own_loop_fsdp.py")
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    script = str(with_model_probe(EXAMPLES / "own_loop_fsdp.py", tmp_path))
     pace = Pace(tmp_path / "pace", 0.1)
     job = launch(cli("run", script, "--nproc-per-node", "2", "--max-restarts", "3", "--",
                      "--steps", str(FSDP_IN_PLACE_STEPS), "--checkpoint-dir", str(ck),
                      "--trace-dir", str(trace)), name="run",
                  env={"ELASTIC_RUNNER_FAULTS_TRIGGER": str(pace.path),
+                      "ER_TEST_MODEL_PROBE": str(probe),
                       "ELASTIC_RUNNER_RECOVERY": "{spare_delay_seconds: 0, "
                                                  "peer_copy_every_steps: 5}"})
     wait_until(lambda: len([r for r in job.workers(script) if r >= 0]) == 2, 60, "two ranks")
     pids = {rank: p.pid for rank, p in job.workers(script).items() if rank >= 0}
+    survivors = []
     for generation, rank in enumerate([1, 0], start=1):
         wait_until(lambda g=generation: len(_READY.findall(job.output)) >= g, 60,
                    f"fault {generation}: a warm spare")
@@ -271,13 +343,14 @@ def test_an_fsdp2_loop_recovers_in_place_from_peer_copies_bitwise(launch, tmp_pa
         wait_until(lambda s=seconds, r=1 - rank: f"rank {r} sleeps {s:g} s" in job.output, 30,
                    f"fault {generation}: the survivor asleep")
         survivor = pids[1 - rank]
+        survivors.append((survivor, time.time()))
         psutil.Process(pids[rank]).kill()
         wait_until(lambda g=generation: g in done(job.output), 60,
                    f"fault {generation}: a step committed after the recovery")
         new = replacements(job.output)[generation - 1]
         assert new[0] == rank and new[4] == generation, new
         pids[rank] = new[3]
-        assert psutil.Process(survivor).is_running()
+        assert_trained_by(trace, {1 - rank: survivor, rank: new[3]})
     pace.end()
     assert job.wait(timeout=240) == 0, job.output[-4000:]
 
@@ -285,6 +358,7 @@ def test_an_fsdp2_loop_recovers_in_place_from_peer_copies_bitwise(launch, tmp_pa
     assert "resumed from" not in log  # every state came from the peer copies
     assert log.count("(peer copies; replacements") >= 2, log[-4000:]  # rank 0's, each time
     assert_exact_audit(trace, steps=FSDP_IN_PLACE_STEPS, global_batch=32, repaired_at_most=2)
+    assert_model_kept(probe, survivors)
     want, got = (ckpt.load_state(ckpt.latest_valid(d).path) for d in (ref, ck))
     assert_same_tensors(want["model"], got["model"])
     assert_same_optimizer(want["optimizer"], got["optimizer"])

@@ -16,6 +16,8 @@ import contextlib
 import re
 import shutil
 import signal
+import time
+from datetime import datetime
 
 import psutil
 import pytest
@@ -23,6 +25,7 @@ import pytest
 from elastic_runner.checkpoint import storage as ckpt
 from elastic_runner.exit_codes import EXIT_FENCED
 
+from .commit_log import CommitLog
 from .evidence import DIGITS_GLOBAL_BATCH, DIGITS_TRAIN, assert_exact_audit, assert_same_tensors
 from .procs import CONFIGS, Pace, cli, wait_until
 from .test_train_torchrun import final_state
@@ -30,25 +33,69 @@ from .test_train_torchrun import final_state
 pytestmark = pytest.mark.slow
 
 STEPS = 120
+EVERY = 10  # steps between checkpoints (and one at each epoch's end)
 COMMON = [str(CONFIGS / "digits.yaml"), "logging.tensorboard_dir=null",
           "early_stopping.enabled=false", f"training.max_steps={STEPS}",
-          "training.max_epochs=1000", "checkpoint.every_steps=10", "eval.every_steps=0",
+          "training.max_epochs=1000", f"checkpoint.every_steps={EVERY}", "eval.every_steps=0",
           "recovery.mode=restart", "distributed.timeout_seconds=600", "--nproc-per-node", "2"]
 _COMMITTED = re.compile(r"committed checkpoint \S*step-(\d{8})")
+
+
+# the fence guard's refusal (fencing.Fence.guard), in the worker's log line
+_REFUSED = re.compile(r"^(\d\d:\d\d:\d\d\.\d{3}) \[rank0\] ERROR elastic_runner\.worker: fenced "
+                      r"out: not committing (step-\d{8}): \S+ was claimed by a newer group", re.M)
+
+
+def log_time(stamp: str, near: float) -> float:
+    """The unix time of a log line's ``HH:MM:SS.mmm`` stamp, on the day of ``near``."""
+    return datetime.strptime(f"{datetime.fromtimestamp(near):%Y-%m-%d} {stamp}",
+                             "%Y-%m-%d %H:%M:%S.%f").timestamp()
 
 
 def committed(log: str) -> list[int]:
     return [int(s) for s in _COMMITTED.findall(log)]
 
 
+def assert_only_the_new_group_committed(log: CommitLog, ck, resumed_at: int,
+                                        token_a: int) -> None:
+    """The record of every commit, set-aside and claim (``tests/commit_log.py``, not the
+    directory retention left): group A claimed ``token_a`` and committed nothing once group B
+    had claimed the next token; every commit past ``resumed_at`` is B's, one each 10 steps up
+    to the last; nothing was set aside (nothing of A's stood in B's way) and A's lineage made
+    no claim after B's."""
+    commits, aside, claims = log.snapshot()
+    assert [c.token for c in claims] == [token_a, token_a + 1], claims
+    t_claim = claims[1].time
+    assert all(c.fence is not None for c in commits), commits  # every manifest was read
+    assert not [c for c in commits if c.fence == token_a and c.time >= t_claim], commits
+    assert all(c.step <= resumed_at for c in commits if c.fence == token_a), commits
+    assert {c.fence for c in commits if c.step > resumed_at} == {token_a + 1}, commits
+    b_steps = {c.step for c in commits if c.fence == token_a + 1}
+    assert {s for s in range(EVERY, STEPS + 1, EVERY) if s > resumed_at} <= b_steps, \
+        sorted(b_steps)
+    assert aside == [] and not list(ck.glob(".superseded-*")), aside
+
+
+@pytest.fixture
+def log(tmp_path):
+    """Every commit, set-aside and claim in ``tmp_path / "ck"`` from before group A starts."""
+    with CommitLog(tmp_path / "ck") as record:
+        yield record
+
+
 def test_a_stale_group_cannot_commit_beside_the_group_that_replaced_it(launch, tmp_path,
-                                                                     reference):
+                                                                     reference, log):
+    """Group A (the restart path) has its workers frozen after its second checkpoint; group B
+    claims the directory and resumes from that checkpoint, then is held back (1 s a step) until
+    A has gone. A, woken, reaches its next commit before B has written that step: only the
+    fence guard stands in its way (a name B had written would stop it too, by the set-aside's
+    refusal, and hide a broken guard)."""
     ref_ck = reference(*COMMON)
-    ck, trace_a, trace_b = tmp_path / "ck", tmp_path / "trace-a", tmp_path / "trace-b"
+    ck, trace_a, trace_b = log.directory, tmp_path / "trace-a", tmp_path / "trace-b"
     # a straggler keeps group A slow enough to be frozen between two of its checkpoints
-    stale = launch(cli("run", *COMMON, f"checkpoint.dir={ck}", "--trace-samples", str(trace_a),
-                       "faults.inject=[{kind: slow, rank: 0, step: 1, count: 100000, "
-                       "seconds: 0.05}]"), name="stale")
+    stale = launch(cli("run", *COMMON, f"checkpoint.dir={ck}", "--trace-samples",
+                       str(trace_a), "faults.inject=[{kind: slow, rank: 0, step: 1, "
+                       "count: 100000, seconds: 0.05}]"), name="stale")
     wait_until(lambda: len(committed(stale.output)) >= 2, 240, "group A's second checkpoint")
     frozen = list(stale.workers().values())
     for p in frozen:  # the starved node: its ranks stop answering, nobody exits
@@ -57,24 +104,30 @@ def test_a_stale_group_cannot_commit_beside_the_group_that_replaced_it(launch, t
     token_a = ckpt.latest_valid(ck).fence
     shutil.copytree(trace_a, trace_b)  # the trace as the new group finds it on shared storage
 
-    new = launch(cli("run", *COMMON, f"checkpoint.dir={ck}", "--trace-samples", str(trace_b)),
-                 name="new")
-    wait_until(lambda: any(s > resumed_at for s in committed(new.output)), 240,
-               "group B's first checkpoint")
+    pace_b = Pace(tmp_path / "pace-b", 3.0)  # B sleeps before each step until A has gone
+    new = launch(cli("run", *COMMON, f"checkpoint.dir={ck}", "--trace-samples",
+                     str(trace_b), *pace_b.args), name="new")
+    wait_until(lambda: log.claimed(token_a + 1) is not None
+               and "resumed from" in new.output, 240, "group B's claim and resume")
     for p in frozen:
         p.send_signal(signal.SIGCONT)
     assert stale.wait(timeout=240) == EXIT_FENCED, stale.output[-3000:]
+    # B had not written the step A was refused: nothing but the guard stood in A's way (else
+    # the test's margin was lost, not the product wrong)
+    refused = _REFUSED.search(stale.output)
+    assert refused, stale.output[-3000:]
+    t_refused = log_time(refused[1], time.time())
+    assert not [c for c in log.snapshot()[0] if c.name == refused[2] and c.time < t_refused]
+    pace_b.end()
     assert new.wait(timeout=400) == 0, new.output[-3000:]
 
     assert f"resumed from {ck}/step-{resumed_at:08d}" in new.output
-    assert "fenced out: not committing step-" in stale.output
+    # the guard's refusal (fencing.Fence.guard), not the set-aside's ("written under")
     assert re.search(r"elastic-runner: job failed: rank 0 \(local_rank 0\) exited with code 3: "
-                     r"FencedOut: not committing step-\d{8}", stale.output), stale.output[-3000:]
+                     r"FencedOut: not committing step-\d{8}: \S+ was claimed by a newer group "
+                     rf"\(fencing token {token_a + 1}", stale.output), stale.output[-3000:]
     assert "will restart worker group" not in stale.output  # stopped, not restarted
-    # no commit of group A after group B claimed the directory, and B's are all there
-    infos = [c for c in ckpt.list_checkpoints(ck) if c.valid]
-    assert all(c.step <= resumed_at for c in infos if c.fence == token_a)
-    assert {c.fence for c in infos if c.step > resumed_at} == {token_a + 1}
+    assert_only_the_new_group_committed(log, ck, resumed_at, token_a)
     assert ckpt.latest_valid(ck).step == STEPS
 
     assert_exact_audit(trace_b, steps=STEPS, global_batch=DIGITS_GLOBAL_BATCH,
@@ -84,13 +137,13 @@ def test_a_stale_group_cannot_commit_beside_the_group_that_replaced_it(launch, t
 
 @pytest.mark.parametrize("wake", ["together", "agent_first"])
 def test_a_whole_group_frozen_with_its_agent_wakes_fenced_out(launch, tmp_path, reference,
-                                                              wake):
+                                                              log, wake):
     """Group A (in place, a warm spare) is SIGSTOPped whole: agent, workers, spare. Group B
     resumes from A's newest checkpoint and commits. A is SIGCONTed: ``together`` (agent, then
     the others at once: the race of a real wake-up) or ``agent_first`` (the workers still
     frozen until the agent has replaced them: the in-place and spare path every time). A exits
     3 with nothing committed, B finishes, every checkpoint in the directory verifies."""
-    ck, trace_a, trace_b = tmp_path / "ck", tmp_path / "trace-a", tmp_path / "trace-b"
+    ck, trace_a, trace_b = log.directory, tmp_path / "trace-a", tmp_path / "trace-b"
     common = [c for c in COMMON if c != "recovery.mode=restart"]
     want = final_state(reference(*common))["model"]
     pace = Pace(tmp_path / "pace", 0.05)
@@ -127,13 +180,12 @@ def test_a_whole_group_frozen_with_its_agent_wakes_fenced_out(launch, tmp_path, 
     assert new.wait(timeout=400) == 0, new.output[-3000:]
 
     assert f"resumed from {ck}/step-{resumed_at:08d}" in new.output
-    assert re.search(r"fenced out: not (committing step-|claiming )", stale.output), \
-        stale.output[-3000:]
+    # agent first: its replacements of the frozen workers claim, and the lineage rule refuses
+    refused = r"not claiming " if wake == "agent_first" else r"not (committing step-|claiming )"
+    assert re.search(rf"fenced out: {refused}", stale.output), stale.output[-3000:]
     infos = ckpt.list_checkpoints(ck)
     assert infos and all(ckpt.inspect(c.path, verify=True).valid for c in infos), infos
-    assert all(c.step <= resumed_at for c in infos if c.fence == token_a)
-    assert {c.fence for c in infos if c.step > resumed_at} == {token_a + 1}
-    assert not list(ck.glob(".superseded-*"))  # nothing of B's was in A's way
+    assert_only_the_new_group_committed(log, ck, resumed_at, token_a)
     assert ckpt.latest_valid(ck).step == STEPS
     assert_exact_audit(trace_b, steps=STEPS, global_batch=DIGITS_GLOBAL_BATCH,
                        num_samples=DIGITS_TRAIN)

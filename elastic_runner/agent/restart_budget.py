@@ -170,14 +170,14 @@ def apply_agent_fixes(cls: type | None = None, budget: RestartBudget | None = No
     # imported here: the command line imports this module for RestartBudget, before torch's agent
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
-    from ..compat import check_monitor_workers
+    from .. import compat
 
     cls = LocalElasticAgent if cls is None else cls
     if budget is not None:
         _BUDGET[0] = budget
     if getattr(cls.__dict__.get("_monitor_workers"), _MARK, False):
         return True
-    if check_monitor_workers() is not None:
+    if not compat.applies(compat.FIX_RESTART_BUDGET):
         return False
     cls._monitor_workers = _restart_budget_by_cause(cls._monitor_workers)  # type: ignore
     return True

@@ -143,12 +143,11 @@ class FSDPParallelism:
         fresh = copy.deepcopy(self._skeleton)
         made: dict[int, nn.Parameter] = {}
         for module in fresh.modules():
-            for name, p in module._parameters.items():
-                if p is not None:
-                    if id(p) not in made:
-                        made[id(p)] = nn.Parameter(torch.empty_like(p, device=self.device),
-                                                   requires_grad=p.requires_grad)
-                    module._parameters[name] = made[id(p)]
+            for name, p in list(module.named_parameters(recurse=False, remove_duplicate=False)):
+                if id(p) not in made:
+                    made[id(p)] = nn.Parameter(torch.empty_like(p, device=self.device),
+                                               requires_grad=p.requires_grad)
+                module.register_parameter(name, made[id(p)])  # replaces this name's parameter
         return fresh
 
     def gradient_sync(self, net: nn.Module, sync: bool) -> contextlib.AbstractContextManager[Any]:

@@ -415,7 +415,8 @@ class LaggedConsensus(StepConsensus):
 def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer.step()`` honours a ``found_inf`` tensor (torch's fused Adam, AdamW
     and SGD: ``_step_supports_amp_scaling``), which :class:`LaggedConsensus` relies on."""
-    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+    return compat.applies(compat.FIX_LAGGED_VOTE) and bool(
+        getattr(optimizer, "_step_supports_amp_scaling", False))
 
 
 def make_consensus(net: torch.nn.Module, stop_requested: Callable[[], bool] = lambda: False,
