@@ -270,7 +270,12 @@ def node_leave_join(backend: str, endpoint: str, workdir: Path
 KILL_AFTER_STEP = 30
 _SPARE_READY = re.compile(r"spare \S+ ready")  # "spare 0" or "spare 0.0" (node.number)
 _DONE = re.compile(rf"^{_STAMP} \[rank\d\] WARNING elastic_runner\.(?:train\.loop|own_loop): in-place recovery \d+ "
-                   r"done: step (\d+) committed [\d.]+ s after the failure \((.*)\)$", re.M)
+                   r"done: step (\d+) committed [\d.]+ s after the failure \(([^)]*)\)"
+                   r"(?:; the state phase: ([^;]*))?(?:; \d+ committed step\(s\) redone)?$", re.M)
+# a joiner's own parts of the state phase (recovery/rejoin.py, StateParts)
+_JOINER = re.compile(r"WARNING elastic_runner\.recovery\.rejoin: in-place recovery: rank \d+ took "
+                     r"the state of step \d+ from rank\(s\) \[[\d, ]+\]: the state phase: (.*)$",
+                     re.M)
 
 
 def _task_argv(task: str, path: str, ck: Path, trace: Path, port: int, *extra: str
@@ -306,10 +311,12 @@ def _committed(trace: Path) -> dict[int, float]:
 
 
 def kill_one(task: str, path: str, workdir: Path, overrides: tuple[str, ...] = (),
-             kill_after: int = KILL_AFTER_STEP) -> dict[str, float]:
+             kill_after: int = KILL_AFTER_STEP, parts: bool = False) -> dict[str, float]:
     """SIGKILL rank 1 (from outside) after step ``kill_after``, in place once the spare is
     ready; the phases of the recovery, its total and the steps redone. ``overrides``: config
-    overrides of the task (a larger model, a backend)."""
+    overrides of the task (a larger model, a backend). ``parts``: in place, also the state
+    phase's parts as the survivor and the joiner logged them (``survivor send``, ``joiner
+    install``, ...: recovery/rejoin.py ``StateParts``), inside the ``state`` phase."""
     ck, trace = workdir / "ck", workdir / "trace"
     workdir.mkdir(parents=True)
     extra = ["checkpoint.every_steps=10"] + (["eval.every_steps=0"] if task == "digits" else [])
@@ -332,7 +339,7 @@ def kill_one(task: str, path: str, workdir: Path, overrides: tuple[str, ...] = (
         if path == "in_place":
             wait_until(lambda: _DONE.search(job.output) is not None, RUN_TIMEOUT_S,
                        "the in-place recovery")
-            out = _inplace_phases(job.output, trace, t_kill)
+            out = _inplace_phases(job.output, trace, t_kill, parts)
             # a step whose all-reduce completed before the kill still commits: none redone
             out["steps_redone"] = max(0, before - (out.pop("step") - 1))
         else:
@@ -345,13 +352,24 @@ def kill_one(task: str, path: str, workdir: Path, overrides: tuple[str, ...] = (
     return out
 
 
-def _inplace_phases(log: str, trace: Path, t_kill: float) -> dict[str, float]:
+def _seconds(listed: str) -> dict[str, float]:
+    """``"a 0.1 s, b 0.2 s"`` as ``{"a": 0.1, "b": 0.2}``."""
+    return {k.strip().rsplit(" ", 2)[0]: float(k.strip().rsplit(" ", 2)[1])
+            for k in listed.split(",")}
+
+
+def _inplace_phases(log: str, trace: Path, t_kill: float, parts: bool = False
+                    ) -> dict[str, float]:
     m = next(m for ln in log.splitlines() if (m := _DONE.match(ln)))
     step = int(m[2])
-    phases = {k.strip().rsplit(" ", 2)[0]: float(k.strip().rsplit(" ", 2)[1])
-              for k in m[3].split(",")}
+    phases = _seconds(m[3])
     total = _committed(trace)[step] - t_kill
     out = {"notice": max(0.0, total - sum(phases.values())), **phases, "total": total}
+    joiner = _JOINER.search(log)
+    if parts and m[4]:  # the state phase's parts: the survivor's (its report) and the joiner's
+        out.update({f"survivor {k}": v for k, v in _seconds(m[4]).items()})
+    if parts and joiner:
+        out.update({f"joiner {k}": v for k, v in _seconds(joiner[1]).items()})
     out["step"] = step
     return out
 

@@ -88,3 +88,9 @@ def assert_exact_audit(trace: str | Path, *, steps: int, global_batch: int | Non
         if partial:  # the epoch in progress: the steps taken in it, no more and no fewer
             assert not reports[-1].complete and reports[-1].steps == partial, reports[-1]
     return reports
+
+
+def world_sizes(trace: str | Path) -> list[int]:
+    """World size of each traced step, in step order (the trace is rewound on every resume)."""
+    entries = [e for e in audit.read_entries(trace) if "world_size" in e]
+    return [ws for _, ws in sorted({(e["step"], e["world_size"]) for e in entries})]

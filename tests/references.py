@@ -70,7 +70,11 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[...
         key = weights_key(args)
         if key not in cache:
             where = tmp_path_factory.mktemp("reference")
-            job = Job(cli("run", *args, f"checkpoint.dir={where / 'ck'}"), where / "run.log")
+            # no warm spare and no periodic checkpoint: neither changes a weight, and each
+            # costs a reference a process or writes that no test reads (the last step's
+            # checkpoint, which the tests read, is written anyway)
+            job = Job(cli("run", *args, f"checkpoint.dir={where / 'ck'}", "recovery.spare=false",
+                          "checkpoint.every_steps=0"), where / "run.log")
             jobs.append(job)
             code = job.wait(timeout=timeout)
             assert code == 0, f"reference run {key} exited {code}:\n{job.output[-3000:]}"

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import jsonschema
 import pytest
+import torch
 import yaml
 
 from elastic_runner.cli import main
@@ -434,3 +435,14 @@ def test_schema_rejects_what_the_loader_rejects(capsys):
         assert not generic.is_valid(bad) and not digits.is_valid(bad), bad
     typo = {**ok, "model": {"chanels": 8}}
     assert generic.is_valid(typo) and not digits.is_valid(typo)  # only the task types `model`
+
+
+def test_hsdp_replicas_that_do_not_divide_the_world_size_are_refused_naming_the_key():
+    """Checked where the mesh is made, before any process group or checkpoint is touched; the
+    worker turns a ConfigError into exit code 2 and its one line (test_task_input.py)."""
+    from elastic_runner.config import ConfigError
+    from elastic_runner.parallel.fsdp import device_mesh
+
+    with pytest.raises(ConfigError, match=r"^distributed\.fsdp\.replicas: 3 does not divide the "
+                                          r"world size 2; use a divisor of it \(1: plain FSDP\)$"):
+        device_mesh(2, 3, torch.device("cpu"))

@@ -29,11 +29,10 @@ from elastic_runner.config import load_config
 from elastic_runner.observe import health
 
 from .etcd import EtcdServer
-from .evidence import DIGITS_TRAIN, assert_exact_audit
+from .evidence import DIGITS_TRAIN, assert_exact_audit, world_sizes
 from .k8s import K8S, by_kind, problems, render
 from .procs import REPO, Pace, wait_until
 from .test_monitoring_files import DASHBOARD, RULES, promtool_path
-from .test_multinode import world_sizes
 
 TREES = {"base": K8S / "base", "cpu": K8S / "overlays" / "cpu", "gpu": K8S / "overlays" / "gpu"}
 

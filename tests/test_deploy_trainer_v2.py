@@ -32,10 +32,9 @@ from elastic_runner.config import load_config
 from elastic_runner.exit_codes import EXIT_BAD_INPUT, EXIT_CRASH_LOOP, EXIT_FENCED, EXIT_PREEMPTED
 from elastic_runner.observe import health
 
-from .evidence import DIGITS_TRAIN, assert_exact_audit
+from .evidence import DIGITS_TRAIN, assert_exact_audit, world_sizes
 from .k8s import K8S, by_kind, problems, render
 from .procs import free_port, wait_until
-from .test_multinode import world_sizes
 
 TREE = K8S / "trainer-v2"
 TRAINER = "trainer.kubeflow.org/trainjob-ancestor-step"  # Trainer's label of the trainer job

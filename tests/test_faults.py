@@ -45,31 +45,35 @@ def faults(spec: str) -> str:
     return f"faults.inject=[{spec}]"
 
 
-@pytest.mark.parametrize("mode", ["restart", "in_place"])
-def test_worker_exception_restarts_and_resumes(launch, tmp_path, mode):
-    """restart: every worker restarts from the checkpoint of step 4; in place: the raising
-    worker is replaced, the other goes on from step 6 without reading a checkpoint."""
+def test_a_raising_worker_is_replaced_in_place(launch, tmp_path):
+    """The raising worker is replaced, the other goes on from step 6 without reading a
+    checkpoint (the restart path's resume after an exception: the next test)."""
     ck = tmp_path / "ck"
-    job = start(launch, "raise", f"checkpoint.dir={ck}", f"recovery.mode={mode}",
+    job = start(launch, "raise", f"checkpoint.dir={ck}", "recovery.mode=in_place",
                 faults("{kind: raise, rank: 1, step: 6}"))
     assert job.wait(timeout=240) == 0, job.output[-3000:]
-    if mode == "restart":
-        assert f"resumed from {ck / 'step-00000004'}: step 4" in job.output
-    else:
-        assert "resumed from" not in job.output
-        assert "rank(s) [1] exited with code(s) [1]: replaced in place" in job.output
-        assert "in-place recovery 1 done: step 7 committed" in job.output
+    assert "resumed from" not in job.output
+    assert "rank(s) [1] exited with code(s) [1]: replaced in place" in job.output
+    assert "in-place recovery 1 done: step 7 committed" in job.output
     assert final_state(ck)["train_state"]["step"] == 12
 
 
-def test_exhausted_restarts_end_with_one_line_root_cause(launch, tmp_path):
-    job = start(launch, "raise-always", f"checkpoint.dir={tmp_path / 'ck'}",
-                "recovery.mode=restart",
-                faults("{kind: raise, rank: 1, after_steps: 2, attempts: 9}"), restarts=1)
+def test_a_raising_worker_restarts_the_group_then_exhausted_restarts_end_in_one_line(
+        launch, tmp_path):
+    """The restart path: rank 1 raises at step 6; every worker restarts from the checkpoint of
+    step 4, reaches step 6 and rank 1 raises again, with no restart left: the job ends with one
+    line naming the root cause."""
+    ck = tmp_path / "ck"
+    job = start(launch, "raise-always", f"checkpoint.dir={ck}", "recovery.mode=restart",
+                faults("{kind: raise, rank: 1, step: 6, attempts: 9}"), restarts=1)
     assert job.wait(timeout=240) == 1
+    assert f"resumed from {ck / 'step-00000004'}: step 4" in job.output
+    attempts = re.findall(r"fault injection: rank 1 raise after step 6 \(\d+ steps of attempt "
+                          r"(\d+)\)", job.output)
+    assert attempts == ["0", "1"], job.output[-3000:]
     lines = [ln for ln in job.output.splitlines() if ln.startswith("elastic-runner: job failed")]
     assert lines == ["elastic-runner: job failed: rank 1 (local_rank 1) exited with code 1: "
-                     "InjectedFault: fault injection: rank 1 raises after step 2"], lines
+                     "InjectedFault: fault injection: rank 1 raises after step 6"], lines
 
 
 def test_sigterm_to_a_worker_checkpoints_that_step_and_loses_nothing(launch, tmp_path):
@@ -140,30 +144,25 @@ def test_sigterm_to_a_workers_process_group_with_dataloader_workers(launch, tmp_
                        str(saved % steps_per_epoch * 64)), resumed
 
 
-def test_nan_step_is_skipped_on_all_ranks(launch, tmp_path):
+def test_a_nan_step_is_skipped_on_all_ranks_and_a_streak_rolls_back_once(launch, tmp_path):
+    """One NaN at step 2 (rank 1): every rank skips the update, its samples consumed. A streak
+    of 3 from step 6 (rank 0, ``max_bad_steps=3``): every rank rolls back to the checkpoint of
+    step 4 once, and the run succeeds; the streak's skipped steps go with the rollback, the
+    single one before the checkpoint stays counted."""
     ck, trace = tmp_path / "ck", tmp_path / "trace"
-    job = start(launch, "nan", f"checkpoint.dir={ck}", faults("{kind: nan, rank: 1, step: 6}"),
+    job = start(launch, "nan", f"checkpoint.dir={ck}", "training.max_bad_steps=3",
+                faults("{kind: nan, rank: 1, step: 2}, {kind: nan, rank: 0, step: 6, count: 3}"),
                 "--trace-samples", str(trace))
     assert job.wait(timeout=240) == 0, job.output[-3000:]
-    assert "step 6: non-finite loss or gradient on at least one rank: update skipped" in job.output
-    state = final_state(ck)["train_state"]
-    assert (state["step"], state["bad_steps"], state["rollbacks"]) == (12, 1, 0)
-    skipped = {e["step"] for e in audit.read_entries(trace) if e.get("skipped")}
-    assert skipped == {6}
-    assert_exact_audit(trace, steps=12, global_batch=DIGITS_GLOBAL_BATCH,
-                       num_samples=DIGITS_TRAIN)  # the skipped step's samples were consumed
-
-
-def test_nan_streak_rolls_back_once_then_succeeds(launch, tmp_path):
-    ck = tmp_path / "ck"
-    job = start(launch, "rollback", f"checkpoint.dir={ck}", "training.max_bad_steps=3",
-                faults("{kind: nan, rank: 0, step: 6, count: 3}"))
-    assert job.wait(timeout=240) == 0, job.output[-3000:]
+    assert "step 2: non-finite loss or gradient on at least one rank: update skipped" in job.output
     assert "rolling back to the last valid checkpoint" in job.output
     assert f"resumed from {ck / 'step-00000004'}: step 4" in job.output
     state = final_state(ck)["train_state"]
-    # the skipped steps were discarded with the rollback; the rollback itself is remembered
-    assert (state["step"], state["rollbacks"], state["bad_steps"]) == (12, 1, 0)
+    assert (state["step"], state["bad_steps"], state["rollbacks"]) == (12, 1, 1)
+    skipped = {e["step"] for e in audit.read_entries(trace) if e.get("skipped")}
+    assert skipped == {2}
+    assert_exact_audit(trace, steps=12, global_batch=DIGITS_GLOBAL_BATCH,
+                       num_samples=DIGITS_TRAIN)  # the skipped step's samples were consumed
 
 
 def test_recurring_nan_after_rollback_stops_with_clear_error(launch, tmp_path):

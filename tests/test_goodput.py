@@ -300,7 +300,7 @@ _SUMMARY = re.compile(r"^(\d\d:\d\d:\d\d\.\d{3}) \[rank0\] INFO elastic_runner\.
                       r"badput: (.*)\)$", re.M)
 _RECOVERED = {"in_place": re.compile(r"in-place recovery \d+ done: step \d+ committed"),
               "restart": re.compile(r"\[rank0\] INFO elastic_runner\.train\.session: resumed from ")}
-REAL_STEPS = 400
+REAL_STEPS = 200  # the kill after step 60
 
 
 def commit_times(entries: list[dict], rank: int) -> dict[int, tuple[float, int | None]]:

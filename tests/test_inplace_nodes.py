@@ -21,11 +21,12 @@ from .etcd import etcd_on
 from .evidence import DIGITS_TRAIN, assert_exact_audit, assert_same_optimizer, assert_same_tensors
 from .netns import Nodes
 from .procs import Job, Pace, cli, wait_until
-from .test_inplace import DIGITS, done, replacements
+from .test_inplace import DIGITS, STEPS, done, replacements
 from .test_train_torchrun import final_state
 
 pytestmark = pytest.mark.slow
 
+ETCD_STEPS = 200  # the second fault lands soon after step 80's (rank 0 paced until then)
 RDZV_PORT = 29400  # each node has its own port space: the default c10d port is free
 _READY = re.compile(r"spare (\S+) ready")
 _HUNG = re.compile(r"local_rank \d+ \(pid (\d+)\) sent no heartbeat for ([\d.]+) s")
@@ -106,9 +107,11 @@ def check_run(jobs: list[Job], ref: Path, tmp_path, generations: int, steps: int
 
 def test_c10d_two_nodes_crash_hang_and_the_store_hosts_worker(launch, netns_nodes, tmp_path,
                                                               reference):
-    args = common(steps=700)
+    # test_inplace.py's run (and its reference); rank 0 paced so that the three faults, each
+    # once a spare stands by, land well before its end
+    args = common(steps=STEPS)
     ref = uninterrupted(reference, args, 2)
-    nodes, pace = netns_nodes(2), Pace(tmp_path / "pace", 0.05)
+    nodes, pace = netns_nodes(2), Pace(tmp_path / "pace", 0.2)
     host, other = start_nodes(launch, nodes, tmp_path, args, 1, [
         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{nodes.address(0)}:{RDZV_PORT}",
         "--rdzv-conf", "is_host={host}"], pace)
@@ -138,7 +141,7 @@ def test_c10d_two_nodes_crash_hang_and_the_store_hosts_worker(launch, netns_node
     pace.end()
 
     # a crash, a hang (SIGSTOP, then the agent's SIGKILL) and the host's worker: 3 killed
-    check_run([host, other], ref, tmp_path, generations=3, steps=700, world_size=2, killed=3)
+    check_run([host, other], ref, tmp_path, generations=3, steps=STEPS, world_size=2, killed=3)
     # one generation counter for the job: node 1 announced 1 and 2, node 0 announced 3
     assert [r[4] for r in replacements(other.output)] == [1, 2]
     assert [r[4] for r in replacements(host.output)] == [3]
@@ -160,12 +163,12 @@ def test_etcd_two_nodes_of_two_a_crash_during_a_checkpoint_write_and_one_outside
     # find_unused_parameters is set, and gloo's ring sums each element in an order set by its
     # place in a bucket (measured without it: largest weight difference 3e-8 after one kill,
     # 9e-5 after two; bench/soak.py's EXACT_DDP says the same of restarts)
-    ref = uninterrupted(reference, [*common(steps=400), *EXACT_DDP], 4)
+    ref = uninterrupted(reference, [*common(steps=ETCD_STEPS), *EXACT_DDP], 4)
     # rank 0 dies while step 80's checkpoint is written (after the snapshot, in the background
     # write): on etcd no node is special, so its own node's spare replaces it
-    args = [*common(400, "[{kind: sigkill, rank: 0, step: 80, during: checkpoint}]"),
+    args = [*common(ETCD_STEPS, "[{kind: sigkill, rank: 0, step: 80, during: checkpoint}]"),
             *EXACT_DDP]
-    pace = Pace(tmp_path / "pace", 0.05)
+    pace = Pace(tmp_path / "pace", 0.1)
     jobs = start_nodes(launch, nodes, tmp_path, args, 2, [
         "--rdzv-backend", "etcd-v2", "--rdzv-endpoint", etcd.endpoint], pace)
     wait_until(lambda: 1 in recoveries(jobs), 240, "recovery 1 (the checkpoint write)")
@@ -181,4 +184,4 @@ def test_etcd_two_nodes_of_two_a_crash_during_a_checkpoint_write_and_one_outside
     wait_until(lambda: 2 in recoveries(jobs), 120, "recovery 2")
     pace.end()
     # rank 0 in step 80's checkpoint write and one worker from outside: 2 killed
-    check_run(jobs, ref, tmp_path, generations=2, steps=400, world_size=4, killed=2)
+    check_run(jobs, ref, tmp_path, generations=2, steps=ETCD_STEPS, world_size=4, killed=2)

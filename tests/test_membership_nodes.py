@@ -19,14 +19,16 @@ import pytest
 from .etcd import EtcdServer, etcd_on
 from .evidence import DIGITS_TRAIN, assert_exact_audit
 from .netns import Nodes
-from .procs import REPO, Job, Pace, cli, wait_until
+from .procs import REPO, Job, Pace, cli, free_port, wait_until
 from .test_inplace import DIGITS
+from .test_metrics import get, samples
 
 pytestmark = pytest.mark.slow
 
 RDZV_PORT = 29400
 GLOBAL_BATCH = 96  # micro-batch 16: world sizes 1, 2, 3 and 6 divide it
 DIGITS_SAMPLES = 1797  # examples/own_loop.py trains on all of scikit-learn's digits
+PARTITION_STEPS = 250  # the cut at step 30; the heal's fencing within ~100 paced steps
 _CHANGE = re.compile(r"membership: node\(s\) \[([\d, ]+)\] (preempted|lost|join)\S*[^;]*; "
                      r"generation (\d+) goes on (?:without them )?at world size (\d+)")
 
@@ -37,10 +39,11 @@ def start(launch, nodes: Nodes, tmp_path, steps: int, pace: Pace) -> list[Job]:
 
 
 def start_one(launch, nodes: Nodes, tmp_path, i: int, steps: int, pace: Pace, name: str = "",
-              etcd: EtcdServer | None = None, global_batch: int = GLOBAL_BATCH) -> Job:
+              etcd: EtcdServer | None = None, global_batch: int = GLOBAL_BATCH,
+              extra: tuple[str, ...] = ()) -> Job:
     """``elastic-runner run`` of digits on node ``i`` (1 worker; rank 0 slowed by ``pace`` so
     the faults land mid-run; the rendezvous completes 1 s after it has the minimum of nodes):
-    c10d hosted by node 0, or ``etcd``."""
+    c10d hosted by node 0, or ``etcd``; ``extra``: more config overrides."""
     rdzv = (["--rdzv-backend", "etcd-v2", "--rdzv-endpoint", etcd.endpoint,
              "--rdzv-conf", "last_call_timeout=1"] if etcd is not None else
             ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"{nodes.address(0)}:{RDZV_PORT}",
@@ -50,7 +53,7 @@ def start_one(launch, nodes: Nodes, tmp_path, i: int, steps: int, pace: Pace, na
                "eval.every_steps=0", "checkpoint.every_steps=50",
                "training.log_every_steps=10", f"batch.global_batch_size={global_batch}",
                *pace.args, "recovery.spare=false", "recovery.node_timeout_seconds=3",
-               f"checkpoint.dir={tmp_path / 'ck'}", "--trace-samples",
+               f"checkpoint.dir={tmp_path / 'ck'}", *extra, "--trace-samples",
                str(tmp_path / "trace"), "--nnodes", f"1:{nodes.count}",
                "--nproc-per-node", "1", "--rdzv-id", "members", "--max-restarts", "3", *rdzv)
     return launch(nodes.argv(i, argv), name=name or f"node{i}", env=nodes.env(i))
@@ -94,8 +97,8 @@ def check_samples(tmp_path, steps: int, global_batch: int = GLOBAL_BATCH, killed
 def test_c10d_a_partitioned_node_is_left_behind_and_fenced_out_when_it_heals(
         launch, netns_nodes, tmp_path):
     nodes = netns_nodes(3)
-    pace = Pace(tmp_path / "pace", 0.04)
-    jobs = start(launch, nodes, tmp_path, steps=400, pace=pace)
+    pace = Pace(tmp_path / "pace", 0.08)
+    jobs = start(launch, nodes, tmp_path, steps=PARTITION_STEPS, pace=pace)
     wait_until(lambda: all(len(j.workers()) == 1 for j in jobs), 180, "three workers")
     kept = [next(iter(j.workers().values())) for j in jobs[:2]]
     wait_until(lambda: len(steps(tmp_path / "trace")) >= 30, 120, "step 30")
@@ -120,10 +123,10 @@ def test_c10d_a_partitioned_node_is_left_behind_and_fenced_out_when_it_heals(
              (tmp_path / "trace" / "rank-2.jsonl").read_text().splitlines()]
     assert max(e["time"] for e in stale if "time" in e) < t_cut + 1  # nothing after the cut
     trace = steps(tmp_path / "trace")
-    assert sorted(trace) == list(range(1, 401)) and sizes_seen(tmp_path) == {3, 2}
+    assert sorted(trace) == list(range(1, PARTITION_STEPS + 1)) and sizes_seen(tmp_path) == {3, 2}
     assert {samples for _, samples in trace.values()} == {GLOBAL_BATCH}
     assert "resumed from" not in jobs[0].output
-    check_samples(tmp_path, steps=400, killed=1)  # node 2's worker, cut off
+    check_samples(tmp_path, steps=PARTITION_STEPS, killed=1)  # node 2's worker, cut off
 
 
 def sizes_in_order(trace) -> list[int]:
@@ -142,8 +145,8 @@ def test_c10d_nodes_join_and_leave_in_place_2_3_2_1_2(launch, netns_nodes, tmp_p
     (The rendezvous host, node 0, cannot leave in place with c10d; with etcd it can: the next
     test.)"""
     nodes = netns_nodes(3)
-    total = 600  # the second join lands near step 260 (CPU, 2 cores)
-    pace = Pace(tmp_path / "pace", 0.08)
+    total = 400  # the second join lands near step 180 (CPU, 2 cores)
+    pace = Pace(tmp_path / "pace", 0.12)
 
     def start_node(i: int, name: str = "") -> Job:
         return start_one(launch, nodes, tmp_path, i, total, pace, name=name)
@@ -192,10 +195,11 @@ def test_etcd_2_3_2_1_2_the_store_host_leaves_then_its_successor_dies_in_place(
     the store dead, claims the successor in etcd and moves it to itself); a new node joins the
     job whose store lives on the joined node (2). The joined node's worker keeps its process
     from its admission on, no checkpoint is read, the global batch is the same at every step
-    and every sample is trained once."""
+    and every sample is trained once. The joined node's endpoint, scraped over the bridge,
+    counts each membership change by reason, its rendezvous rounds and the job's world size."""
     nodes = netns_nodes(3)
-    total = 600
-    pace = Pace(tmp_path / "pace", 0.08)
+    total = 400
+    pace = Pace(tmp_path / "pace", 0.12)
     with etcd_on(tmp_path / "etcd", nodes.host_address) as etcd:
         def start_node(i: int, name: str = "") -> Job:
             return start_one(launch, nodes, tmp_path, i, total, pace, name=name, etcd=etcd)
@@ -206,7 +210,9 @@ def test_etcd_2_3_2_1_2_the_store_host_leaves_then_its_successor_dies_in_place(
         successor = next(j for j in jobs if j is not host)
 
         # 1. a third node joins: the running workers go on and take it in at a step boundary
-        last = start_node(2)
+        port = free_port()
+        last = start_one(launch, nodes, tmp_path, 2, total, pace, etcd=etcd, extra=(
+            f"metrics.port={port}", f"metrics.address={nodes.address(2)}"))
         wait_until(lambda: 3 in sizes_seen(tmp_path), 180, "a step at world size 3")
         assert "joined the running job" in last.output
         kept = next(iter(last.workers().values()))
@@ -235,6 +241,7 @@ def test_etcd_2_3_2_1_2_the_store_host_leaves_then_its_successor_dies_in_place(
         wait_until(lambda: sizes_in_order(tmp_path / "trace")[-1] == 2, 180,
                    "world size 2 again")
         assert kept.is_running()  # the joined node's worker kept its process throughout
+        _, text = get(port, host=nodes.address(2))
         pace.end()
         assert last.wait(timeout=400) == 0, last.output[-4000:]
         assert again.wait(timeout=120) == 0, again.output[-4000:]
@@ -243,6 +250,11 @@ def test_etcd_2_3_2_1_2_the_store_host_leaves_then_its_successor_dies_in_place(
     assert "[rank0] INFO elastic_runner.checkpoint.manager: committed checkpoint" in last.output
     assert sizes_in_order(tmp_path / "trace") == [2, 3, 2, 1, 2]
     assert [c[1] for c in changes(last)][-3:] == ["preempted", "lost", "join"]
+    for reason in ("preempted", "lost", "joined"):
+        assert samples(text, "elastic_runner_membership_changes_total", reason=reason) == [1.0], \
+            (reason, text)
+    assert samples(text, "elastic_runner_rendezvous_total")[0] >= 1, text
+    assert samples(text, "elastic_runner_world_size", job="members") == [2], text
     assert "resumed from" not in last.output + again.output  # no checkpoint read
     trace = steps(tmp_path / "trace")
     assert sorted(trace) == list(range(1, total + 1))
@@ -257,10 +269,10 @@ def test_c10d_a_node_the_global_batch_cannot_take_is_refused_and_the_group_goes_
     rank 0 refuses the join, the step the ranks stopped at is redone in the same group, the
     new node's agent ends with an error, and the job completes at world size 2."""
     nodes = netns_nodes(3)
-    pace = Pace(tmp_path / "pace", 0.04)
-    jobs = [start_one(launch, nodes, tmp_path, i, 300, pace, global_batch=64) for i in (0, 1)]
+    pace = Pace(tmp_path / "pace", 0.1)
+    jobs = [start_one(launch, nodes, tmp_path, i, 200, pace, global_batch=64) for i in (0, 1)]
     wait_until(lambda: len(steps(tmp_path / "trace")) >= 20, 180, "step 20")
-    third = start_one(launch, nodes, tmp_path, 2, 300, pace, global_batch=64)
+    third = start_one(launch, nodes, tmp_path, 2, 200, pace, global_batch=64)
     assert third.wait(timeout=180) != 0, third.output[-3000:]
     assert "did not take this node in: batch.global_batch_size is not divisible at world " \
            "size 3" in third.output
@@ -269,10 +281,10 @@ def test_c10d_a_node_the_global_batch_cannot_take_is_refused_and_the_group_goes_
         assert job.wait(timeout=300) == 0, job.output[-4000:]
     assert "they stay out" in jobs[0].output
     trace = steps(tmp_path / "trace")
-    assert sorted(trace) == list(range(1, 301)) and sizes_seen(tmp_path) == {2}
+    assert sorted(trace) == list(range(1, 201)) and sizes_seen(tmp_path) == {2}
     assert {samples for _, samples in trace.values()} == {64}
     assert "resumed from" not in jobs[0].output
-    check_samples(tmp_path, steps=300, global_batch=64)  # nothing killed
+    check_samples(tmp_path, steps=200, global_batch=64)  # nothing killed
 
 
 def start_script(launch, nodes: Nodes, tmp_path, i: int, steps: int, pace: Pace,
@@ -297,8 +309,8 @@ def test_c10d_an_own_loop_script_leaves_and_joins_in_place_2_1_2_1(launch, netns
     keeps its process throughout and reads no checkpoint; the micro-batch stays, so each step's
     global batch is the world size's, and every sample is trained once."""
     nodes = netns_nodes(2)
-    total = 500
-    pace = Pace(tmp_path / "pace", 0.06)
+    total = 300
+    pace = Pace(tmp_path / "pace", 0.1)
 
     def start_node(i: int, name: str = "") -> Job:
         return start_script(launch, nodes, tmp_path, i, total, pace, name=name)

@@ -32,10 +32,10 @@ CONDITIONAL = {"elastic_runner_tokens_total", "elastic_runner_tokens_per_second"
                "elastic_runner_cuda_memory_reserved_bytes"}
 
 
-def get(port: int, path: str = "/metrics") -> tuple[int, str]:
-    """(HTTP status, body) of a GET on the endpoint."""
+def get(port: int, path: str = "/metrics", host: str = "127.0.0.1") -> tuple[int, str]:
+    """(HTTP status, body) of a GET on the endpoint at ``host``."""
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as r:
+        with urllib.request.urlopen(f"http://{host}:{port}{path}", timeout=5) as r:
             return r.status, r.read().decode()
     except urllib.error.HTTPError as e:
         return e.code, e.read().decode()

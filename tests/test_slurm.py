@@ -50,6 +50,10 @@ class SlurmJob:
         self.cluster, self.dir = cluster, directory
         args = [*(a for a in common(steps=STEPS) if not a.startswith("checkpoint.every_steps=")),
                 f"checkpoint.every_steps={EVERY}", f"checkpoint.dir={directory / 'ck'}",
+                # no warm spare: no job here loses a worker whose node goes on (Slurm ends or
+                # requeues the job, or a lost node leaves it), and a spare per node is a
+                # process each run starts for nothing
+                "recovery.spare=false",
                 *(pace.args if pace else []), "--trace-samples", str(directory / "trace")]
         self.id = cluster.sbatch([*CPU_PARTITION, *sbatch, str(SCRIPT), *args], cwd=directory,
                                  env={"GLOO_SOCKET_IFNAME": "eth0", "NPROC_PER_NODE": "1",

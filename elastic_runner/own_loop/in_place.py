@@ -86,9 +86,7 @@ class LoopRecovery:
             return
         report.phases["first step"] = time.perf_counter() - self._t_recovered
         self._recovery.announce_recovered(self._parts.info.rank, report)
-        log.warning("in-place recovery %d done: step %d committed %.3f s after %s (%s)",
-                    report.generation, step, report.seconds, report.cause,
-                    ", ".join(f"{k} {v:.3f} s" for k, v in report.phases.items()))
+        log.warning("%s", report.done(step))
         self._loop.session.callbacks.on_recovery_report(report)
 
     # ------------------------------------------------------------ the script's model

@@ -11,6 +11,7 @@ the newest checkpoint, still in its process.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,10 +43,44 @@ class RecoveryReport:
     source: int = 0
     received: bool = False
     redone: int = 0  # committed steps rolled back (sharded: to the peer copies' step)
+    # the ``state`` phase's parts on this rank, seconds (replicas only: :class:`StateParts`)
+    state_parts: dict[str, float] = field(default_factory=dict)
 
     @property
     def seconds(self) -> float:
         return sum(self.phases.values())
+
+    def done(self, step: int) -> str:
+        """The log line of the recovery, completed by the commit of ``step``: its phases,
+        the state phase's parts and the committed steps redone."""
+        return (f"in-place recovery {self.generation} done: step {step} committed "
+                f"{self.seconds:.3f} s after {self.cause} ({_seconds(self.phases)})"
+                + (f"; the state phase: {_seconds(self.state_parts)}" if self.state_parts
+                   else "")
+                + (f"; {self.redone} committed step(s) redone" if self.redone else ""))
+
+
+def _seconds(parts: dict[str, float]) -> str:
+    return ", ".join(f"{k} {v:.3f} s" for k, v in parts.items())
+
+
+class StateParts:
+    """Where a rank's state phase goes (seconds, by part): ``agree`` (flatten the state, gather
+    every member's progress), ``send`` (a source: its share on the wire, until every receiver
+    has it), ``manifest`` and ``tensors`` (a receiver: the manifest, then the tensors into place,
+    fresh ones allocated for what it lacks), ``install`` (a receiver: loaded into the model and
+    the optimizer), ``rewrap`` (the new DDP and its collectives, which wait for the slowest
+    member), ``claim`` (rank 0: the fencing token). Each part is the time since the part
+    before (``time.perf_counter``)."""
+
+    def __init__(self) -> None:
+        self.parts: dict[str, float] = {}
+        self._since = time.perf_counter()
+
+    def mark(self, part: str) -> None:
+        now = time.perf_counter()
+        self.parts[part] = self.parts.get(part, 0.0) + now - self._since
+        self._since = now
 
 
 def wire_device(loop: Recoverable) -> torch.device:
@@ -193,27 +228,38 @@ def rejoin(loop: Recoverable, joining: bool, report: RecoveryReport | None = Non
         FencedOut: (rank 0) another job claimed the checkpoint directory since this one did
             (``checkpoint/fencing.py``).
     """
+    parts = StateParts()
     if loop.session.checkpoints.sharded:
         _rejoin_sharded(loop, joining, report)
-    else:
-        _rejoin_replicated(loop, joining, report)
+        loop.session.checkpoints.claim()
+        return
+    sources = _rejoin_replicated(loop, joining, report, parts)
     loop.session.checkpoints.claim()
+    parts.mark("claim")
+    if report is not None:
+        report.state_parts = parts.parts
+    elif sources:  # a joiner: the survivors' report holds no part of its own
+        log.warning("in-place recovery: rank %d took the state of step %d from rank(s) %s: "
+                    "the state phase: %s", loop.info.rank, loop.session.state.step, sources,
+                    _seconds(parts.parts))
 
 
-def _rejoin_replicated(loop: Recoverable, joining: bool, report: RecoveryReport | None
-                       ) -> None:
-    """:func:`rejoin` of replicas (DDP): the members furthest along send the state."""
+def _rejoin_replicated(loop: Recoverable, joining: bool, report: RecoveryReport | None,
+                       parts: StateParts) -> list[int]:
+    """:func:`rejoin` of replicas (DDP): the members furthest along send the state. Returns
+    the ranks this one received it from (none: it sent, or went on with its own)."""
     rank, checkpoints = loop.info.rank, loop.session.checkpoints
     state = checkpoints.state_dict()
     flat = flatten(state)
     everyone = gather(loop, {"step": loop.session.state.step, "after": loop.after_done,
                              "joining": joining, "layout": flat[0].digest()})
+    parts.mark("agree")
     candidates = [r for r, s in enumerate(everyone) if not s["joining"]]
     if not candidates:  # every member is a replacement: the checkpoint is the fallback
         log.warning("in-place recovery: no survivor holds the state; resuming from the newest "
                     "checkpoint")
         from_checkpoint(loop, joining)
-        return
+        return []
     src = max(candidates, key=lambda r: (everyone[r]["step"], everyone[r]["after"], -r))
     best = everyone[src]
     # every survivor at the newest step with the same tensors sends a share (state_transfer)
@@ -224,18 +270,27 @@ def _rejoin_replicated(loop: Recoverable, joining: bool, report: RecoveryReport 
     wire = wire_device(loop)
     if rank in sources and receivers:
         send_state(flat, receivers, sources, rank, wire)
+        parts.mark("send")
     elif rank in receivers:
         # a replacement receives into its own tensors; a survivor behind into new ones: a
         # transfer cut short must not leave it holding half of another step's state
-        raw = recv_state(state if joining else None, sources, wire,
-                         check=lambda m: fits_model(loop, m, src), device=loop.info.device)
+        def check(manifest: Manifest) -> None:
+            parts.mark("manifest")
+            fits_model(loop, manifest, src)
+
+        raw = recv_state(state if joining else None, sources, wire, check=check,
+                         device=loop.info.device)
+        parts.mark("tensors")
         checkpoints.load_from_peer(raw, src)
+        parts.mark("install")
     loop.after_done = best["after"]
     if report is not None:
         report.source, report.received = src, rank in receivers
     loop.rewrap(in_sync=True)
+    parts.mark("rewrap")
     loop.session.callbacks.on_recovered(loop.session.state.step, joining,
                                            loop.session.sampler.last_step)
     log.info("rank %d %s step %d from rank(s) %s", rank,
              "received the state of" if rank in receivers else "goes on at", best["step"],
              sources)
+    return sources if rank in receivers else []

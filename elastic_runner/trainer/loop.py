@@ -211,10 +211,7 @@ class Trainer:
         report, self._recovering = self._recovering, None
         report.phases["first step"] = time.perf_counter() - self._t_recovered
         self.recovery.announce_recovered(self.info.rank, report)
-        log.warning("in-place recovery %d done: step %d committed %.3f s after %s (%s)%s",
-                    report.generation, self.state.step, report.seconds, report.cause,
-                    ", ".join(f"{k} {v:.3f} s" for k, v in report.phases.items()),
-                    f"; {report.redone} committed step(s) redone" if report.redone else "")
+        log.warning("%s", report.done(self.state.step))
         self.session.callbacks.on_recovery_report(report)
 
     def _steps(self) -> Any:
