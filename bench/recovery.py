@@ -95,7 +95,7 @@ BACKENDS = ("c10d", "etcd-v2")
 PHASES = ("detection", "stop", "rendezvous", "start+import", "device", "process group",
           "data+model", "ckpt load", "first step")
 FAULT_STEP = 35
-# as in tests/test_multinode.py: a lost node is declared dead after 1 s x 8 missed keep-alives
+# a lost node is declared dead after 1 s x 8 missed keep-alives
 RDZV_CONF = "last_call_timeout=4,join_timeout=120,keep_alive_interval=1,keep_alive_max_attempt=8"
 RUN_TIMEOUT_S = 180
 

@@ -108,7 +108,7 @@ REJOIN_S = 12.0  # seconds a node that left may take to start again and join (2 
 NODES = ("a", "b")
 FULL_GLOBAL_BATCH = 128  # 2 nodes x 2 ranks x micro-batch 16 x accumulation 2 (digits.yaml)
 WORLD = 4  # 2 nodes x 2 workers
-# as in tests/test_multinode.py: a lost node is declared dead after 1 s x 8 missed keep-alives
+# a lost node is declared dead after 1 s x 8 missed keep-alives
 RDZV_CONF = "last_call_timeout=4,join_timeout=300,keep_alive_interval=1,keep_alive_max_attempt=8"
 OUTAGE_STEPS = 5  # steps the job must commit while etcd is down before it comes back
 STEP_RATE_CAP = 50.0  # steps/s this job can reach on 2 cores (it does ~15-35): step budget

@@ -25,7 +25,10 @@ page faults are part of the transfer's time, not of the raw send's).
 Printed and in ``--json``: per world size and state size, the median seconds and spread (min,
 max) of each, GB/s, and ``transfer``'s rate as a ratio of ``raw``'s in the same run, of the
 medians (``transfer_vs_raw``) and of the best of each (``transfer_vs_raw_best``); at 4 ranks
-the sources share the sending.
+the sources share the sending. ``transfer_parts``: where the transfer's time goes on the
+receiver (medians; recovery/rejoin.py's ``StateParts``): ``manifest``, ``tensors`` (received
+into place, the optimizer moments the replacement lacks allocated as they arrive) and
+``install`` (loaded into the model and optimizer).
 
 ``--load``: also the restart path's load of the same state from a checkpoint file
 (``state.pt``, page cache warm), one process, per state size, each way followed by a write to
@@ -74,6 +77,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from bench.common import free_port, spread
+from elastic_runner.recovery.rejoin import StateParts
 from elastic_runner.recovery.state_transfer import flatten, recv_state, send_state
 
 METHODS = ("raw", "pickled", "transfer")
@@ -121,6 +125,9 @@ def _load(model: nn.Module, opt: torch.optim.Optimizer, raw: dict[str, Any]) -> 
     opt.load_state_dict(raw["optimizer"])
 
 
+_TRANSFER_PARTS: list[dict[str, float]] = []  # rank 0's parts of each timed transfer
+
+
 def _once(method: str, rank: int, world: int, state: dict[str, Any] | None,
           buf: torch.Tensor | None, width: int, blocks: int, device: str = "cpu") -> float:
     """One timed transfer (seconds, on rank 0: from a barrier to the bytes received, or the
@@ -139,10 +146,15 @@ def _once(method: str, rank: int, world: int, state: dict[str, Any] | None,
             _send_pickled(state, 0)
         elif rank == 0:
             _load(model, opt, _recv_pickled(1))
-    elif rank == 0:
+    elif rank == 0:  # where the time goes: recovery/rejoin.py's parts of a joiner
+        parts = StateParts()
         template = {"model": model.state_dict(), "optimizer": opt.state_dict()}
-        _load(model, opt, recv_state(template, list(range(1, world)), cpu,
-                                     device=torch.device(device)))
+        raw = recv_state(template, list(range(1, world)), cpu,
+                         check=lambda _: parts.mark("manifest"), device=torch.device(device))
+        parts.mark("tensors")
+        _load(model, opt, raw)
+        parts.mark("install")
+        _TRANSFER_PARTS.append(parts.parts)
     else:
         send_state(flatten(state), [0], list(range(1, world)), rank, cpu)
     if device != "cpu":
@@ -176,7 +188,9 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: dic
                 for m in METHODS[r % 3:] + METHODS[:r % 3]:
                     times[m].append(_once(m, rank, world, state, buf, args.width, blocks,
                                           args.device))
-            results[str(blocks)] = {"bytes": nbytes, "seconds": times}
+            results[str(blocks)] = {"bytes": nbytes, "seconds": times,
+                                    "transfer_parts": list(_TRANSFER_PARTS)}
+            _TRANSFER_PARTS.clear()
         if rank == 0:
             out["results"] = results
     finally:
@@ -202,6 +216,10 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
         row["transfer_vs_raw"] = row["raw"]["seconds"] / row["transfer"]["seconds"]
         row["transfer_vs_raw_best"] = row["raw"]["min"] / row["transfer"]["min"]
         row["pickled_vs_raw"] = row["raw"]["seconds"] / row["pickled"]["seconds"]
+        # the transfer's seconds by part, on the receiver (median of the repeats): the manifest,
+        # the tensors into place (fresh moments allocated as they arrive), the load
+        row["transfer_parts"] = {k: statistics.median(p[k] for p in r["transfer_parts"])
+                                 for k in r["transfer_parts"][0]}
         rows[blocks] = row
     return rows
 
@@ -227,6 +245,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                f"{args.device} ({torch.cuda.get_device_name(torch.device(args.device).index or 0)})",
                "world_sizes": {str(w): summarize(run(w, args)) for w in args.world_sizes}}
     print_table(summary)
+    if summary["world_sizes"]:
+        print_parts(summary)
     if args.load:
         summary["load"] = {str(b): checkpoint_load(args.width, b, args.repeats)
                            for b in args.blocks}
@@ -253,6 +273,14 @@ def write_json(path: Path, summary: dict[str, Any], argv: list[str]) -> None:
     merged["runs"] = {**old.get("runs", {}),
                       **{k: {"date": summary["date"], "command": command} for k in measured}}
     path.write_text(json.dumps(merged, indent=1) + "\n")
+
+
+def print_parts(summary: dict[str, Any]) -> None:
+    print("the transfer on the receiver, by part (s, median):")
+    for world, rows in summary["world_sizes"].items():
+        for row in rows.values():
+            print(f"{world:>5} {row['bytes'] / 1e9:6.3f} " + ", ".join(
+                f"{k} {v:.3f}" for k, v in row["transfer_parts"].items()))
 
 
 def print_table(summary: dict[str, Any]) -> None:

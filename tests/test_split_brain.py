@@ -139,11 +139,11 @@ def test_a_whole_group_frozen_with_its_agent_wakes_fenced_out(launch, tmp_path, 
                                                               log):
     """Group A (in place, a warm spare) is SIGSTOPped whole: agent, workers, spare. Group B
     resumes from A's newest checkpoint and commits. A's agent is SIGCONTed first, its workers
-    only once it has found them silent and replaced them: the in-place and spare path every
-    time, whose replacement claims the directory and is refused (the workers' own commit is
-    the first test's). A exits 3 with nothing committed, B finishes, every checkpoint in the
-    directory verifies. (Waking the agent and the workers together raced into either path; the
-    two paths are what these two tests take every time.)"""
+    once it has found them silent: it replaces them in place from its spare, whose claim of
+    the directory is refused, unless a woken worker reaches its commit before it is killed
+    (the guard refuses that one: the first test's path). A exits 3 with nothing committed, B
+    finishes, every checkpoint in the directory verifies. (Waking the agent and the workers
+    together raced between the same two paths.)"""
     ck, trace_a, trace_b = log.directory, tmp_path / "trace-a", tmp_path / "trace-b"
     common = [c for c in COMMON if c != "recovery.mode=restart"]
     want = final_state(reference(*common))["model"]
@@ -181,8 +181,10 @@ def test_a_whole_group_frozen_with_its_agent_wakes_fenced_out(launch, tmp_path, 
     assert new.wait(timeout=400) == 0, new.output[-3000:]
 
     assert f"resumed from {ck}/step-{resumed_at:08d}" in new.output
-    # the agent's replacements of the frozen workers claim, and the lineage rule refuses
-    assert "fenced out: not claiming " in stale.output, stale.output[-3000:]
+    # the agent's replacements of the frozen workers claim and the lineage rule refuses, or a
+    # frozen worker reached its commit first and the guard refused it (seen in CI)
+    assert re.search(r"fenced out: not (committing step-|claiming )", stale.output), \
+        stale.output[-3000:]
     infos = ckpt.list_checkpoints(ck)
     assert infos and all(ckpt.inspect(c.path, verify=True).valid for c in infos), infos
     assert_only_the_new_group_committed(log, ck, resumed_at, token_a)
