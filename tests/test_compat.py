@@ -753,6 +753,11 @@ def probe(fix):
     return bool(eval(PROBES[fix.name])) if fix.name in PROBES else None
 
 
+def answers():
+    # what the start-up check and what each fix serves say now, fix by fix
+    return {fix.name: {"warned": warned(fix), "off": probe(fix)} for fix in fixes}
+
+
 PROBES, mode = json.loads(sys.argv[1]), sys.argv[2]
 fixes = [fix for fix in compat.FIXES if fix.internals]
 result = {}
@@ -791,11 +796,10 @@ def mesh_registry_kept():
 
 
 if mode == "all":
-    result = {fix.name: {"warned": warned(fix), "off": probe(fix)} for fix in fixes}
+    result = answers()
 else:
     import_all()
-    result["untouched"] = {fix.name: {"warned": warned(fix), "off": probe(fix)}
-                           for fix in fixes}
+    result["untouched"] = answers()
     for fix in fixes:
         for ref in fix.internals:
             undo = take_away(ref)

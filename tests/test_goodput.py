@@ -11,7 +11,6 @@ import re
 import subprocess
 import sys
 import time
-from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -20,7 +19,7 @@ from elastic_runner.data import audit
 from elastic_runner.observe.goodput import CAUSES, Goodput, process_start_time
 from elastic_runner.train.callbacks import StepEnd
 
-from .procs import CONFIGS, cli, wait_until
+from .procs import CONFIGS, cli, log_time, wait_until
 
 
 class Clock:
@@ -393,8 +392,7 @@ def test_a_killed_worker_and_the_causes_still_add_up_to_the_wall_time(launch, tm
     assert seconds == pytest.approx(line, abs=0.05)
     # the wall time is the job's: it began with the first workers (after the launch, before
     # the test saw one) and ends at the line
-    t_line = datetime.strptime(f"{datetime.fromtimestamp(t_exit):%Y-%m-%d} {m[1]}",
-                               "%Y-%m-%d %H:%M:%S.%f").timestamp()
+    t_line = log_time(m[1], t_exit)
     assert t_launch - 0.02 <= t_line - wall <= t_first_seen + 0.5, (t_launch, t_first_seen)
     assert t_line <= t_exit
     # the kill cost what its path costs
@@ -418,22 +416,21 @@ WINDOW_TOL = 0.003  # seconds per outside window: two millisecond stamps and a l
 OTHER_MAX = 0.01  # of the wall time: this run's "other" is bookkeeping (no skipped step)
 
 
-def stamps(pattern: re.Pattern[str], log: str, day: datetime) -> dict[int, float]:
+def stamps(pattern: re.Pattern[str], log: str, near: float) -> dict[int, float]:
     """Step -> unix time of the last line of ``pattern`` for that step (a step redone after a
-    restart: the new process's)."""
-    return {int(m[2]): datetime.strptime(f"{day:%Y-%m-%d} {m[1]}", "%Y-%m-%d %H:%M:%S.%f")
-            .timestamp() for m in pattern.finditer(log)}
+    restart: the new process's), on the day of the unix time ``near``."""
+    return {int(m[2]): log_time(m[1], near) for m in pattern.finditer(log)}
 
 
 def after_step_windows(log: str, times: dict[int, tuple[float, int | None]], rank: int,
-                       day: datetime) -> dict[int, tuple[float, float]]:
+                       near: float) -> dict[int, tuple[float, float]]:
     """Step -> (evaluation, checkpoint) seconds after that step on ``rank``, timed from outside:
     the evaluation from the step's trace entry to rank 0's ``eval at step`` line (the ranks'
     all-reduce of the sums ends every rank's evaluation together); the checkpoint (written
     while training waits: ``checkpoint.async_save=false``), on rank 0, from then to its
     ``committed`` line. Another rank's share of a checkpoint is none: rank 0 writes, and the
-    others wait in their next step's first collective."""
-    evals, commits = stamps(_EVAL_END, log, day), stamps(_COMMIT_END, log, day)
+    others wait in their next step's first collective. ``near``: a unix time of the run's day."""
+    evals, commits = stamps(_EVAL_END, log, near), stamps(_COMMIT_END, log, near)
     out = {}
     for step, (t, _) in times.items():
         e = evals[step] - t if step in evals else 0.0
@@ -450,7 +447,6 @@ def check_causes_against_the_outside_clock(seconds: dict[str, float], log: str, 
     """The attribution of :func:`test_a_killed_worker_and_the_causes_still_add_up_to_the_wall_time`
     checked against what the test measured itself (its docstring): each cause on its own."""
     entries = audit.read_entries(trace)
-    day = datetime.fromtimestamp(t_kill)
     ranks = {r: commit_times(entries, r) for r in (0, 1)}
     after = ranks[1]
     assert sorted(after) == list(range(1, REAL_STEPS + 1))
@@ -465,7 +461,7 @@ def check_causes_against_the_outside_clock(seconds: dict[str, float], log: str, 
     # whose account covers a step: in place, the survivor's (rank 1) up to the kill, then its
     # replacement's (rank 0, handed the survivor's); restart, rank 0's (the checkpoint's)
     holder = (lambda s: 1 if s <= last_before else 0) if mode == "in_place" else (lambda s: 0)
-    windows = {r: after_step_windows(log, ranks[r], r, day) for r in (0, 1)}
+    windows = {r: after_step_windows(log, ranks[r], r, t_kill) for r in (0, 1)}
     # the steps of the final model (a restart's redone steps: the new process's, whose trace
     # entries replaced the old ones and whose log lines come last)
     kept = sorted(after)
@@ -499,7 +495,7 @@ def check_causes_against_the_outside_clock(seconds: dict[str, float], log: str, 
             (window, seconds)
         # the step in flight is lost until the survivor's collective fails and it logs the
         # death (that line's stamp, from outside); from then on it is recovering
-        t_noticed = min(stamps(_NOTICED, log, day).values())
+        t_noticed = min(stamps(_NOTICED, log, t_kill).values())
         assert t_kill - CLOCK_TOL <= t_noticed <= t_next, (t_kill, t_noticed, t_next)
         assert abs(seconds["recovery"] - (t_next - t_noticed)) <= tol, (t_next - t_noticed, seconds)
         assert abs(seconds["redone"] - (t_noticed - t_last)) <= tol, (t_noticed - t_last, seconds)

@@ -108,3 +108,25 @@ def test_last_step_names_each_rank_of_the_group_that_committed_it(steps):
         mine = list(itertools.chain.from_iterable(new.step_indices(new.cursor)))
         new.advance()
         assert new.last_step() == (0, 1, mine)
+
+
+def test_an_epoch_ended_at_another_world_size_names_its_last_step_after_a_round_trip():
+    """An epoch of 70 trained 4 steps of 10 at world size 1, then, regrouped to 2 ranks with a
+    global batch of 16, its last step (cursor 40 -> 56). At the next epoch's start the step that
+    reached the cursor is that one, also in a sampler fed the state (a peer-fed replacement):
+    whole batches of 16 from 0 would say it ended at 64 (seen in an own loop 2-1-2-1)."""
+    n = 70
+    (one,) = samplers(n, 1, b=5, a=2)
+    run_steps([one], 4)
+    two = samplers(n, 2, b=4, a=2)
+    for s in two:
+        s.load_state_dict(one.state_dict())
+    last = [list(itertools.chain.from_iterable(s.step_indices(s.cursor))) for s in two]
+    run_steps(two, two[0].steps_left_in_epoch())
+    for s in two:
+        s.set_epoch(1)
+    (fed,) = samplers(n, 1, b=4, a=4)
+    fed.load_state_dict(two[0].state_dict())
+    for s in (*two, fed):
+        assert s.previous_epoch_end() == 56
+        assert [s.last_step(r) for r in range(2)] == [(0, 2, last[r]) for r in range(2)]

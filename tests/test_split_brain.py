@@ -17,7 +17,6 @@ import re
 import shutil
 import signal
 import time
-from datetime import datetime
 
 import psutil
 import pytest
@@ -27,7 +26,7 @@ from elastic_runner.exit_codes import EXIT_FENCED
 
 from .commit_log import CommitLog
 from .evidence import DIGITS_GLOBAL_BATCH, DIGITS_TRAIN, assert_exact_audit, assert_same_tensors
-from .procs import CONFIGS, Pace, cli, wait_until
+from .procs import CONFIGS, Pace, cli, log_time, wait_until
 from .test_train_torchrun import final_state
 
 pytestmark = pytest.mark.slow
@@ -37,19 +36,16 @@ EVERY = 10  # steps between checkpoints (and one at each epoch's end)
 COMMON = [str(CONFIGS / "digits.yaml"), "logging.tensorboard_dir=null",
           "early_stopping.enabled=false", f"training.max_steps={STEPS}",
           "training.max_epochs=1000", f"checkpoint.every_steps={EVERY}", "eval.every_steps=0",
-          "recovery.mode=restart", "distributed.timeout_seconds=600", "--nproc-per-node", "2"]
+          "recovery.mode=restart", "distributed.timeout_seconds=600",
+          # every checkpoint kept: the commit log reads each manifest when it sees the commit,
+          # which on a loaded machine came after retention had removed it
+          "checkpoint.keep_last=100", "--nproc-per-node", "2"]
 _COMMITTED = re.compile(r"committed checkpoint \S*step-(\d{8})")
 
 
 # the fence guard's refusal (fencing.Fence.guard), in the worker's log line
 _REFUSED = re.compile(r"^(\d\d:\d\d:\d\d\.\d{3}) \[rank0\] ERROR elastic_runner\.worker: fenced "
                       r"out: not committing (step-\d{8}): \S+ was claimed by a newer group", re.M)
-
-
-def log_time(stamp: str, near: float) -> float:
-    """The unix time of a log line's ``HH:MM:SS.mmm`` stamp, on the day of ``near``."""
-    return datetime.strptime(f"{datetime.fromtimestamp(near):%Y-%m-%d} {stamp}",
-                             "%Y-%m-%d %H:%M:%S.%f").timestamp()
 
 
 def committed(log: str) -> list[int]:

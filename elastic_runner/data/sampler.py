@@ -52,6 +52,9 @@ class ElasticSampler:
         # (world_size, micro_batch_size, grad_accum_steps) of the step that reached the cursor:
         # after a regroup it is the old group's, until this sampler's first step
         self.committed_geometry = (world_size, micro_batch_size, grad_accum_steps)
+        # where the previous epoch's cursor stopped (samples; None: not known, see
+        # previous_epoch_end): its last steps may have had another world size than the others
+        self.epoch_end: int | None = None
         self._perm: tuple[tuple[int, int], np.ndarray] | None = None
         if self.steps_per_epoch() == 0:
             raise ValueError(
@@ -79,8 +82,10 @@ class ElasticSampler:
         return self._perm[1]
 
     def set_epoch(self, epoch: int) -> None:
-        """Start ``epoch`` from its beginning (a no-op for the epoch being resumed)."""
+        """Start ``epoch`` from its beginning (a no-op for the epoch being resumed); moving on
+        to the next epoch records where this one stopped."""
         if epoch != self.epoch:
+            self.epoch_end = self.cursor if epoch == self.epoch + 1 else None
             self.epoch, self.cursor = epoch, 0
 
     def advance(self) -> None:
@@ -89,8 +94,12 @@ class ElasticSampler:
         self.committed_geometry = (self.world_size, self.micro_batch_size, self.grad_accum_steps)
 
     def previous_epoch_end(self) -> int:
-        """Where the previous epoch's cursor ended (samples): its whole global batches at the
-        geometry its last step was committed with (the rest is its dropped tail)."""
+        """Where the previous epoch's cursor ended (samples; the rest is its dropped tail): as
+        recorded by :meth:`set_epoch`, or, for a state saved before it was recorded, its whole
+        global batches at the geometry its last step was committed with (wrong when the world
+        size changed within that epoch: 1744 + one step of 32 ends at 1776, not 1792)."""
+        if self.epoch_end is not None:
+            return self.epoch_end
         world_size, b, accum = self.committed_geometry
         size = world_size * b * accum
         return self.num_samples // size * size
@@ -141,7 +150,8 @@ class ElasticSampler:
         world_size, b, accum = self.committed_geometry
         return {"seed": self.seed, "epoch": self.epoch, "cursor": self.cursor,
                 "num_samples": self.num_samples, "world_size": world_size,
-                "micro_batch_size": b, "global_batch_size": world_size * b * accum}
+                "micro_batch_size": b, "global_batch_size": world_size * b * accum,
+                "previous_epoch_end": self.epoch_end}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state["num_samples"] != self.num_samples:
@@ -150,6 +160,7 @@ class ElasticSampler:
                 f"this one has {self.num_samples}"
             )
         self.seed, self.epoch, self.cursor = state["seed"], state["epoch"], state["cursor"]
+        self.epoch_end = state.get("previous_epoch_end")  # absent before it was recorded
         # checkpoints before the micro-batch size was stored: the per-rank share as one
         world_size = state.get("world_size", self.world_size)
         share = state.get("global_batch_size", self.global_batch_size) // world_size
