@@ -38,8 +38,9 @@ COMMON = [str(CONFIGS / "digits.yaml"), "logging.tensorboard_dir=null",
           "training.max_epochs=1000", f"checkpoint.every_steps={EVERY}", "eval.every_steps=0",
           "recovery.mode=restart", "distributed.timeout_seconds=600",
           # every checkpoint kept: the commit log reads each manifest when it sees the commit,
-          # which on a loaded machine came after retention had removed it
-          "checkpoint.keep_last=100", "--nproc-per-node", "2"]
+          # which on a loaded machine came after retention had removed it (retention keeps one
+          # best-step-N only, whatever keep_last says: an epoch's evaluation writes them)
+          "checkpoint.keep_last=100", "checkpoint.keep_best=false", "--nproc-per-node", "2"]
 _COMMITTED = re.compile(r"committed checkpoint \S*step-(\d{8})")
 
 
