@@ -24,6 +24,7 @@ from elastic_runner.data.loader import ElasticDataLoader
 from elastic_runner.data.sampler import ElasticSampler
 from elastic_runner.observe.reporting import SampleTraceRecorder
 
+from .evidence import assert_exact_audit
 from .ft_helpers import build_session, regression_data, run_step
 
 
@@ -241,3 +242,22 @@ def test_a_correct_loader_passes_with_the_fetched_indices(tmp_path, workers):
     assert (report.planned, report.repaired) == (0, 0)
     entries = [e for e in read_entries(tmp_path / "trace") if "indices" in e]
     assert [i for e in entries for i in e["indices"]] == sampler.permutation(0)[:32].tolist()
+
+
+def test_a_step_entry_lost_in_the_epoch_in_progress_fails_the_exact_audit(tmp_path):
+    """Rank 1's entry of step 2 is lost in an epoch that has not ended (steps of 4 samples, 2
+    ranks). The audit's own rules find nothing wrong: an epoch in progress has no missing
+    samples, and nothing is seen twice. The exact audit counts each traced step's global batch
+    of that epoch once, and fails (its check of the last epoch looked for duplicates only)."""
+    traces = [SampleTrace(tmp_path, r) for r in range(2)]
+    for step in (1, 2, 3):
+        for r, t in enumerate(traces):
+            if (r, step) != (1, 2):
+                t.record_step(0, step, 2, 0.5, [4 * (step - 1) + 2 * r, 4 * (step - 1) + 2 * r + 1])
+    for t in traces:
+        t.close()
+    (r,) = audit(tmp_path)
+    assert r.ok and not r.complete and not r.duplicated and r.seen_once == 10
+    for num_samples in (None, 100):
+        with pytest.raises(AssertionError):
+            assert_exact_audit(tmp_path, steps=3, global_batch=4, num_samples=num_samples)
