@@ -11,16 +11,18 @@ from datetime import datetime
 
 import torch
 import torch.distributed as dist
-from sklearn.datasets import load_digits
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+from elastic_runner.tasks.digits import load_digits_arrays
+
 
 def digits() -> TensorDataset:
-    d = load_digits()  # 1797 8x8 images, shipped with scikit-learn
-    x = torch.tensor(d.images, dtype=torch.float32).unsqueeze(1) / 16.0
-    return TensorDataset(x, torch.tensor(d.target))
+    # 1797 8x8 images: the copy of scikit-learn's digits that elastic-runner carries
+    images, labels = load_digits_arrays()
+    x = torch.tensor(images, dtype=torch.float32).unsqueeze(1) / 16.0
+    return TensorDataset(x, torch.tensor(labels))
 
 
 def build_model() -> nn.Module:

@@ -11,19 +11,20 @@ from datetime import datetime
 
 import torch
 import torch.distributed as dist
-from sklearn.datasets import load_digits
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.utils.data import TensorDataset
 
 import elastic_runner as er
+from elastic_runner.tasks.digits import load_digits_arrays
 
 
 def digits() -> TensorDataset:
-    d = load_digits()  # 1797 8x8 images, shipped with scikit-learn
-    x = torch.tensor(d.images, dtype=torch.float32).flatten(1) / 16.0
-    return TensorDataset(x, torch.tensor(d.target))
+    # 1797 8x8 images: the copy of scikit-learn's digits that elastic-runner carries
+    images, labels = load_digits_arrays()
+    x = torch.tensor(images, dtype=torch.float32).flatten(1) / 16.0
+    return TensorDataset(x, torch.tensor(labels))
 
 
 def build_model() -> nn.Module:
