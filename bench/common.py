@@ -13,6 +13,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
@@ -31,12 +32,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def log_time(stamp: str, near: float) -> float:
+    """The unix time (seconds) of a log line's ``HH:MM:SS.mmm`` stamp (``elastic_runner/logs.py``'s
+    format), on the local day of the unix time ``near``."""
+    return datetime.strptime(f"{datetime.fromtimestamp(near):%Y-%m-%d} {stamp}",
+                             "%Y-%m-%d %H:%M:%S.%f").timestamp()
+
+
 def step_stamps(log: str, pattern: re.Pattern[str] = RUNNER_STEP) -> list[tuple[float, int]]:
     """(seconds since the epoch, step) of every logged step line; ``pattern`` captures
     (HH:MM:SS.mmm, step), taken as today's."""
-    day = datetime.now().strftime("%Y-%m-%d")
-    return [(datetime.strptime(f"{day} {m[1]}", "%Y-%m-%d %H:%M:%S.%f").timestamp(), int(m[2]))
-            for ln in log.splitlines() if (m := pattern.match(ln))]
+    now = time.time()
+    return [(log_time(m[1], now), int(m[2])) for ln in log.splitlines()
+            if (m := pattern.match(ln))]
 
 
 def steps_per_second(log: str, pattern: re.Pattern[str] = RUNNER_STEP) -> float:

@@ -76,7 +76,6 @@ import sys
 import tempfile
 import time
 import urllib.request
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -86,7 +85,7 @@ from elastic_runner.data.audit import read_entries
 from elastic_runner.observe.metrics import GOODPUT_CAUSES
 from tests.procs import CONFIGS, REPO, Job, cli, wait_until
 
-from .common import etcd_server, free_port, spread
+from .common import etcd_server, free_port, log_time, spread
 
 SCENARIOS = ("sigkill", "sigterm", "node-leave", "node-join", "kill", "ettr")
 PATHS = ("restart", "in_place")
@@ -114,10 +113,6 @@ _RESUMED = re.compile(rf"^{_STAMP} \[rank0\] INFO elastic_runner\.train\.session
                       r"step (\d+)")
 
 
-def _epoch(day: str, hms: str) -> float:
-    return datetime.strptime(f"{day} {hms}", "%Y-%m-%d %H:%M:%S.%f").timestamp()
-
-
 def phases(log: str, t_fault: float, first_step_time: float) -> dict[str, float]:
     """The phases (seconds) of the first recovery after ``t_fault`` in an agent's ``log``;
     ``first_step_time``: wall-clock time of the first step committed after the resume.
@@ -125,12 +120,11 @@ def phases(log: str, t_fault: float, first_step_time: float) -> dict[str, float]
     Raises:
         RuntimeError: a line of the timeline is missing from the log.
     """
-    day = datetime.fromtimestamp(t_fault).strftime("%Y-%m-%d")
     lines = log.splitlines()
 
     def first(pattern: re.Pattern[str], after: float) -> tuple[float, re.Match[str]]:
         for ln in lines:
-            if (m := pattern.match(ln)) and (t := _epoch(day, m[1] or m[2])) >= after - 1e-3:
+            if (m := pattern.match(ln)) and (t := log_time(m[1] or m[2], t_fault)) >= after - 1e-3:
                 return t, m
         raise RuntimeError(f"no line matching {pattern.pattern!r} after {after:.3f} in the "
                            f"log:\n{log[-3000:]}")
@@ -184,8 +178,7 @@ def single_node(kind: str, backend: str, endpoint: str, workdir: Path) -> dict[s
     finally:
         job.kill_all()
     log = job.output
-    day = datetime.fromtimestamp(t_start).strftime("%Y-%m-%d")
-    t_fault = _epoch(day, next(m[1] for ln in log.splitlines() if (m := _FAULT.match(ln))))
+    t_fault = log_time(next(m[1] for ln in log.splitlines() if (m := _FAULT.match(ln))), t_start)
     # a SIGTERM after FAULT_STEP makes every rank discard the next step and checkpoint this one
     return _measure(log, t_fault, trace, FAULT_STEP)
 
@@ -203,11 +196,10 @@ def _measure(log: str, t_fault: float, trace: Path, last_done: int, script: bool
 
 def script_phases(log: str, t_fault: float, first_step_time: float) -> dict[str, float]:
     """:func:`phases` of a script's restart: its workers log no start-up split."""
-    day = datetime.fromtimestamp(t_fault).strftime("%Y-%m-%d")
     times = {}
     for name, pattern in (("detect", _DETECT), ("rdzv", _RDZV)):
         t, m = next((t, m) for ln in log.splitlines() if (m := pattern.match(ln))
-                    and (t := _epoch(day, m[1] or m[2])) >= times.get("detect", t_fault) - 1e-3)
+                    and (t := log_time(m[1] or m[2], t_fault)) >= times.get("detect", t_fault) - 1e-3)
         times[name], times[f"{name}_m"] = t, m
     t_rdzv_start = times["rdzv"] - float(times["rdzv_m"][2])
     return {"detection": times["detect"] - t_fault, "stop": t_rdzv_start - times["detect"],
@@ -218,9 +210,8 @@ def script_phases(log: str, t_fault: float, first_step_time: float) -> dict[str,
 
 def _resumed(log: str, after: float) -> tuple[float, int]:
     """Time and step of the first "resumed from" line of rank 0 at or after ``after``."""
-    day = datetime.fromtimestamp(after).strftime("%Y-%m-%d")
     return next((t, int(m[2])) for ln in log.splitlines()
-                if (m := _RESUMED.match(ln)) and (t := _epoch(day, m[1])) >= after - 1e-3)
+                if (m := _RESUMED.match(ln)) and (t := log_time(m[1], after)) >= after - 1e-3)
 
 
 def node_leave_join(backend: str, endpoint: str, workdir: Path

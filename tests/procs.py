@@ -16,7 +16,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from datetime import datetime
 from pathlib import Path
 
 import psutil
@@ -30,13 +29,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def log_time(stamp: str, near: float) -> float:
-    """The unix time (seconds) of a log line's ``HH:MM:SS.mmm`` stamp, on the local day of the
-    unix time ``near``."""
-    return datetime.strptime(f"{datetime.fromtimestamp(near):%Y-%m-%d} {stamp}",
-                             "%Y-%m-%d %H:%M:%S.%f").timestamp()
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float, what: str,

@@ -15,11 +15,12 @@ from pathlib import Path
 
 import pytest
 
+from bench.common import log_time
 from elastic_runner.data import audit
 from elastic_runner.observe.goodput import CAUSES, Goodput, process_start_time
 from elastic_runner.train.callbacks import StepEnd
 
-from .procs import CONFIGS, cli, log_time, wait_until
+from .procs import CONFIGS, cli, wait_until
 
 
 class Clock:

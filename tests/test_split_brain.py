@@ -21,12 +21,13 @@ import time
 import psutil
 import pytest
 
+from bench.common import log_time
 from elastic_runner.checkpoint import storage as ckpt
 from elastic_runner.exit_codes import EXIT_FENCED
 
 from .commit_log import CommitLog
 from .evidence import DIGITS_GLOBAL_BATCH, DIGITS_TRAIN, assert_exact_audit, assert_same_tensors
-from .procs import CONFIGS, Pace, cli, log_time, wait_until
+from .procs import CONFIGS, Pace, cli, wait_until
 from .test_train_torchrun import final_state
 
 pytestmark = pytest.mark.slow
