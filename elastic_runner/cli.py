@@ -140,6 +140,10 @@ def _add_run(sub: Any) -> None:
                         "from a warm spare, the others keep their process; restart: every "
                         "worker restarts from the newest checkpoint); a config sets "
                         "recovery.mode instead")
+    p.add_argument("--no-fork-server", dest="fork_server", action="store_false",
+                   help="start every worker, replacement and spare as a new interpreter "
+                        "(subprocess.Popen, as torchrun does) instead of forking it from the "
+                        "node's fork server, which has imported torch and the runner once")
     p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
                    help="serve the node's metrics and health endpoints on PORT (same as "
                         "metrics.port=PORT)")

@@ -189,6 +189,7 @@ import inspect
 import logging
 import os
 import time
+import types
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -719,6 +720,8 @@ def _check_inplace_agent() -> str | None:
             return f"LocalElasticAgent.{name} is gone"
     if not _mentions_name(SubprocessContext._start, "subprocess_handlers"):
         return "SubprocessContext no longer keeps subprocess_handlers"
+    if not _mentions_name(SubprocessContext._start, "get_subprocess_handler"):
+        return "SubprocessContext no longer builds its handlers with get_subprocess_handler"
     return None
 
 
@@ -1102,9 +1105,15 @@ def _mentions(fn: object, text: str) -> bool:
 
 
 def _mentions_name(fn: object, name: str) -> bool:
-    """Whether ``fn`` itself (not unwrapped) uses the global or attribute ``name``."""
+    """Whether ``fn`` itself (not unwrapped), its comprehensions and lambdas included, uses the
+    global or attribute ``name``."""
     code = getattr(fn, "__code__", None)
-    return code is not None and name in code.co_names
+    return code is not None and _code_names(code, name)
+
+
+def _code_names(code: types.CodeType, name: str) -> bool:
+    return name in code.co_names or any(
+        _code_names(c, name) for c in code.co_consts if isinstance(c, types.CodeType))
 
 
 def names_this_machine(host: str) -> bool:

@@ -133,8 +133,8 @@ class Job:
         out = {}
         for p in self.descendants():
             try:
-                if p.is_running() and argument in p.cmdline():
-                    out[int(p.environ().get("RANK", "-1"))] = p
+                if p.is_running() and argument in command_words(p):
+                    out[start_rank(p)] = p
             except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
                 continue
         return out
@@ -147,6 +147,24 @@ class Job:
             os.killpg(self.proc.pid, 9)
         self.proc.wait(timeout=30)
         self._log.close()
+
+
+def command_words(p: psutil.Process) -> list[str]:
+    """``p``'s command line, word by word, also when it is the process title that a worker
+    forked by the agent's fork server shows (one string, padded with NULs)."""
+    return " ".join(p.cmdline()).split()
+
+
+def start_rank(p: psutil.Process) -> int:
+    """A worker's RANK when it started (-1: a spare): from its environment, or from the title
+    of one forked by the agent's fork server (``... (rank R)``, ``... (spare)``), whose
+    ``/proc/PID/environ`` is the fork server's."""
+    words = command_words(p)
+    if words[-2:-1] == ["(rank"]:
+        return int(words[-1].rstrip(")"))
+    if words[-1:] == ["(spare)"]:
+        return -1
+    return int(p.environ().get("RANK", "-1"))
 
 
 def kill_and_reap(proc: subprocess.Popen | None) -> None:

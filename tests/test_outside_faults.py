@@ -29,7 +29,7 @@ from elastic_runner.tasks import digits
 from elastic_runner.tasks.base import TaskBundle
 
 from .evidence import DIGITS_GLOBAL_BATCH, DIGITS_TRAIN, assert_exact_audit, assert_same_tensors
-from .procs import CONFIGS, Job, cli, wait_until
+from .procs import CONFIGS, Job, cli, command_words, start_rank, wait_until
 from .test_inplace import done, replacements
 from .test_train_torchrun import rank_summaries
 
@@ -106,7 +106,7 @@ def trainers(job: Job) -> dict[int, psutil.Process]:
     procs = {}
     for p in job.descendants():
         try:
-            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE and "train" in p.cmdline():
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE and "train" in command_words(p):
                 procs[p.pid] = p
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
@@ -114,7 +114,7 @@ def trainers(job: Job) -> dict[int, psutil.Process]:
     for p in procs.values():
         try:
             if p.ppid() not in procs:
-                out[int(p.environ().get("RANK", "-1"))] = p
+                out[start_rank(p)] = p
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
     return {rank: p for rank, p in out.items() if rank >= 0}

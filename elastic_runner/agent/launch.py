@@ -59,6 +59,7 @@ from ..logs import first_line
 from ..observe.node_metrics import NodeEndpoint
 from ..recovery.membership import Policy
 from ..recovery.store import C10D_DEFAULT_PORT, StoreLocation
+from . import worker_start
 from .etcd_check import (
     EtcdCheckError,
     check_etcd,
@@ -305,7 +306,7 @@ def _launch_agent(args: argparse.Namespace, targs: argparse.Namespace) -> int:
             script=bool(getattr(args, "script", None)),
             on_replacement=endpoint.monitor.replaced if endpoint is not None else None))
     try:
-        with agent:
+        with agent, worker_start.forking(getattr(args, "fork_server", True)):
             code = _run_agent(targs, config, cmd, cmd_args)
         restarts = getattr(args, "restarts", None)
         if code == EXIT_FAILED and restarts is not None and restarts.looped:

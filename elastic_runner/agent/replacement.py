@@ -23,7 +23,8 @@ from ..recovery.membership import View
 from ..recovery.protocol import ENV, GENERATION_ENV
 from .node_attempt import AGENT_LOG as log
 from .node_attempt import NodeAttempt
-from .spares import Adopted, Spare, Spares
+from .spares import Spare, Spares
+from .worker_start import Worker
 
 # exit codes never replaced in place: a replacement would fail the same way (bad input), a
 # newer group owns the checkpoints (fenced out), the node goes away (preempted), or the rank
@@ -152,7 +153,7 @@ class Replacer:
         # the dead worker's file goes before the spare can start beating into it
         (attempt.heartbeats / str(local_rank)).unlink(missing_ok=True)
         rs.attempt.assign(spare.name, env)
-        pc.subprocess_handlers[local_rank] = Adopted(spare.proc, local_rank)
+        pc.subprocess_handlers[local_rank] = Worker(spare.proc, local_rank)
         worker.id = spare.proc.pid
         return spare
 

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from ..recovery.protocol import SPARE_ENV
+from . import worker_start
 from .node_attempt import AGENT_LOG as log
 from .node_attempt import NodeAttempt
 
@@ -29,22 +29,10 @@ RECOVERY_WAIT_S = 30.0
 _RANK_VARIABLES = ("RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_ERROR_FILE")
 
 
-class Adopted:
-    """A process the agent started itself (a spare), in the shape of torch's
-    ``SubprocessHandler`` (``proc``, ``local_rank_id``, ``close``)."""
-
-    def __init__(self, proc: subprocess.Popen[bytes], local_rank: int) -> None:
-        self.proc, self.local_rank_id = proc, local_rank
-
-    def close(self, death_sig: signal.Signals | None = None) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, death_sig or signal.SIGTERM)
-
-
 @dataclass
 class Spare:
     name: str  # "<node id>.<number>": its keys in the recovery store
-    proc: subprocess.Popen[bytes]
+    proc: worker_start.Process
     started: float  # time.monotonic() at its start
     ready: bool = False
 
@@ -88,8 +76,7 @@ class Spares:
         for variable in _RANK_VARIABLES:
             env.pop(variable, None)
         env.update({**self._attempt.worker_variables(), SPARE_ENV: name, "RANK": "-1"})
-        proc = subprocess.Popen([pc.entrypoint, *map(str, pc.args[0])], env=env,
-                                start_new_session=True)
+        proc = worker_start.popen([pc.entrypoint, *pc.args[0]], env)
         log.info("spare %s started (pid %d)", name, proc.pid)
         return Spare(name, proc, time.monotonic())
 
@@ -97,7 +84,7 @@ class Spares:
         """SIGKILL the spare kept, if any, and wait for it."""
         spare, self._spare = self._spare, None
         if spare is not None and spare.proc.poll() is None:
-            os.killpg(spare.proc.pid, signal.SIGKILL)
+            worker_start.signal_session(spare.proc, signal.SIGKILL)
             spare.proc.wait()
 
 
