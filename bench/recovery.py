@@ -21,7 +21,8 @@ Phases, read from the surviving agent's log (millisecond stamps; see ``worker.lo
 * ``stop``: -> the agent enters the rendezvous (surviving workers exited);
 * ``rendezvous``: torchelastic's ``_rendezvous`` duration (for ``node-leave`` mostly the last
   call);
-* ``start+import``: -> the new worker enters ``main`` (spawn, interpreter, ``import torch``);
+* ``start+import``: -> the new worker enters ``main`` (forked from the agent's fork server, or
+  with ``--starts popen`` a new interpreter that imports torch and the runner);
 * ``device``: the CUDA context created (~0 on CPU);
 * ``process group``: ``init_process_group`` plus the per-attempt store namespace;
 * ``data+model``: the task's data and model, DDP's parameter broadcast (digits imports
@@ -62,6 +63,7 @@ drift on this shared machine hits all alike.
 
     python -m bench.recovery [--repeats 2] [--scenarios sigkill node-leave kill ettr ...]
                              [--backends c10d etcd-v2] [--tasks digits char_lm own_loop]
+                             [--starts fork popen]
                              [--ettr-seconds 300] [--ettr-intervals 30 10] [--json out.json]
 """
 
@@ -164,13 +166,17 @@ def _run_argv(backend: str, endpoint: str, rdzv_id: str, ck: Path, trace: Path, 
                "--trace-samples", str(trace))
 
 
-def single_node(kind: str, backend: str, endpoint: str, workdir: Path) -> dict[str, float]:
-    """``sigkill`` or ``sigterm`` of rank 1 after step 35 on one node with 2 workers."""
+def single_node(kind: str, backend: str, endpoint: str, workdir: Path, start: str = "fork"
+                ) -> dict[str, float]:
+    """``sigkill`` or ``sigterm`` of rank 1 after step 35 on one node with 2 workers; ``start``:
+    how the agent starts the workers (``fork``: from its fork server; ``popen``: a new
+    interpreter each, ``--no-fork-server``)."""
     ck, trace = workdir / "ck", workdir / "trace"
     workdir.mkdir(parents=True)
     t_start = time.time()
     job = Job(_run_argv(backend, endpoint, f"bench-{time.time_ns()}", ck, trace, "1", 2, FAULT_STEP + 10,
-                        f"faults.inject=[{{kind: {kind}, rank: 1, step: {FAULT_STEP}}}]"),
+                        f"faults.inject=[{{kind: {kind}, rank: 1, step: {FAULT_STEP}}}]",
+                        *(["--no-fork-server"] if start == "popen" else [])),
               workdir / "node.log")
     try:
         if job.wait(RUN_TIMEOUT_S) != 0:
@@ -475,10 +481,11 @@ def scrape_goodput(port: int, host: str = "127.0.0.1") -> dict[str, float]:
 
 
 def run_repeat(scenarios: list[str], backends: list[str], etcd: str | None,
-               workdir: Path, tasks: tuple[str, ...] = ("digits", "char_lm", "own_loop")
-               ) -> dict[str, dict[str, float]]:
+               workdir: Path, tasks: tuple[str, ...] = ("digits", "char_lm", "own_loop"),
+               starts: tuple[str, ...] = ("fork",)) -> dict[str, dict[str, float]]:
     """One run of every (scenario, backend) pair; keyed ``"scenario/backend"`` (``kill``:
-    ``"kill/task/path"``)."""
+    ``"kill/task/path"``; ``sigkill`` and ``sigterm`` started with Popen:
+    ``"scenario/backend/popen"``)."""
     out: dict[str, dict[str, float]] = {}
     if "kill" in scenarios:
         for task in tasks:
@@ -489,9 +496,10 @@ def run_repeat(scenarios: list[str], backends: list[str], etcd: str | None,
     for backend in backends:
         endpoint = etcd if backend == "etcd-v2" and etcd else f"127.0.0.1:{free_port()}"
         for kind in ("sigkill", "sigterm"):
-            if kind in scenarios:
-                out[f"{kind}/{backend}"] = single_node(kind, backend, endpoint,
-                                                       workdir / f"{kind}-{backend}")
+            for start in starts if kind in scenarios else ():
+                case = f"{kind}/{backend}" + ("/popen" if start == "popen" else "")
+                out[case] = single_node(kind, backend, endpoint,
+                                        workdir / case.replace("/", "-"), start)
         if {"node-leave", "node-join"} & set(scenarios):
             leave, join = node_leave_join(backend, endpoint, workdir / f"nodes-{backend}")
             for kind, result in (("node-leave", leave), ("node-join", join)):
@@ -549,6 +557,10 @@ def main(argv: list[str] | None = None) -> dict:
                    choices=["digits", "char_lm", "own_loop"],
                    help="the kill scenario's jobs: the built-in trainer's tasks, and own_loop "
                         "(examples/own_loop.py, digits in a user's loop)")
+    p.add_argument("--starts", nargs="+", default=["fork"], choices=["fork", "popen"],
+                   help="how the agent starts the workers of the sigkill and sigterm runs: "
+                        "forked from its fork server (the default), and/or each a new "
+                        "interpreter (--no-fork-server), in the same repeat")
     p.add_argument("--ettr-seconds", type=float, default=300.0)
     p.add_argument("--ettr-intervals", nargs="+", type=float, default=[30.0, 10.0])
     p.add_argument("--paths", nargs="+", default=list(PATHS), choices=PATHS,
@@ -576,7 +588,7 @@ def main(argv: list[str] | None = None) -> dict:
 
         for i in range(args.repeats):
             repeats.append(run_repeat(args.scenarios, backends, etcd, Path(d) / str(i),
-                                      tuple(args.tasks)))
+                                      tuple(args.tasks), tuple(args.starts)))
             save()
         if "ettr" in args.scenarios:
             for interval in args.ettr_intervals:

@@ -331,6 +331,8 @@ def test_an_fsdp2_loop_recovers_in_place_from_peer_copies_bitwise(launch, tmp_pa
     wait_until(lambda: len([r for r in job.workers(script) if r >= 0]) == 2, 60, "two ranks")
     pids = {rank: p.pid for rank, p in job.workers(script).items() if rank >= 0}
     survivors = []
+    # the first peer copies (of step 5) exchanged: a forked spare is ready before (about 0.5 s)
+    wait_until(lambda: max(audit.steps_recorded(trace, 0), default=0) >= 7, 60, "7 steps")
     for generation, rank in enumerate([1, 0], start=1):
         wait_until(lambda g=generation: len(_READY.findall(job.output)) >= g, 60,
                    f"fault {generation}: a warm spare")

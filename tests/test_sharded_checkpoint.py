@@ -441,6 +441,9 @@ def test_the_plan_of_a_recovery_from_peer_copies():
     assert plan([member(None, None, True, 0)] * 2) == "no survivor holds a copy"
     assert plan([member(None, None, world=0), member(None, None, True, 0)]) == (
         "no peer copy was taken yet (recovery.peer_copy_every_steps; 0: none)")
+    # copies dropped for a newer checkpoint (commit_before_regroup) say why
+    dropped = {**member(None, None, world=0), "dropped": "the peer copies predate step 21"}
+    assert plan([dropped, member(None, None, True, 0)]) == "the peer copies predate step 21"
 
 
 def test_the_plan_of_an_hsdp_recovery_from_replicas():

@@ -53,6 +53,7 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -73,6 +74,16 @@ TORCHRUN_PER_WORKER = frozenset({
     "TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING"})
 PER_WORKER_PREFIXES = ("TORCHELASTIC_", "ELASTIC_RUNNER_")
 PER_WORKER = TORCHRUN_PER_WORKER  # (and every name with one of PER_WORKER_PREFIXES)
+
+MODULE = "elastic_runner.agent.fork_server"  # (as __main__ in the fork server: not __name__)
+UNKNOWN_EXIT = 1  # a forked worker's exit code when the fork server died before it
+
+# signals the fork server ignores, and its children get back as a new interpreter has them:
+# Slurm (scancel, --signal) and ``kill -- -PGID`` signal every process of a node's job, and a
+# fork server ended by one would take its children's exit statuses with it (the agent could
+# no longer tell a preempted worker, 143, from a failed one); it ends when the agent does
+IGNORED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2,
+           signal.SIGQUIT, signal.SIGALRM)
 
 _HEADER = struct.Struct("!I")  # a message: its length, then JSON
 _MAX_FDS = 2
@@ -196,7 +207,8 @@ def _become(request: dict[str, Any], fds: list[int], sock: socket.socket) -> Non
     """In the child: the session, signals, descriptors, directory and environment a fresh
     worker would have had."""
     os.setsid()  # as torch's SubprocessHandler (start_new_session): killpg reaches it alone
-    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    for sig in (signal.SIGCHLD, *IGNORED):
+        signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     sock.close()
     fds = list(fds)
@@ -208,9 +220,7 @@ def _become(request: dict[str, Any], fds: list[int], sock: socket.socket) -> Non
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
-    random.seed()  # a fresh interpreter seeds from the OS; forked ones would share the server's
-    if "numpy" in sys.modules:
-        sys.modules["numpy"].random.seed()
+    _reseed()
     unbuffered = request["unbuffered"] or bool(request["env"].get("PYTHONUNBUFFERED"))
     sys.stdout = _stdio(1, sys.stdout, unbuffered)
     sys.stderr = _stdio(2, sys.stderr, True)
@@ -222,6 +232,17 @@ def title(argv: Sequence[str], env: Mapping[str, str]) -> str:
     its rank (its ``/proc/PID/environ`` is the fork server's), or ``(spare)``."""
     rank = env.get("RANK", "-1")
     return " ".join(argv) + (" (spare)" if rank == "-1" else f" (rank {rank})")
+
+
+def _reseed() -> None:
+    """Seed what a fresh interpreter seeds from the OS (Python's and numpy's global generators,
+    torch's CPU generator): forked, every child would draw the fork server's numbers. (The hash
+    seed of ``str`` stays the fork server's: it is fixed when the interpreter starts.)"""
+    random.seed()
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
+    if "torch" in sys.modules:
+        sys.modules["torch"].random.default_generator.seed()
 
 
 def _stdio(fd: int, old: io.TextIOWrapper, unbuffered: bool) -> io.TextIOWrapper:
@@ -252,10 +273,19 @@ def main(fd: int, preload: Sequence[str]) -> dict[str, Any] | None:
     import ``preload``, then serve the socket ``fd``; in a child, its request."""
     # its title, set before any child changes its environment: setproctitle finds the room
     # for a title (the command line and the environment after it) at its first call
-    setproctitle.setproctitle(" ".join([sys.executable, "-m", __name__, "(fork server)"]))
+    setproctitle.setproctitle(f"{sys.executable} -m {MODULE} (fork server)")
+    for sig in IGNORED:
+        signal.signal(sig, signal.SIG_IGN)
     for name in preload:
         with contextlib.suppress(Exception):
             __import__(name)
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        # a child could not use CUDA (torch refuses it after a fork); the agent starts its
+        # workers with Popen when the fork server ends before its first fork
+        print("elastic-runner: fork server: an import initialised CUDA; not forking",
+              file=sys.stderr, flush=True)
+        return None
     gc.freeze()  # the imports' objects: no collection in a child touches (copies) their pages
     return serve(socket.socket(fileno=fd))
 
@@ -266,26 +296,43 @@ def main(fd: int, preload: Sequence[str]) -> dict[str, Any] | None:
 class ForkedProcess:
     """A child of the fork server, in the shape of ``subprocess.Popen`` (``pid``, ``args``,
     ``returncode``, ``poll``, ``wait``, ``send_signal``, ``terminate``, ``kill``); its exit
-    status comes from the fork server (negative: the signal that ended it)."""
+    status comes from the fork server (negative: the signal that ended it). Should the fork
+    server die before the child, the child's end is still seen (a pidfd), with exit code
+    :data:`UNKNOWN_EXIT` and a warning."""
 
-    def __init__(self, pid: int, args: Sequence[str]) -> None:
+    def __init__(self, pid: int, args: Sequence[str], server_gone: threading.Event) -> None:
         self.pid, self.args = pid, list(args)
         self.returncode: int | None = None
-        self._ended = threading.Event()
+        self._ended, self._server_gone = threading.Event(), server_gone
+        try:
+            self._pidfd: int | None = os.pidfd_open(pid)
+        except (OSError, AttributeError):  # ended and reaped already; or no pidfd (Linux < 5.3)
+            self._pidfd = None
 
     def _exited(self, code: int) -> None:
         self.returncode = code
         self._ended.set()
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
 
     def poll(self) -> int | None:
+        if self.returncode is None and self._server_gone.is_set() and self._pidfd is not None \
+                and select.select([self._pidfd], [], [], 0)[0]:
+            log.warning("fork server: gone before worker pid %d, which has ended; its exit code "
+                        "is unknown (%d)", self.pid, UNKNOWN_EXIT)
+            self._exited(UNKNOWN_EXIT)
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
         """Raises:
             subprocess.TimeoutExpired: still running after ``timeout`` seconds."""
-        if not self._ended.wait(timeout):
-            raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
-        assert self.returncode is not None
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+            self._ended.wait(0.1 if left is None else min(left, 0.1))
         return self.returncode
 
     def send_signal(self, sig: int) -> None:
@@ -313,9 +360,11 @@ class ForkServer:
         self._proc: subprocess.Popen[bytes] | None = None
         self._sock: socket.socket | None = None
         self._env: dict[str, str] = {}
-        self._pids: queue.Queue[int | None] = queue.Queue()
+        # each fork's child, registered by the reader before its exit status can come
+        self._forked: queue.Queue[ForkedProcess | None] = queue.Queue()
         self._children: dict[int, ForkedProcess] = {}
-        self._gone = False
+        self._gone = False  # no more forks (closed, or the fork server ended)
+        self._ended = threading.Event()  # the fork server's exit statuses stopped coming
 
     def popen(self, argv: Sequence[str], env: Mapping[str, str], stdout: Any = None,
               stderr: Any = None) -> ForkedProcess | subprocess.Popen[bytes]:
@@ -350,22 +399,21 @@ class ForkServer:
         try:
             assert self._sock is not None
             _send(self._sock, request, fds)
-            pid = self._pids.get(timeout=30)
+            child = self._forked.get(timeout=30)
         except (OSError, queue.Empty):
-            pid = None
-        if pid is None:
+            child = None
+        if child is None:
             self._gone = True
             log.warning("fork server: gone; workers start with Popen from now on")
             return None
-        child = ForkedProcess(pid, argv)
-        self._children[pid] = child
+        child.args = argv
         return child
 
     def _start(self, env: dict[str, str]) -> bool:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", __name__, str(theirs.fileno()), *self._preload],
+                [sys.executable, "-m", MODULE, str(theirs.fileno()), *self._preload],
                 env=env, stdin=subprocess.DEVNULL, pass_fds=(theirs.fileno(),),
                 start_new_session=True)
         except OSError as e:
@@ -384,11 +432,14 @@ class ForkServer:
         while (got := _recv(sock)) is not None:
             message, _ = got
             if "pid" in message:
-                self._pids.put(message["pid"])
+                child = ForkedProcess(message["pid"], [], self._ended)
+                self._children[child.pid] = child
+                self._forked.put(child)
             elif (child := self._children.pop(message["exit"], None)) is not None:
                 child._exited(message["code"])
         self._gone = True
-        self._pids.put(None)
+        self._ended.set()
+        self._forked.put(None)
 
     def close(self) -> None:
         """End the fork server (its children go on, as ``Popen``'s would) and wait for it."""

@@ -49,8 +49,13 @@ def commit_before_regroup(loop: Recoverable) -> None:
     group loads it (DCP reshards) and redoes nothing."""
     checkpoints = loop.session.checkpoints
     if checkpoints.sharded:
-        checkpoints.save(loop.session.state.step)
+        step = loop.session.state.step
+        checkpoints.save(step)
         checkpoints.wait()
+        # copies of an earlier step, taken at the new world size before a shrink, would fit
+        # the new group and roll it back past this checkpoint
+        loop.recovery.copies.drop(f"the peer copies predate step {step}, committed before "
+                                  "the group changed size")
 
 
 class NodeChanges:

@@ -123,9 +123,12 @@ class NoCopies:
         return False
 
     def summary(self) -> dict[str, Any]:
-        return {"own": None, "held": None, "world_size": 0}
+        return {"own": None, "held": None, "world_size": 0, "dropped": None}
 
     def settle(self) -> None:
+        pass
+
+    def drop(self, reason: str) -> None:
         pass
 
 
@@ -164,6 +167,7 @@ class PeerCopies:
         self._epoch = -1
         self._in_flight: _InFlight | None = None
         self._spare: list[torch.Tensor] = []  # buffers of a pair replaced or dropped
+        self._dropped: str | None = None  # why the pair was dropped (:meth:`drop`)
 
     def due(self, step: int) -> bool:
         return step % self.every_steps == 0
@@ -212,7 +216,15 @@ class PeerCopies:
             self._spare += [c.data for c in (flight.own, flight.held) if c is not None]
             return
         self._spare += [c.data for c in (self.own, self.held) if c is not None]
-        self.own, self.held = flight.own, flight.held
+        self.own, self.held, self._dropped = flight.own, flight.held, None
+
+    def drop(self, reason: str) -> None:
+        """Forget the pair (``reason``: why, which :func:`plan` reports): a newer committed
+        checkpoint supersedes it, and a group re-formed at the pair's world size would roll
+        back to it instead."""
+        self.settle()
+        self._spare += [c.data for c in (self.own, self.held) if c is not None]
+        self.own, self.held, self._dropped = None, None, reason
 
     def adopt(self, copy: Copy) -> None:
         """A replacement: ``copy`` (its state, from its successor) is its own copy now."""
@@ -232,7 +244,8 @@ class PeerCopies:
         self.settle()
         return {"own": self.own.step if self.own else None,
                 "held": self.held.step if self.held else None,
-                "world_size": self.own.world_size if self.own else 0}
+                "world_size": self.own.world_size if self.own else 0,
+                "dropped": self._dropped}
 
     def _spare_of(self, size: int, pinned: bool) -> torch.Tensor:
         """A spare buffer of ``size`` bytes (pinned if asked), else a new one."""
@@ -268,7 +281,8 @@ def plan(everyone: list[dict[str, Any]]) -> tuple[int, dict[int, int]] | str:
     if not survivors:
         return "no survivor holds a copy"
     if all(everyone[r]["own"] is None for r in survivors):
-        return "no peer copy was taken yet (recovery.peer_copy_every_steps; 0: none)"
+        return next((everyone[r]["dropped"] for r in survivors if everyone[r].get("dropped")),
+                    "no peer copy was taken yet (recovery.peer_copy_every_steps; 0: none)")
     if any(everyone[r]["world_size"] != world_size for r in survivors):
         return f"the copies were taken at another world size than {world_size}"
     steps = {everyone[r]["own"] for r in survivors}
