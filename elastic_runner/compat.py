@@ -108,13 +108,16 @@ does when one is gone (required: exit code 2 with one line; optional: a warning,
 
 9. **In-place recovery** (``launcher/api.py``: ``launch_agent`` constructs the module global
    ``LocalElasticAgent``; ``elastic/multiprocessing/api.py``: ``SubprocessContext`` keeps one
-   ``SubprocessHandler`` (``proc``, ``close``) per local rank in ``subprocess_handlers`` and
-   its ``envs``/``args``/``entrypoint``; ``local_elastic_agent.py``: ``_start_workers``,
+   ``SubprocessHandler`` (``proc``, ``close``) per local rank in ``subprocess_handlers``, built
+   by the module global ``get_subprocess_handler``, and its ``envs``/``args``/``entrypoint``;
+   ``local_elastic_agent.py``: ``_start_workers``,
    ``_stop_workers``, ``_shutdown``, ``_monitor_workers``, ``self._pcontext`` and, when
    configured, ``_check_uninterruptible_state_timeout``; optional,
    agent). :func:`agent_class` makes ``launch_agent`` build
    :class:`~elastic_runner.agent.inplace_agent.InPlaceAgent`, which swaps a spare into a dead
-   worker's slot. Without them ``run`` recovers by restarting every worker, as torchrun does.
+   worker's slot; :func:`elastic_runner.agent.worker_start.forking` swaps that function for
+   one that forks each worker from the agent's fork server. Without them ``run`` recovers by
+   restarting every worker, each a new interpreter, as torchrun does.
 
 10. **torchrun's ``--shutdown-timeout``** (``run.py``: ``get_args_parser``; optional, agent).
    ``elastic-runner run`` passes ``preemption.grace_seconds`` as this option, the SIGTERM ->

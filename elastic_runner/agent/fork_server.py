@@ -67,16 +67,19 @@ PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "torch.nn.parallel",
            "elastic_runner.worker", "elastic_runner.own_loop")
 
 # variables torchrun (``LocalElasticAgent._start_workers``) and this runner set per worker or
-# per generation; read when the worker runs, so a fork server started with other values serves
-TORCHRUN_PER_WORKER = frozenset({
+# per attempt (and every name with one of PER_WORKER_PREFIXES); read when the worker runs, not
+# when it imports, so a fork server started with other values serves them
+PER_WORKER = frozenset({
     "LOCAL_RANK", "RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WORLD_SIZE",
     "WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
     "TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING"})
 PER_WORKER_PREFIXES = ("TORCHELASTIC_", "ELASTIC_RUNNER_")
-PER_WORKER = TORCHRUN_PER_WORKER  # (and every name with one of PER_WORKER_PREFIXES)
 
 MODULE = "elastic_runner.agent.fork_server"  # (as __main__ in the fork server: not __name__)
 UNKNOWN_EXIT = 1  # a forked worker's exit code when the fork server died before it
+# the longest wait for a fork's pid, seconds; the first includes the fork server's imports
+# (about 3 s here, CUDA's libraries take longer)
+FORK_TIMEOUT_S = 120.0
 
 # signals the fork server ignores, and its children get back as a new interpreter has them:
 # Slurm (scancel, --signal) and ``kill -- -PGID`` signal every process of a node's job, and a
@@ -189,7 +192,8 @@ def serve(sock: socket.socket) -> dict[str, Any] | None:
             return request
         for fd in fds:
             os.close(fd)
-        _send(sock, {"pid": pid})
+        with contextlib.suppress(OSError):  # the agent is gone: the next read says so
+            _send(sock, {"pid": pid})
 
 
 def _reap(sock: socket.socket) -> None:
@@ -200,7 +204,8 @@ def _reap(sock: socket.socket) -> None:
             return
         if pid == 0:
             return
-        _send(sock, {"exit": pid, "code": os.waitstatus_to_exitcode(status)})
+        with contextlib.suppress(OSError):
+            _send(sock, {"exit": pid, "code": os.waitstatus_to_exitcode(status)})
 
 
 def _become(request: dict[str, Any], fds: list[int], sock: socket.socket) -> None:
@@ -222,8 +227,8 @@ def _become(request: dict[str, Any], fds: list[int], sock: socket.socket) -> Non
     os.environ.update(request["env"])
     _reseed()
     unbuffered = request["unbuffered"] or bool(request["env"].get("PYTHONUNBUFFERED"))
-    sys.stdout = _stdio(1, sys.stdout, unbuffered)
-    sys.stderr = _stdio(2, sys.stderr, True)
+    sys.stdout = sys.__stdout__ = _stdio(1, sys.stdout, unbuffered)
+    sys.stderr = sys.__stderr__ = _stdio(2, sys.stderr, True)
     setproctitle.setproctitle(title(request["argv"], request["env"]))
 
 
@@ -384,7 +389,8 @@ class ForkServer:
 
     def _fork(self, argv: list[str], env: dict[str, str], stdout: Any,
               stderr: Any) -> ForkedProcess | None:
-        if self._gone or command(argv) is None:
+        if self._gone or command(argv) is None \
+                or any(f is not None and not hasattr(f, "fileno") for f in (stdout, stderr)):
             return None
         if self._sock is None and not self._start(env):
             return None
@@ -399,12 +405,13 @@ class ForkServer:
         try:
             assert self._sock is not None
             _send(self._sock, request, fds)
-            child = self._forked.get(timeout=30)
+            child = self._forked.get(timeout=FORK_TIMEOUT_S)
         except (OSError, queue.Empty):
             child = None
         if child is None:
-            self._gone = True
-            log.warning("fork server: gone; workers start with Popen from now on")
+            log.warning("fork server: gone or not answering within %.0f s; workers start with "
+                        "Popen from now on", FORK_TIMEOUT_S)
+            self._end()  # (a fork it had not answered for must not come after the Popen)
             return None
         child.args = argv
         return child
@@ -429,31 +436,38 @@ class ForkServer:
     def _read(self) -> None:
         sock = self._sock
         assert sock is not None
-        while (got := _recv(sock)) is not None:
-            message, _ = got
-            if "pid" in message:
-                child = ForkedProcess(message["pid"], [], self._ended)
-                self._children[child.pid] = child
-                self._forked.put(child)
-            elif (child := self._children.pop(message["exit"], None)) is not None:
-                child._exited(message["code"])
-        self._gone = True
-        self._ended.set()
-        self._forked.put(None)
+        try:
+            while (got := _recv(sock)) is not None:
+                message, _ = got
+                if "pid" in message:
+                    child = ForkedProcess(message["pid"], [], self._ended)
+                    self._children[child.pid] = child
+                    self._forked.put(child)
+                elif (child := self._children.pop(message["exit"], None)) is not None:
+                    child._exited(message["code"])
+        except (OSError, ValueError) as e:  # a connection reset, a message cut short
+            log.warning("fork server: its messages stopped (%s)", e)
+        finally:
+            self._gone = True
+            self._ended.set()
+            self._forked.put(None)
 
     def close(self) -> None:
         """End the fork server (its children go on, as ``Popen``'s would) and wait for it."""
         with self._lock:
-            self._gone = True
-            if self._sock is not None:
-                with contextlib.suppress(OSError):
-                    self._sock.shutdown(socket.SHUT_RDWR)
-            if self._proc is not None:
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    self._proc.wait(timeout=10)
-                if self._proc.poll() is None:
-                    self._proc.kill()
-                    self._proc.wait()
+            self._end()
+
+    def _end(self) -> None:
+        self._gone = True
+        if self._sock is not None:
+            with contextlib.suppress(OSError):
+                self._sock.shutdown(socket.SHUT_RDWR)
+        if self._proc is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._proc.wait(timeout=10)
+            if self._proc.poll() is None:
+                self._proc.kill()
+                self._proc.wait()
 
 
 if __name__ == "__main__":
