@@ -840,9 +840,9 @@ def test_every_fix_is_off_when_all_its_internals_are_gone():
 
 def test_each_internal_alone_turns_its_fix_off_and_back_on():
     """One internal at a time taken away and put back: each alone turns off every fix that
-    lists it (asked fix by fix), in the start-up check's report and in what the fix serves (a gate that read only some of a
-    fix's internals, such as ``ddp_reattach_supported`` before, kept a fix on whose internal
-    was gone). On the untouched torch every probe finds its fix on: the probes can fail."""
+    lists it (asked fix by fix), in the start-up check's report and in what the fix serves
+    (a gate that read only some of a fix's internals, such as ``ddp_reattach_supported``
+    before, kept a fix on whose internal was gone). On the untouched torch every probe finds its fix on: the probes can fail."""
     result = _take_away("each")
     untouched = result.pop("untouched")
     assert {name: (r["warned"], r["off"]) for name, r in untouched.items()} == {
