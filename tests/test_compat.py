@@ -804,8 +804,8 @@ else:
         for ref in fix.internals:
             undo = take_away(ref)
             gone = not compat._resolves(ref)
-            # keyed by fix and internal: an internal that several fixes list (fix 8's and
-            # fix 9's agent methods) turns each of them off
+            # keyed by fix and internal: an internal that several fixes list (seven of the
+            # agent's) turns each of them off
             result[f"{fix.name} | {ref}"] = {"gone": gone, "warned": warned(fix),
                                              "off": probe(fix)}
             for step in reversed(undo):
