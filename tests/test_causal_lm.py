@@ -64,27 +64,6 @@ def texts() -> dict[str, str]:
     return split_texts(SMALL)
 
 
-def fingerprint_in_subprocess(env: dict[str, str]) -> subprocess.Popen[str]:
-    """Start a fresh interpreter that builds the SMALL task and prints what must not vary."""
-    code = (
-        "import hashlib, json, sys, torch\n"
-        "from elastic_runner.config import from_dict\n"
-        "from elastic_runner.tasks import causal_lm\n"
-        "cfg = from_dict(json.loads(sys.argv[1])); torch.manual_seed(cfg.seed)\n"
-        "b = causal_lm.build(cfg)\n"
-        "h = hashlib.sha256()\n"
-        "for s in ('train', 'val', 'test'): h.update(getattr(b, s).ids.numpy().tobytes())\n"
-        "for v in b.model.state_dict().values(): h.update(v.numpy().tobytes())\n"
-        "print(json.dumps({'artifacts': b.artifacts, 'data_and_weights': h.hexdigest()}))\n"
-    )
-    return subprocess.Popen([sys.executable, "-c", code, json.dumps(SMALL)], cwd=ROOT,
-                            env={**os.environ, "PYTHONPATH": str(ROOT), **env},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-# ---------------------------------------------------------------- data and tokenizer
-
-
 def test_defaults_match_char_lm() -> None:
     ours, theirs = causal_lm.DataConfig(), char_lm.DataConfig()
     assert ours.corpus_modules == theirs.corpus_modules
@@ -161,18 +140,42 @@ def test_tokenizer_trained_on_train_only(texts: dict[str, str]) -> None:
         causal_lm.train_tokenizer(texts["train"] + texts["val"], 300))
 
 
-def test_build_is_deterministic_across_processes(bundle: TaskBundle) -> None:
+FINGERPRINT = """
+import hashlib, json, torch
+from elastic_runner.config import from_dict
+from elastic_runner.tasks import causal_lm
+
+def fingerprint(raw):
+    cfg = from_dict(raw); torch.manual_seed(cfg.seed)
+    b = causal_lm.build(cfg)
+    h = hashlib.sha256()
+    for s in ('train', 'val', 'test'): h.update(getattr(b, s).ids.numpy().tobytes())
+    for v in b.model.state_dict().values(): h.update(v.numpy().tobytes())
+    return json.loads(json.dumps({'artifacts': b.artifacts, 'data_and_weights': h.hexdigest()}))
+"""
+"""Defines ``fingerprint(raw)``: what a build of the task from the config dict ``raw`` must
+not vary in (its artifacts, a sha256 of its data and initial weights)."""
+
+
+def test_build_is_deterministic_across_processes() -> None:
     """Every rank and every restart builds in its own process: thread count and hash seed
-    must not change the tokenizer, the data or the initial weights."""
-    procs = [fingerprint_in_subprocess({"RAYON_NUM_THREADS": "1", "PYTHONHASHSEED": "1"}),
-             fingerprint_in_subprocess({"RAYON_NUM_THREADS": "2", "PYTHONHASHSEED": "2"})]
-    outs = []
-    for p in procs:
-        stdout, stderr = p.communicate(timeout=300)
-        assert p.returncode == 0, stderr
-        outs.append(json.loads(stdout.strip().splitlines()[-1]))
-    assert outs[0] == outs[1]
-    assert outs[0]["artifacts"] == json.loads(json.dumps(bundle.artifacts))
+    must not change the tokenizer, the data or the initial weights. A fresh interpreter whose
+    Rust thread count and hash seed differ from this process's builds the SMALL task, and so
+    does this process: the same fingerprint."""
+    threads = os.environ.get("RAYON_NUM_THREADS") or str(os.cpu_count())
+    seed = os.environ.get("PYTHONHASHSEED", "random")
+    env = {"RAYON_NUM_THREADS": "2" if threads == "1" else "1",
+           "PYTHONHASHSEED": "2" if seed == "1" else "1"}
+    code = FINGERPRINT + "import sys\nprint(json.dumps(fingerprint(json.loads(sys.argv[1]))))\n"
+    proc = subprocess.Popen([sys.executable, "-c", code, json.dumps(SMALL)], cwd=ROOT,
+                            env={**os.environ, "PYTHONPATH": str(ROOT), **env},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    here: dict[str, Any] = {}
+    exec(FINGERPRINT, here)  # while the other process builds
+    mine = here["fingerprint"](SMALL)
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr
+    assert json.loads(stdout.strip().splitlines()[-1]) == mine
 
 
 def test_byte_lengths_sum_to_utf8_bytes(bundle: TaskBundle, texts: dict[str, str]) -> None:

@@ -273,15 +273,15 @@ def fsdp_loop(*args: str, nproc: int = 2) -> list[str]:
             str(EXAMPLES / "own_loop_fsdp.py"), *args]
 
 
-def test_an_fsdp2_loop_resumes_bitwise_after_kill_9_and_reshards_to_3_ranks(launch, tmp_path):
+def test_an_fsdp2_loop_resumes_bitwise_after_kill_9(launch, tmp_path):
     """``examples/own_loop_fsdp.py``: a kill -9 mid-run resumes from the sharded checkpoint
-    bitwise equal to an uninterrupted run; then 3 ranks continue its checkpoint (resharded,
-    uneven shards) with every sample of the epoch exactly once."""
-    ref, ck, trace = tmp_path / "ref", tmp_path / "ck", tmp_path / "trace"
+    bitwise equal to an uninterrupted run. (A sharded checkpoint resumed at another world size:
+    test_fsdp.py's 2-3-1-2 chain, through the same ``TrainingSession.resume``; an own loop
+    at another world size: the 2-1-2 test above.)"""
+    ref, ck = tmp_path / "ref", tmp_path / "ck"
     job = launch(fsdp_loop("--steps", "40", "--checkpoint-dir", str(ref)), name="reference")
     assert job.wait(timeout=240) == 0, job.output[-3000:]
-    job = launch(fsdp_loop("--steps", "40", "--checkpoint-dir", str(ck), "--trace-dir",
-                           str(trace)), name="kill",
+    job = launch(fsdp_loop("--steps", "40", "--checkpoint-dir", str(ck)), name="kill",
                  env={"ELASTIC_RUNNER_FAULTS": "[{kind: sigkill, rank: 1, step: 30}]"})
     assert job.wait(timeout=240) == 0, job.output[-3000:]
     assert f"resumed from {ck / 'step-00000020'}: step 20" in job.output
@@ -290,17 +290,6 @@ def test_an_fsdp2_loop_resumes_bitwise_after_kill_9_and_reshards_to_3_ranks(laun
     got = ckpt.load_state(ckpt.latest_valid(ck).path)
     assert_same_tensors(want["model"], got["model"])
     assert_same_optimizer(want["optimizer"], got["optimizer"])
-
-    job = launch(fsdp_loop("--steps", "55", "--checkpoint-dir", str(ck), "--trace-dir",
-                           str(trace), nproc=3), name="three")
-    assert job.wait(timeout=240) == 0, job.output[-3000:]
-    assert f"resumed from {ck / 'step-00000040'}: step 40" in job.output
-    worlds = {e["step"]: e["world_size"] for e in audit.read_entries(trace) if "world_size" in e}
-    assert (worlds[40], worlds[41]) == (2, 3)
-    # epoch 0: 40 steps of 32 samples at world size 2, then 10 of 48 (37 left as the tail);
-    # the restart after the kill resumed a checkpoint every rank reached: nothing repaired
-    first = assert_exact_audit(trace, steps=55, global_batch=None)[0]
-    assert first.complete and first.seen_once == 1797 - 37 and first.dropped == 37, first
 
 
 FSDP_IN_PLACE_STEPS = 110  # the faults end near step 70 (rank 0 paced until the last one)
