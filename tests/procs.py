@@ -60,6 +60,13 @@ class Pace:
     def end(self) -> None:
         self.set(0.0)
 
+    def ask(self, request: str) -> None:
+        """Add a one-off request line (``nan rank=R``, ``pause rank=R at=NAME``: the faults
+        module's docstring); the slow-down stays."""
+        with open(self.path, "a") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            f.write(f"{request}\n")
+
     def set(self, seconds: float, rank: int | None = None) -> None:
         """Change the slow-down (0: none) from the next step on, of ``rank`` (None: the same
         rank as before)."""

@@ -196,12 +196,15 @@ def test_validate_prints_resolved_values(capsys):
     assert "lr: 0.5" in out and "valid (config hash" in out
 
 
-def test_global_batch_derives_accumulation_or_names_valid_world_sizes():
+def test_global_batch_derives_accumulation_or_names_the_world_sizes_it_fits():
     cfg = load_config(CONFIGS / "digits.yaml", ["batch.micro_batch_size=4",
                                                 "batch.global_batch_size=24"])
-    assert [cfg.batch.accumulation_for(w) for w in (1, 2, 3, 6)] == [6, 3, 2, 1]
-    with pytest.raises(ConfigError, match=r"valid world sizes: \[1, 2, 3, 6\]"):
-        cfg.batch.accumulation_for(4)
+    # 4 and 5 do not divide it: split unevenly, as many micro-batches as 4 samples need
+    assert [cfg.batch.accumulation_for(w) for w in (1, 2, 3, 4, 5, 6)] == [6, 3, 2, 2, 2, 1]
+    assert cfg.batch.accumulation_for(24) == 1
+    with pytest.raises(ConfigError, match=r"cannot give each of world_size 25 ranks 1 "
+                                          r"non-empty.*world sizes it fits: \[1, 2, .*, 24\]$"):
+        cfg.batch.accumulation_for(25)
     with pytest.raises(ConfigError, match="must be a multiple of batch.micro_batch_size"):
         load_config(CONFIGS / "digits.yaml", ["batch.micro_batch_size=4",
                                               "batch.global_batch_size=10"])
@@ -219,9 +222,7 @@ def test_the_global_batch_of_the_first_world_size_is_kept_by_default(tmp_path):
     assert cfg.batch.global_batch_size is None and not cfg.batch.follows_world_size
     first = keep_global_batch(cfg, 2, None)  # no checkpoint: the first start
     assert first.batch.global_batch_size == 64
-    assert [first.batch.accumulation_for(w) for w in (1, 2, 4)] == [4, 2, 1]
-    with pytest.raises(ConfigError, match=r"valid world sizes: \[1, 2, 4\]"):
-        first.batch.accumulation_for(3)
+    assert [first.batch.accumulation_for(w) for w in (1, 2, 3, 4)] == [4, 2, 2, 1]  # 3: uneven
     ckpt.write_checkpoint(tmp_path, "step-00000005", {"x": 1},
                           {"step": 5, "world_size": 2, "global_batch_size": 64})
     assert keep_global_batch(cfg, 1, None).batch.global_batch_size == 64  # the checkpoint's

@@ -151,7 +151,7 @@ def test_a_joining_node_gets_a_fresh_id_and_ranks_after_the_members(store: dist.
     assert int(store.get(key("joins_admitted"))) == 2
 
 
-def test_policy_refuses_below_min_nodes_the_store_host_and_an_indivisible_batch() -> None:
+def test_policy_refuses_below_min_nodes_the_store_host_and_a_batch_too_small() -> None:
     view = View(0, {0: [0, 1], 1: [2, 3], 2: [4, 5]}, store_node=0)
     batch = BatchConfig(micro_batch_size=4, global_batch_size=32)  # world sizes 1, 2, 4, 8
     policy = Policy.for_batch(1, batch)
@@ -163,13 +163,15 @@ def test_policy_refuses_below_min_nodes_the_store_host_and_an_indivisible_batch(
     assert "hosts the recovery store" in policy.refuses(standby, [0, 1, 2])
     assert "fewer than --nnodes MIN 3" in Policy.for_batch(3, batch).refuses(view, [2])
     uneven = View(0, {0: [0, 1, 2], 1: [3]}, store_node=0)
-    assert "not divisible at world size 3" in policy.refuses(uneven, [1])
+    assert policy.refuses(uneven, [1]) is None  # 32 at 3 ranks: split unevenly
+    tiny = Policy.for_batch(1, BatchConfig(micro_batch_size=1, global_batch_size=2))
+    assert "cannot be split at world size 3" in tiny.refuses(uneven, [1])  # an empty one
     assert Policy.for_batch(1, None).refuses(uneven, [1]) is None  # a script's own batch
     # no global_batch_size: the one the group's rank 0 recorded (the job's first world size's)
-    kept = Policy.for_batch(1, BatchConfig(micro_batch_size=4, grad_accum_steps=2))
+    kept = Policy.for_batch(1, BatchConfig(micro_batch_size=1, grad_accum_steps=2))
     assert kept.keeping(None).refuses(uneven, [1]) is None  # not recorded yet: any size
-    assert "not divisible at world size 3" in kept.keeping(32).refuses(uneven, [1])
-    assert kept.keeping(24).refuses(uneven, [1]) is None  # 24 = 3 x 4 x 2
+    assert "cannot be split at world size 3" in kept.keeping(2).refuses(uneven, [1])
+    assert kept.keeping(6).refuses(uneven, [1]) is None  # 6 = 3 ranks x 2 micro-batches of 1
 
 
 def test_rank_0_records_the_global_batch_the_agents_and_joiners_read(store: dist.TCPStore

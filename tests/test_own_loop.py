@@ -65,10 +65,11 @@ def test_the_tutorial_loop_runs_under_torchrun(launch):
     assert re.search(r"step 20 loss \d", job.output), job.output[-3000:]
 
 
-def torchrun(*args: str, nproc: int = 2, restarts: int = 2) -> list[str]:
+def torchrun(*args: str, nproc: int = 2, restarts: int = 2, script: str = "own_loop.py"
+             ) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
             str(nproc), "--max-restarts", str(restarts), "--monitor-interval", "0.2",
-            str(EXAMPLES / "own_loop.py"), *args]
+            str(EXAMPLES / script), *args]
 
 
 def model_state(ck) -> dict[str, torch.Tensor]:
@@ -138,6 +139,29 @@ def test_sigterm_and_kill_9_under_torchrun_resume_bitwise_then_2_1_2_ranks_audit
     assert capsys.readouterr().out.count(" ok ") == 2
 
 
+def test_a_kept_global_batch_of_64_goes_from_2_ranks_to_3_split_unevenly(launch, tmp_path):
+    """``examples/own_loop_trainer.py --global-batch 64`` (micro-batch 16): DDP at 2 ranks (two
+    micro-batches of 16 each), then FSDP2 at 3 ranks (the DDP checkpoint resharded), then DDP
+    at 3 again, each resuming the one before. 3 x 16 does not divide 64: every rank runs two
+    micro-batches of 11 or 10 samples, every step trains 64 samples, and the sample audit is
+    exact across the changes. The update at such a split: ``tests/test_sampler.py``."""
+    ck, trace = tmp_path / "ck", tmp_path / "trace"
+    common = ["--global-batch", "64", "--checkpoint-dir", str(ck), "--trace-dir", str(trace),
+              "--eval-every", "1000"]
+    for nproc, steps, fsdp in ((2, 6, False), (3, 12, True), (3, 18, False)):
+        job = launch(torchrun("--steps", str(steps), *common, *(["--fsdp"] if fsdp else []),
+                              nproc=nproc, script="own_loop_trainer.py"), name=f"to-{steps}")
+        assert job.wait(timeout=240) == 0, job.output[-3000:]
+        assert "global batch changed" not in job.output
+        if steps > 6:
+            assert f"resumed from {ck / f'step-{steps - 6:08d}'}: step {steps - 6}" in job.output
+    entries = [e for e in audit.read_entries(trace) if "indices" in e]
+    shares = {s: sorted(len(e["indices"]) for e in entries if e["step"] == s)
+              for s in (6, 7, 13)}
+    assert shares == {6: [32, 32], 7: [21, 21, 22], 13: [21, 21, 22]}, shares
+    assert_exact_audit(trace, steps=18, global_batch=64)
+
+
 # a forward hook on the user's model, registered before the loop: each forward appends
 # "<unix time> <id of the hooked module>" to <ER_TEST_MODEL_PROBE>/<pid>
 _PROBE = """
@@ -162,10 +186,10 @@ def with_model_probe(script: Path, into: Path) -> Path:
     (:data:`_PROBE`) from before its loop: the survivor of an in-place recovery must go on
     with that very object, the hook still firing (a new model object would not carry it)."""
     text = script.read_text()
-    anchor = "    step, epoch = ft.resume()"
+    anchor = re.search(r"^( +)step, epoch = ft\.resume\(\).*$", text, re.M)
     main = 'if __name__ == "__main__":'
-    assert text.count(anchor) == 1 and text.count(main) == 1, script
-    text = text.replace(anchor, "    _er_test_probe(model)\n" + anchor)
+    assert anchor and text.count(anchor[0]) == 1 and text.count(main) == 1, script
+    text = text.replace(anchor[0], f"{anchor[1]}_er_test_probe(model)\n{anchor[0]}")
     copy = into / script.name
     copy.write_text(text.replace(main, _PROBE.lstrip("\n") + "\n" + main))
     return copy
@@ -206,31 +230,36 @@ def scrape(port: int) -> str:
 
 
 IN_PLACE_STEPS = 240  # the faults end near step 120 (rank 0 paced until the last recovery)
+# an evaluation after every step: each fault then lands where the group runs the window of a
+# step with collectives again (a survivor after its discarded step, a replacement in its first)
+TRAINER = ("--steps", str(IN_PLACE_STEPS), "--eval-every", "1", "--patience", "1000")
 
 
 def test_three_kills_and_a_stop_under_elastic_runner_run_recover_in_place_bitwise(
         launch, tmp_path):
-    """``elastic-runner run examples/own_loop.py``: the loop as written, in place. Three
-    SIGKILLs (rank 1, rank 0, rank 1) and one SIGSTOP (rank 0: the agent finds it silent and
-    kills it), each once a warm spare stands by: each time only the dead worker's process is
-    new (the survivor's pid is the same before and after), no checkpoint is read, the run ends
-    bitwise equal to the uninterrupted one (weights and AdamW state) with an exact sample audit;
-    the node's endpoint serves both ranks' series."""
+    """``elastic-runner run examples/own_loop_trainer.py``: a trainer class as users write one
+    (a validation all-reduce, early-stopping bookkeeping only rank 0 updates, its decision
+    broadcast, an LR scheduler; in ``state=``), in place. Three SIGKILLs (rank 1, rank 0,
+    rank 1) and one SIGSTOP (rank 0: the agent finds it silent and kills it), each once a warm
+    spare stands by: each time only the dead worker's process is new (the survivor's pid and
+    model object are the same before and after), no checkpoint is read, and the run ends
+    bitwise equal to the uninterrupted one: weights, AdamW state, the scheduler, and every
+    evaluation counted once with the same loss and decision, also after rank 0's
+    replacement; an exact sample audit; the node's endpoint serves both ranks' series."""
     ref = tmp_path / "ref"
-    job = Job(torchrun("--steps", str(IN_PLACE_STEPS), "--checkpoint-dir", str(ref)),
+    job = Job(torchrun(*TRAINER, "--checkpoint-dir", str(ref), script="own_loop_trainer.py"),
               tmp_path / "ref.log")
     assert job.wait(timeout=240) == 0, job.output[-3000:]
 
     ck, trace, port = tmp_path / "ck", tmp_path / "trace", free_port()
     probe = tmp_path / "probe"
     probe.mkdir()
-    script = str(with_model_probe(EXAMPLES / "own_loop.py", tmp_path))
+    script = str(with_model_probe(EXAMPLES / "own_loop_trainer.py", tmp_path))
     # rank 0 paced until the last recovery: a spare is ready 2-4 s after the one before
     pace = Pace(tmp_path / "pace", 0.1)
     job = launch(cli("run", script, "--nproc-per-node", "2",
-                     "--max-restarts", "5", "--metrics-port", str(port), "--",
-                     "--steps", str(IN_PLACE_STEPS), "--checkpoint-dir", str(ck),
-                     "--trace-dir", str(trace)), name="run",
+                     "--max-restarts", "5", "--metrics-port", str(port), "--", *TRAINER,
+                     "--checkpoint-dir", str(ck), "--trace-dir", str(trace)), name="run",
                  env={"ELASTIC_RUNNER_FAULTS_TRIGGER": str(pace.path),
                       "ER_TEST_MODEL_PROBE": str(probe),
                       "ELASTIC_RUNNER_RECOVERY": "{spare_delay_seconds: 0, "
@@ -239,11 +268,18 @@ def test_three_kills_and_a_stop_under_elastic_runner_run_recover_in_place_bitwis
     wait_until(lambda: {m[1] for m in series.finditer(scrape(port))} == {"0", "1"}, 60,
                "both ranks' step series on the node endpoint")
     pids = {rank: p.pid for rank, p in job.workers(script).items() if rank >= 0}
-    faults = [(1, signal.SIGKILL), (0, signal.SIGKILL), (1, signal.SIGKILL), (0, signal.SIGSTOP)]
+    # the first two land inside the loop's own collectives after a step: the victim pauses
+    # just before its call, so the survivor waits inside it when the victim dies
+    faults = [(1, signal.SIGKILL, "all_reduce"), (0, signal.SIGKILL, "broadcast_object_list"),
+              (1, signal.SIGKILL, ""), (0, signal.SIGSTOP, "")]
     survivors = []
-    for generation, (rank, sig) in enumerate(faults, start=1):
+    for generation, (rank, sig, pause_at) in enumerate(faults, start=1):
         wait_until(lambda g=generation: len(_READY.findall(job.output)) >= g, 60,
                    f"fault {generation}: a warm spare")
+        if pause_at:
+            pace.ask(f"pause rank={rank} at={pause_at}")
+            wait_until(lambda r=rank, c=pause_at: f"rank {r} pauses before its {c}"
+                       in job.output, 30, f"fault {generation}: rank {rank} paused")
         survivor = pids[1 - rank]
         survivors.append((survivor, time.time()))
         psutil.Process(pids[rank]).send_signal(sig)
@@ -259,12 +295,20 @@ def test_three_kills_and_a_stop_under_elastic_runner_run_recover_in_place_bitwis
     log = job.output
     assert "resumed from" not in log  # every state came from the survivor
     assert "sent no heartbeat for" in log  # the stopped rank, found silent and killed
+    # the evaluation's all_reduce, the decision's broadcast (its DDP forward, without buffers
+    # or autograd, has no collective): called again
+    for call, earlier in (("all_reduce", 0), ("broadcast_object_list", 1)):
+        assert re.search(rf"the loop's own {call} after step \d+ failed with a peer: called "
+                         rf"again in the new group, after {earlier} earlier", log), call
     assert [r[1] for r in replacements(log)] == [-9] * 4
     assert_exact_audit(trace, steps=IN_PLACE_STEPS, global_batch=32, repaired_at_most=4)
     assert_model_kept(probe, survivors)
     want, got = (ckpt.load_state(ckpt.latest_valid(d).path) for d in (ref, ck))
     assert_same_tensors(want["model"], got["model"])
     assert_same_optimizer(want["optimizer"], got["optimizer"])
+    assert len(want["stopper"]["evaluations"]) == IN_PLACE_STEPS
+    assert got["stopper"] == want["stopper"]
+    assert got["scheduler"] == want["scheduler"]
 
 
 def fsdp_loop(*args: str, nproc: int = 2) -> list[str]:
@@ -300,7 +344,9 @@ def test_an_fsdp2_loop_recovers_in_place_from_peer_copies_bitwise(launch, tmp_pa
     rank 0 SIGKILLed once a warm spare stands by. Each time the survivor keeps its process and
     its model object (its FSDP2 modules re-attached to the new group), every rank rolls back
     to the peer copies (no checkpoint is read), and the run ends bitwise equal to the
-    uninterrupted one (weights and AdamW state) with an exact sample audit."""
+    uninterrupted one (weights and AdamW state) with an exact sample audit. The first kill
+    lands inside the survivor's own ``clip_grad_norm_`` (its all-reduce of the norm), the
+    second inside its model's forward."""
     ref, ck, trace = tmp_path / "ref", tmp_path / "ck", tmp_path / "trace"
     job = launch(fsdp_loop("--steps", str(FSDP_IN_PLACE_STEPS), "--checkpoint-dir", str(ref)),
                  name="reference")
@@ -325,14 +371,14 @@ def test_an_fsdp2_loop_recovers_in_place_from_peer_copies_bitwise(launch, tmp_pa
     for generation, rank in enumerate([1, 0], start=1):
         wait_until(lambda g=generation: len(_READY.findall(job.output)) >= g, 60,
                    f"fault {generation}: a warm spare")
-        # the kill lands while the survivor sleeps before a step, so that its next collective
-        # is its forward's, which the loop guards, not its own clip_grad_norm_ all-reduce (a
-        # failure there ends the process: docs/design/recovery.md); a new length each time,
-        # so that the survivor's log line says it began
-        seconds = 0.5 + generation / 10
-        pace.set(seconds, rank=1 - rank)
-        wait_until(lambda s=seconds, r=1 - rank: f"rank {r} sleeps {s:g} s" in job.output, 30,
-                   f"fault {generation}: the survivor asleep")
+        if generation == 1:  # the survivor waits inside its clip_grad_norm_'s all-reduce
+            pace.ask(f"pause rank={rank} at=clip_grad_norm_")
+            wait_until(lambda r=rank: f"rank {r} pauses before its clip_grad_norm_"
+                       in job.output, 30, "fault 1: the victim paused")
+        else:  # ... inside its forward's all-gather: the kill lands while it sleeps before
+            pace.set(0.6, rank=1 - rank)  # a step
+            wait_until(lambda r=1 - rank: f"rank {r} sleeps 0.6 s" in job.output, 30,
+                       f"fault {generation}: the survivor asleep")
         survivor = pids[1 - rank]
         survivors.append((survivor, time.time()))
         psutil.Process(pids[rank]).kill()
@@ -347,6 +393,8 @@ def test_an_fsdp2_loop_recovers_in_place_from_peer_copies_bitwise(launch, tmp_pa
 
     log = job.output
     assert "resumed from" not in log  # every state came from the peer copies
+    assert re.search(r"rank0\] WARNING \S+ the loop's own clip_grad_norm_ in step \d+ failed "
+                     "with a peer: the step is discarded on every rank", log), log[-4000:]
     assert log.count("(peer copies; replacements") >= 2, log[-4000:]  # rank 0's, each time
     assert_exact_audit(trace, steps=FSDP_IN_PLACE_STEPS, global_batch=32, repaired_at_most=2)
     assert_model_kept(probe, survivors)

@@ -3,6 +3,7 @@
 import itertools
 
 import pytest
+import torch
 
 from elastic_runner.data.sampler import ElasticSampler, shard_indices
 
@@ -130,3 +131,71 @@ def test_an_epoch_ended_at_another_world_size_names_its_last_step_after_a_round_
     for s in (*two, fed):
         assert s.previous_epoch_end() == 56
         assert [s.last_step(r) for r in range(2)] == [(0, 2, last[r]) for r in range(2)]
+
+
+# ------------------------------------------------------------ a kept global batch, split unevenly
+
+def kept(n, world_size, global_batch=64, b=16):
+    return [ElasticSampler(n, 7, b, 1, r, world_size, global_batch_size=global_batch)
+            for r in range(world_size)]
+
+
+def test_a_global_batch_the_world_size_does_not_divide_is_split_within_one_sample():
+    """64 samples at 3 ranks of micro-batch 16: two micro-batches on every rank (the same
+    number of backward passes), of 11 or 10 samples, each step's 64 samples once; at 2 ranks
+    the layout is the even split's."""
+    ss = kept(1797, 3)
+    assert [s.grad_accum_steps for s in ss] == [2, 2, 2]
+    steps = [s.step_indices(s.cursor) for s in ss]
+    assert [[len(m) for m in rank] for rank in steps] == [[11, 11], [11, 10], [11, 10]]
+    flat = [i for rank in steps for m in rank for i in m]
+    assert sorted(flat) == sorted(ss[0].permutation(0)[:64].tolist())
+    assert [sum(s.loss_weights()) for s in ss] == pytest.approx([66 / 64, 63 / 64, 63 / 64])
+    even = kept(1797, 2)
+    assert even[0].even and not ss[0].even
+    assert [s.step_indices(0) for s in even] == [s.step_indices(0) for s in samplers(1797, 2, 16, 2)]
+    assert even[1].loss_weights() == [0.5, 0.5]
+
+
+def test_a_kept_global_batch_resumed_at_3_ranks_trains_the_rest_once():
+    n = 1797
+    two = kept(n, 2)
+    seen = run_steps(two, 5)
+    three = kept(n, 3)
+    for s in three:
+        s.load_state_dict(two[0].state_dict())
+    seen += run_steps(three, 20)
+    assert len(seen) == len(set(seen)) == 25 * 64
+    assert three[2].last_step()[1:] == (3, three[2].step_indices(three[2].cursor - 64)[0]
+                                        + three[2].step_indices(three[2].cursor - 64)[1])
+
+
+def test_a_global_batch_too_small_for_the_world_size_is_an_error():
+    with pytest.raises(ValueError, match="cannot give each of 5 ranks 1 non-empty"):
+        ElasticSampler(100, 0, 16, 1, 0, 5, global_batch_size=4)
+
+
+def test_the_update_of_an_uneven_step_is_the_even_splits_to_float_tolerance():
+    """The same 64 samples: 3 ranks' weighted micro-batch losses, their gradients averaged as
+    DDP averages them, against 2 ranks' even split and one batch of 64. A mean-over-samples
+    loss (MSE)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(5, 1)
+    x, y = torch.randn(1797, 5), torch.randn(1797, 1)
+
+    def update(world_size: int) -> torch.Tensor:
+        ranks = []
+        for s in kept(1797, world_size):
+            model.zero_grad()
+            for m, w in zip(s.step_indices(0), s.loss_weights(), strict=True):
+                (torch.nn.functional.mse_loss(model(x[m]), y[m]) * w).backward()
+            ranks.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+        return torch.stack(ranks).mean(0)  # DDP's average over ranks
+
+    first = kept(1797, 1)[0].step_indices(0)
+    model.zero_grad()
+    whole = [i for m in first for i in m]
+    torch.nn.functional.mse_loss(model(x[whole]), y[whole]).backward()
+    want = torch.cat([p.grad.flatten() for p in model.parameters()])
+    torch.testing.assert_close(update(3), want, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(update(2), want, rtol=1e-6, atol=1e-7)

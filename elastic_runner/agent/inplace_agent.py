@@ -89,7 +89,8 @@ class InPlaceAgent(LocalElasticAgent):
                         self._worker_group.spec.local_addr)
         heartbeats = Path(tempfile.mkdtemp(prefix="elastic-runner-heartbeats-"))
         self._attempt = NodeAttempt(rs, heartbeats, policy or Policy())
-        self._spares = spares_for(self._attempt, recovery.spare, recovery.spare_delay_seconds)
+        self._spares = spares_for(self._attempt, recovery.spare, recovery.spare_delay_seconds,
+                                  recovery.spares)
         self._hangs = hang_watch(heartbeats, recovery.heartbeat_timeout_seconds)
         self._membership = NodeMembership(
             self._attempt, recovery.node_timeout_seconds, hosts_store,

@@ -126,10 +126,12 @@ class Replacer:
         rs.attempt.announce(announce, news)
         replacement = Replacement(announce, tuple(ranks), tuple(failed.values()), warm,
                                   time.perf_counter() - t0)
+        cold = [s for s in spares if not s.ready]
         log.warning("rank(s) %s exited with code(s) %s: replaced in place by %s spare(s) "
-                    "pid(s) %s (generation %d; node %d; %d restarts left)%s", ranks,
-                    list(failed.values()), "warm" if warm else "cold", pids, announce,
+                    "pid(s) %s (generation %d; node %d; %d restarts left)%s%s", ranks,
+                    list(failed.values()), "cold" if cold else "warm", pids, announce,
                     attempt.node, restarts_left,
+                    f"; cold: {self._spares.why_cold}" if cold else "",
                     "; the others go on without it until it is ready" if shrink else "")
         self._on_replacement(replacement)
 

@@ -3,19 +3,22 @@
 A spare is the worker command with :data:`~elastic_runner.recovery.protocol.SPARE_ENV` set: it
 imports torch, builds the task's data and model and waits in the recovery store until the
 agent assigns it a dead worker's rank (:meth:`AttemptKeys.assign
-<elastic_runner.recovery.protocol.AttemptKeys.assign>`). With ``recovery.spare`` one is kept
-warm (:class:`WarmSpares`); without, one starts cold at the failure (:class:`Spares`).
+<elastic_runner.recovery.protocol.AttemptKeys.assign>`). With ``recovery.spare``,
+``recovery.spares`` are kept warm (:class:`WarmSpares`); without, one starts cold at the
+failure (:class:`Spares`). Each replacement's log line says whether it was warm, and if not,
+why.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
 from dataclasses import dataclass
 from typing import Any
 
-from ..recovery.protocol import SPARE_ENV
+from ..recovery.protocol import SPARE_ENV, SPARE_NICE_ENV
 from . import worker_start
 from .node_attempt import AGENT_LOG as log
 from .node_attempt import NodeAttempt
@@ -39,18 +42,18 @@ class Spare:
 
 class Spares:
     """Spares started cold, when a worker died (``recovery.spare`` off): the base of
-    :class:`WarmSpares`, which keeps one ready beforehand."""
+    :class:`WarmSpares`, which keeps some ready beforehand."""
 
     def __init__(self, attempt: NodeAttempt) -> None:
         self._attempt = attempt
-        self._spare: Spare | None = None  # the one kept warm
+        self._kept: list[Spare] = []  # the ones kept warm, oldest first
         self._started = 0  # spares started by this agent: the next one's number
+        self.why_cold = "recovery.spare is off"  # the last take's, when no spare was ready
 
     @property
     def warm(self) -> bool:
         """Whether a spare is ready (task built) and alive."""
-        spare = self._spare
-        return spare is not None and spare.ready and spare.proc.poll() is None
+        return any(s.ready and s.proc.poll() is None for s in self._kept)
 
     def begin(self) -> None:
         """A new attempt starts (its workers have not built the task yet)."""
@@ -59,46 +62,71 @@ class Spares:
         """Cold spares: none is kept."""
 
     def take(self, pc: Any) -> Spare:
-        """The spare kept (a new one, started now, if none is alive) for a dead worker's
-        place; ``pc``: torch's ``SubprocessContext`` of the workers."""
-        spare = self._spare
-        if spare is None or spare.proc.poll() is not None:
+        """A ready spare for a dead worker's place, else the one building the longest, else
+        a new one started now; ``pc``: torch's ``SubprocessContext`` of the workers."""
+        alive = [s for s in self._kept if s.proc.poll() is None]
+        ready = [s for s in alive if s.ready]
+        spare = (ready or alive or [None])[0]
+        if spare is None:
             spare = self.start(pc)
-        self._spare = None
+        else:
+            self._kept.remove(spare)
+        if not spare.ready:
+            self.why_cold = self._why_cold(spare, alive)
         return spare
 
-    def start(self, pc: Any) -> Spare:
+    def _why_cold(self, spare: Spare, alive: list[Spare]) -> str:
+        return self.why_cold
+
+    def start(self, pc: Any, nice: int = 0) -> Spare:
         """Start a spare: local rank 0's command and environment, without a worker's place,
-        with what every worker of this agent reads (:meth:`NodeAttempt.worker_variables`)."""
+        with what every worker of this agent reads (:meth:`NodeAttempt.worker_variables`);
+        ``nice``: this much lower a CPU priority than the agent's until it takes a place
+        (``recovery/group_formation.py``: ``restore_priority``)."""
         name = f"{self._attempt.node}.{self._started}"
         self._started += 1
         env = {**os.environ, **pc.envs[0]}
         for variable in _RANK_VARIABLES:
             env.pop(variable, None)
         env.update({**self._attempt.worker_variables(), SPARE_ENV: name, "RANK": "-1"})
+        base = os.getpriority(os.PRIO_PROCESS, 0)
+        if nice:
+            env[SPARE_NICE_ENV] = str(base)
         proc = worker_start.popen([pc.entrypoint, *pc.args[0]], env)
-        log.info("spare %s started (pid %d)", name, proc.pid)
+        if nice:  # before it starts its threads, which inherit it
+            with contextlib.suppress(PermissionError, ProcessLookupError):
+                os.setpriority(os.PRIO_PROCESS, proc.pid, base + nice)
+        log.info("spare %s started (pid %d%s)", name, proc.pid,
+                 f", nice +{nice}" if nice else "")
         return Spare(name, proc, time.monotonic())
 
     def drop(self) -> None:
-        """SIGKILL the spare kept, if any, and wait for it."""
-        spare, self._spare = self._spare, None
-        if spare is not None and spare.proc.poll() is None:
-            worker_start.signal_session(spare.proc, signal.SIGKILL)
-            spare.proc.wait()
+        """SIGKILL the spares kept, if any, and wait for them."""
+        kept, self._kept = self._kept, []
+        for spare in kept:
+            if spare.proc.poll() is None:
+                worker_start.signal_session(spare.proc, signal.SIGKILL)
+                spare.proc.wait()
+
+
+# a refill started while a recovery runs gets this much lower a CPU priority (nice)
+REFILL_NICE = 10
 
 
 class WarmSpares(Spares):
-    """One spare kept warm (``recovery.spare``), started ``delay_s`` seconds
-    (``recovery.spare_delay_seconds``) after the workers have built the task; once it took a
-    failed worker's place, the next one starts when that recovery's first step is committed
+    """``count`` spares kept warm (``recovery.spare``, ``recovery.spares``), one building at a
+    time: the first ``delay_s`` seconds (``recovery.spare_delay_seconds``) after the workers
+    built the task, each next one once the one before is ready. After a replacement the next
+    one starts at once at a lower CPU priority when this agent may give it back its priority
+    (:func:`may_restore_priority`), else once that recovery's first step is committed
     (:meth:`_due`)."""
 
-    def __init__(self, attempt: NodeAttempt, delay_s: float) -> None:
+    def __init__(self, attempt: NodeAttempt, delay_s: float, count: int = 1) -> None:
         super().__init__(attempt)
-        self._delay_s = delay_s
+        self._delay_s, self._count = delay_s, count
         self._built_since: float | None = None  # when the workers reported the task built
         self._taken: tuple[int, float] | None = None  # the last replacement's generation, when
+        self._nice = REFILL_NICE if may_restore_priority() else 0
 
     def begin(self) -> None:
         self._built_since, self._taken = None, None
@@ -108,36 +136,56 @@ class WarmSpares(Spares):
         self._taken = (self._attempt.generation, time.monotonic())
         return spare
 
+    def _why_cold(self, spare: Spare, alive: list[Spare]) -> str:
+        if spare in alive:
+            return (f"spare {spare.name} was still building the task "
+                    f"({time.monotonic() - spare.started:.1f} s after its start)")
+        if self._taken is not None:
+            return (f"the spares kept ({self._count}, recovery.spares) were taken by the "
+                    f"failures before, {time.monotonic() - self._taken[1]:.1f} s ago")
+        return ("none was started yet (recovery.spare_delay_seconds "
+                f"{self._delay_s:g} after the workers built the task)")
+
     def keep(self, pc: Any) -> None:
-        """Start the spare once due (:meth:`_due`), note it ready, replace one that died.
+        """Start the next spare once due (:meth:`_due`), note them ready, replace one that
+        died.
 
         Raises:
             Exception: any client error of an unreachable recovery store.
         """
-        if self._spare is not None and self._spare.proc.poll() is not None:
-            log.warning("spare %s exited with code %s; starting another", self._spare.name,
-                        self._spare.proc.returncode)
-            self._spare = None
-        spare, rs = self._spare, self._attempt.rs
-        if spare is None and self._due():
-            self._spare = self.start(pc)
-        elif spare is not None and not spare.ready and rs.attempt.is_spare_ready(spare.name):
-            spare.ready = True
-            log.info("spare %s ready (task built) %.1f s after its start", spare.name,
-                     time.monotonic() - spare.started)
+        for spare in [s for s in self._kept if s.proc.poll() is not None]:
+            log.warning("spare %s exited with code %s; starting another", spare.name,
+                        spare.proc.returncode)
+            self._kept.remove(spare)
+        rs = self._attempt.rs
+        for spare in self._kept:
+            if not spare.ready and rs.attempt.is_spare_ready(spare.name):
+                spare.ready = True
+                log.info("spare %s ready (task built) %.1f s after its start", spare.name,
+                         time.monotonic() - spare.started)
+        building = any(not s.ready for s in self._kept)
+        if len(self._kept) < self._count and not building and self._due():
+            self._kept.append(self.start(pc, self._nice if self._recovering() else 0))
+
+    def _recovering(self) -> bool:
+        """A replacement's recovery has not committed its first step yet."""
+        if self._taken is None:
+            return False
+        return not self._attempt.rs.attempt.recovered(self._taken[0])
 
     def _due(self) -> bool:
         """Whether to start a spare now. At the start, ``delay_s`` after the workers built
         the task: it neither competes with their start-up nor makes a task artifact before
-        rank 0 does, and a short job never starts one. After a replacement, once its
-        recovery's first step is committed: its build (imports, the task: seconds of CPU)
-        would compete with the recovery's state transfer and first step (on 2 cores it made
-        them about 1 s slower at GPT-2-small width, ``bench.state_transfer``); at the latest
+        rank 0 does, and a short job never starts one. After a replacement: at once at a lower
+        CPU priority (when this agent may restore it), else once its recovery's first step is
+        committed: a build at full priority (imports, the task: seconds of CPU) would compete
+        with the recovery's state transfer and first step (on 2 cores it made them about 1 s
+        slower at GPT-2-small width, ``bench.state_transfer``); at the latest
         :data:`RECOVERY_WAIT_S` or ``delay_s`` after the replacement."""
         attempt = self._attempt.rs.attempt
         if self._taken is not None:
             generation, since = self._taken
-            return attempt.recovered(generation) or \
+            return bool(self._nice) or attempt.recovered(generation) or \
                 time.monotonic() - since >= max(self._delay_s, RECOVERY_WAIT_S)
         if self._built_since is None and attempt.built():
             self._built_since = time.monotonic()
@@ -145,7 +193,13 @@ class WarmSpares(Spares):
             time.monotonic() - self._built_since >= self._delay_s
 
 
-def spares_for(attempt: NodeAttempt, warm: bool, delay_s: float) -> Spares:
+def may_restore_priority() -> bool:
+    """Whether this process may give a spare back the priority it lowered (CAP_SYS_NICE: an
+    unprivileged process cannot lower its nice value again); root stands for it."""
+    return os.geteuid() == 0
+
+
+def spares_for(attempt: NodeAttempt, warm: bool, delay_s: float, count: int = 1) -> Spares:
     """The spares of ``recovery.spare`` = ``warm`` (``delay_s``: its
-    ``spare_delay_seconds``)."""
-    return WarmSpares(attempt, delay_s) if warm else Spares(attempt)
+    ``spare_delay_seconds``; ``count``: ``recovery.spares``)."""
+    return WarmSpares(attempt, delay_s, count) if warm else Spares(attempt)

@@ -26,6 +26,7 @@ epoch, index)))`` in ``__getitem__``).
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -227,11 +228,17 @@ class ElasticDataLoader(DataLoader):
 
     def steps(self) -> Iterator[list[Any]]:
         """This rank's remaining optimizer steps of the epoch, each a list of
-        ``grad_accum_steps`` micro-batches."""
+        ``grad_accum_steps`` micro-batches: the number read as each step begins (an in-place
+        recovery may change the world size, and with a kept global batch the accumulation),
+        and the pass followed when a recovery restarts it."""
         batches = iter(self)
-        accum = self.elastic_sampler.grad_accum_steps
-        for _ in range(self.elastic_sampler.steps_left_in_epoch()):
-            yield [next(batches) for _ in range(accum)]
+        while True:
+            step = list(itertools.islice(batches, 1))
+            if not step:
+                return
+            # the step's boundary ran in the first next(): its accumulation holds now
+            step += list(itertools.islice(batches, self.elastic_sampler.grad_accum_steps - 1))
+            yield step
 
     def state_dict(self) -> dict[str, Any]:
         return self.elastic_sampler.state_dict()
@@ -243,6 +250,7 @@ class ElasticDataLoader(DataLoader):
 def elastic_dataloader(dataset: Dataset, micro_batch_size: int, *, seed: int = 0,
                        grad_accum_steps: int = 1, shuffle: bool = True,
                        rank: int | None = None, world_size: int | None = None,
+                       global_batch_size: int | None = None,
                        **loader_kwargs: Any) -> ElasticDataLoader:
     """An :class:`ElasticDataLoader` for this rank of the current process group.
 
@@ -253,10 +261,16 @@ def elastic_dataloader(dataset: Dataset, micro_batch_size: int, *, seed: int = 0
         grad_accum_steps: micro-batches per optimizer step; the global batch is
             ``world_size x micro_batch_size x grad_accum_steps`` samples.
         rank, world_size: default: the process group's (0 and 1 without one).
+        global_batch_size: keep this global batch (samples) at every world size instead: the
+            micro-batches per step are then ``ceil(global_batch_size / (world_size x
+            micro_batch_size))``, split unevenly where that does not divide it; weight each
+            micro-batch's loss by ``loader.elastic_sampler.loss_weights()`` (what
+            ``FaultTolerantLoop.loss_weights`` returns), see ``data/sampler.py``.
         **loader_kwargs: ``collate_fn``, ``num_workers``, ``pin_memory``, ...
 
     Raises:
-        ValueError: the dataset is smaller than one global batch.
+        ValueError: the dataset is smaller than one global batch, or the global batch cannot
+            give every rank a non-empty micro-batch.
     """
     import torch.distributed as dist
 
@@ -264,5 +278,5 @@ def elastic_dataloader(dataset: Dataset, micro_batch_size: int, *, seed: int = 0
         world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     sampler = ElasticSampler(len(dataset), seed, micro_batch_size,  # type: ignore[arg-type]
                              grad_accum_steps, current_rank() if rank is None else rank,
-                             world_size, shuffle=shuffle)
+                             world_size, shuffle=shuffle, global_batch_size=global_batch_size)
     return ElasticDataLoader(dataset, sampler, **loader_kwargs)

@@ -67,6 +67,8 @@ from ..train.session import SessionOptions
 from .in_place import in_place_process
 from .loop import FaultTolerantLoop
 from .parts import LoopParts
+from .script_collectives import ScriptCollectives, install
+from .script_state import NoScriptState, ScriptState
 
 __all__ = ["DEFAULT_EVERY_SECONDS", "FaultTolerantLoop", "fault_tolerant", "model_fingerprint"]
 
@@ -146,6 +148,7 @@ def fault_tolerant(model: nn.Module, optimizer: torch.optim.Optimizer,
         return make_consensus(model, lambda: preempt.stop_asked, comm_hook, hook_state)
 
     info = _dist_info(rank, sampler.world_size, device)
+    faults = _faults(rank)
     session, ours = assemble_session(SessionSpec(
         place=info, sampler=sampler, stateful={"model": inner, "optimizer": optimizer},
         checkpoint=CheckpointSpec(checkpoint_dir, fingerprint, lambda: closing_flag[0],
@@ -154,15 +157,24 @@ def fault_tolerant(model: nn.Module, optimizer: torch.optim.Optimizer,
         reporting=reporting, consensus=vote(),
         options=SessionOptions(sampler.seed, log_every_steps, max_bad_steps),
         lr=lambda: optimizer.param_groups[0]["lr"], callbacks=callbacks or [],
-        faults=_faults(rank), more_state=state or {}, fetched=loader.take_fetched))
+        faults=faults, more_state=state or {}, fetched=loader.take_fetched))
     # an FSDP2 loop's shards cannot take another world size in its process
     profile = RecoveryProfile(fingerprint, regroups=not session.checkpoints.sharded)
+    # rank 0's state= through a replacement of any rank, and whether a recovery's group runs
+    # the loop's window again (own_loop/script_state.py)
+    script_state = (ScriptState(state or {}, rank, process.recovery)
+                    if process.recovery.active else NoScriptState())
     parts = LoopParts(info, preempt, profile, process, model, loader, vote, closing_flag,
                       rank_metrics, lambda r, w: reporting.callbacks(r, w, sampler), ours,
-                      own_logging)
+                      own_logging, script_state)
     params = [p for p in inner.parameters() if p.requires_grad]
     loop = FaultTolerantLoop(session, params, closing, parts)
     loop.recovery.bind(loop)
+    if process.recovery.active:  # the loop's own collectives recover in place too
+        calls = ScriptCollectives(loop.in_place, faults.injector.pause_before if faults
+                                  else _no_pause)
+        install(calls)
+        loop.in_place.script_calls = calls
     session.leave = lambda: loop.recovery.leave(loop)  # nodes leave and join in place
     if isinstance(process, ScriptRecovery):
         loop.in_place.guard(model)
@@ -213,6 +225,10 @@ def _metrics(cfg: MetricsConfig) -> tuple[RankMetrics, list[Any]]:
 
     metrics, server = worker_metrics(cfg)
     return metrics, [server] if server is not None else []
+
+
+def _no_pause(name: str, step: int) -> None:
+    pass
 
 
 def _faults(rank: int) -> FaultInjection | None:

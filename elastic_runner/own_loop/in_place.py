@@ -27,7 +27,9 @@ from ..recovery.script import NoScriptRecovery, ScriptRecovery
 from ..recovery.script import current as current_process
 from ..train.session import TrainingFailed
 from ..train.straggler import StragglerMonitor
+from .nested import each_tensor
 from .parts import LoopParts
+from .script_collectives import NoScriptCollectives, ScriptCollectives
 
 log = logging.getLogger("elastic_runner.own_loop")
 
@@ -50,6 +52,11 @@ class LoopRecovery:
         self._recovery: InPlaceRecovery | NoRecovery = parts.process.recovery
         self._recovering: RecoveryReport | None = None  # done at the next committed step
         self._t_recovered = 0.0
+        # a replacement's first pass through the loop: discarded, so that it runs the loop's
+        # window of the group's step as the survivors do (FaultTolerantLoop.rewrap)
+        self.phantom = False
+        # the loop's own collectives (own_loop/script_collectives.py): the loop sets them
+        self.script_calls: ScriptCollectives | NoScriptCollectives = NoScriptCollectives()
 
     def collective(self, call: Callable[..., Any], *args: Any) -> bool:
         """``call(*args)``; when one of its collectives fails because a peer died (in-place
@@ -75,8 +82,42 @@ class LoopRecovery:
         except StepRedo:  # a membership boundary that changed nothing: the step is redone
             self._forget_step()
             self._parts.loader.restart()
+            self._parts.script_state.restore()  # the window before it runs again
             return False
         return True
+
+    def recover_in_window(self, error: RuntimeError) -> None:
+        """A collective of the loop's own work after a step failed: re-form the group in place;
+        the loop's code goes on where it was (``own_loop/script_collectives.py`` calls the
+        window's collectives again in the new group). The first committed step completes the
+        report.
+
+        Raises:
+            RuntimeError: ``error``, when no peer died or recovery is off; a new one when nodes
+                left or joined meanwhile, or the model is sharded (FSDP2 re-forms its modules
+                at a step only): every worker then restarts from the newest checkpoint.
+        """
+        if isinstance(error, TrainingFailed) or not self._recovery.active:
+            raise error
+        try:
+            report = self._recovery.recover(error, self._loop)
+        except (Regroup, StepRedo):
+            self._recovery.ask_restart()
+            raise RuntimeError("a peer died inside the loop's own work after a step, and the "
+                               "group cannot go on there at another world size or with a "
+                               "sharded model: every worker restarts from the newest "
+                               "checkpoint") from error
+        if report is None:
+            raise error
+        self._recovering, self._t_recovered = report, time.perf_counter()
+
+    def discarded_pass_done(self) -> None:
+        """A discarded pass reached ``step_done()``: a replacement's first one (:attr:`phantom`)
+        hands its micro-batches back to the loader and drops its gradients."""
+        if self.phantom:
+            self.phantom = False
+            self._forget_step()
+            self._parts.loader.restart()
 
     def committed(self, step: int) -> None:
         """Step ``step`` is committed: the first one after an in-place recovery completes its
@@ -104,15 +145,25 @@ class LoopRecovery:
         the buckets' rebuild after a new reducer): when one fails because a peer died, the
         group is re-formed there (:meth:`collective`) and the forward returns the local
         module's output without autograd, for a step that is discarded anyway (the loop's
-        ``backward`` does nothing, its ``should_commit`` answers False)."""
+        ``backward`` does nothing, its ``should_commit`` answers False). In the loop's work
+        after a step (an evaluation) it is one of that work's collectives
+        (``own_loop/script_collectives.py``); in a replacement's discarded first pass it is
+        the local module's, with no collective. The local module runs on copies of its
+        buffers (a BatchNorm's statistics stay the group's)."""
         forward = ddp.forward
 
         def guarded(*args: Any, **kwargs: Any) -> Any:
             out: list[Any] = []
+            if self.phantom:  # a replacement's discarded first pass: no collective
+                return _local_forward(ddp.module, args, kwargs)
+            if self.script_calls.in_window:  # an evaluation's: called again after a recovery
+                if not (torch.is_grad_enabled() or ddp.will_sync_module_buffers()):
+                    return forward(*args, **kwargs)  # no collective in it: nothing to record
+                return self.script_calls.call("forward", forward, args, kwargs, _nothing)
             if self.collective(lambda: out.append(forward(*args, **kwargs))):
                 return out[0]
             with torch.no_grad():
-                return ddp.module(*args, **kwargs)
+                return _local_forward(ddp.module, args, kwargs)
 
         ddp.forward = guarded  # type: ignore[method-assign]
 
@@ -128,13 +179,13 @@ class LoopRecovery:
         def guarded(mod: nn.Module, *args: Any, **kwargs: Any) -> Any:
             out: list[Any] = []
             if recovery.collective(lambda: out.append(cls.__call__(mod, *args, **kwargs))):
-                last[:] = [_each_tensor(_meta, out[0])]
+                last[:] = [each_tensor(_meta, out[0])]
                 return out[0]
             if not last:  # recovered before any output: nothing to stand in for it
                 recovery._recovery.ask_restart()
                 raise RuntimeError("a peer died in this process's first forward: every "
                                    "worker restarts from the newest checkpoint")
-            return _each_tensor(_zeros, last[0])
+            return each_tensor(_zeros, last[0], (_Meta,))
 
         module.__class__ = type(cls.__name__, (cls,), {"__call__": guarded,
                                                       "__module__": cls.__module__})
@@ -259,22 +310,19 @@ def in_place_process(model: nn.Module) -> ScriptRecovery | NoScriptRecovery:
     return NoScriptRecovery()
 
 
+def _nothing() -> None:
+    return None
+
+
+def _local_forward(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``module(*args, **kwargs)`` with copies of its buffers, for a discarded step: a
+    BatchNorm's running statistics stay as the group's state holds them."""
+    buffers = {name: b.clone() for name, b in module.named_buffers()}
+    return torch.func.functional_call(module, buffers, args, kwargs, strict=False)
+
+
 def _sharded(model: nn.Module) -> bool:
     return any(isinstance(p, DTensor) for p in model.parameters())
-
-
-def _each_tensor(fn: Callable[[Any], Any], x: Any) -> Any:
-    """``x`` (a model's output: a tensor, or tuples, lists and dicts of them) with ``fn``
-    applied to each tensor or :class:`_Meta`."""
-    if isinstance(x, (torch.Tensor, _Meta)):
-        return fn(x)
-    if isinstance(x, dict):  # a ModelOutput too
-        return type(x)({k: _each_tensor(fn, v) for k, v in x.items()})
-    if isinstance(x, tuple) and hasattr(x, "_fields"):  # a namedtuple
-        return type(x)(*(_each_tensor(fn, v) for v in x))
-    if isinstance(x, (list, tuple)):
-        return type(x)(_each_tensor(fn, v) for v in x)
-    return x
 
 
 def _meta(x: torch.Tensor) -> _Meta:

@@ -33,6 +33,7 @@ from ..train.session import RollbackRequested, TrainingFailed, TrainingSession
 from ..train.state import TrainState
 from .in_place import LoopRecovery
 from .parts import LoopParts
+from .script_collectives import NoScriptCollectives, ScriptCollectives
 
 log = logging.getLogger("elastic_runner.own_loop")
 
@@ -81,6 +82,16 @@ class FaultTolerantLoop:
         self._epoch: int | None = None  # of the last step, and where its cursor ended
         self._end_cursor = 0
         self._closed = False
+        # where the loop is: "step" (from a boundary to step_done), "window" (the loop's own
+        # work after step_done), "boundary" (the next step's checkpoint and peer copies): a
+        # recovery at the boundary redoes nothing, elsewhere the window runs again
+        self._phase = "step"
+        self._joining = False  # a replacement inside resume()
+
+    @property
+    def _calls(self) -> ScriptCollectives | NoScriptCollectives:
+        """The loop's own collectives (``own_loop/script_collectives.py``)."""
+        return self.in_place.script_calls
 
     @property
     def info(self) -> DistInfo:
@@ -108,6 +119,15 @@ class FaultTolerantLoop:
     def checkpoints(self) -> CheckpointManager:
         return self.session.checkpoints
 
+    def loss_weights(self) -> list[float]:
+        """The factor for each of this step's micro-batch losses (a mean over its samples), in
+        order, so that the update is the mean over the step's global batch: ``1 / K`` each at
+        an even split of K micro-batches; each micro-batch's share where the loader keeps a
+        global batch the world size does not divide (``elastic_dataloader(...,
+        global_batch_size=...)``, ``data/sampler.py``). Read it per step: a recovery may
+        change the world size."""
+        return self.sampler.loss_weights()
+
     @_fenced_out_exits
     def resume(self) -> tuple[int, int]:
         """Load the newest valid checkpoint on every rank (collective); returns ``(step,
@@ -115,8 +135,12 @@ class FaultTolerantLoop:
         group in place (``elastic-runner run``) receives a survivor's state instead."""
         if self._parts.process.joining:
             self.session.callbacks.on_phase("recovering", JOINING, True)
+            self._joining = True
             rejoin(self, joining=True)  # the reporting opens at the group's step
+            self._joining = False
             self._saved_step = self.step
+            if self.in_place.phantom:  # its first pass redoes the group's window, discarded
+                self._discarded = self._begun = True
         else:
             if _fresh_start():
                 log.info("--no-resume: not resuming from %s", self.checkpoints.directory)
@@ -141,14 +165,17 @@ class FaultTolerantLoop:
                 ``scaler.unscale_``, the norm, ``should_commit(norm, overflow_ok=True)``,
                 ``scaler.step`` and ``scaler.update`` are yours.
         """
+        self._calls.runner()
         self._begin_step()
         if self._discarded:  # a recovery at the step's boundary discarded it: no vote
+            self._calls.after_backward(self.step + 1)
             return
         if self._epoch is not None and self.epoch != self._epoch:
             self._epoch_ended()
         self._epoch = self.epoch
         self._loss = (loss if step_loss is None else step_loss).detach()
         self.in_place.collective(self.session.backward, loss, step_loss, scaler)
+        self._calls.after_backward(self.step + 1)  # clip_grad_norm_'s all-reduce: guarded
 
     def should_commit(self, grad_norm: torch.Tensor | None = None,
                       overflow_ok: bool = False) -> bool:
@@ -158,6 +185,7 @@ class FaultTolerantLoop:
         computed (on DDP the step's vote travels in it, see ``train/consensus.py``).
         ``overflow_ok``: fp16 with a GradScaler, whose ``step`` skips an overflowing update
         itself; such a step is then not counted as non-finite."""
+        self._calls.runner()
         if self._discarded:  # in-place recovery discarded the step: nobody applies it
             return False
         decided: list[bool] = []
@@ -186,8 +214,12 @@ class FaultTolerantLoop:
             TrainingFailed: ``max_bad_steps`` non-finite steps in a row (a restart resumes from
                 the last checkpoint).
         """
+        self._calls.runner()
         if self._discarded:  # redone from its first micro-batch, after the new boundary
             self._discarded, self._begun = False, False
+            self.in_place.discarded_pass_done()
+            self._phase = "window"  # the window of this step runs again
+            self._calls.window(self.step)
             return self.step
         try:
             if not self.in_place.collective(self.session.end_step, self._loss):
@@ -205,18 +237,24 @@ class FaultTolerantLoop:
                                  f"row at step {self.step}; a restart resumes from the last "
                                  "checkpoint") from None
         self.in_place.committed(step)
+        self._parts.script_state.committed(step)
+        self._phase = "window"
         self._due, self._begun = self.session.checkpoint_due(), False
         # the loop's own work on this step (an evaluation) gets the long budget
         self.session.callbacks.on_phase("training", f"the loop's work after step {step}", True)
+        self._calls.window(step)
         return step
 
     @_fenced_out_exits
     def _begin_step(self) -> None:
         """The loop reached the next step (its first batch, or its backward): commit the
         checkpoint ``step_done()`` asked for, then begin the step."""
+        self._calls.runner()
         if self._begun:
             return
         self._begun = True
+        self._parts.script_state.window_done(self.step)  # before the boundary's collectives
+        self._phase = "boundary"
         if self._due:
             self._due = False
             while not self.in_place.collective(self.session.checkpoint):
@@ -228,6 +266,7 @@ class FaultTolerantLoop:
             self.in_place.collective(self.recovery.keep_copy, self)
         self._discarded = False  # a recovery here found no step in flight
         self.after_done = self.step
+        self._phase = "step"
         self.session.begin_step()
 
     @_fenced_out_exits
@@ -235,6 +274,7 @@ class FaultTolerantLoop:
         """Checkpoint the last step (unless just saved), wait for the commit, stop reporting;
         a sharded model's process groups are left to ``destroy_process_group`` to free
         (:func:`~elastic_runner.dist.release_groups_of`); a second call does nothing."""
+        self._calls.runner()
         if self._closed:
             return
         self._parts.closing[0] = True
@@ -265,8 +305,14 @@ class FaultTolerantLoop:
     def rewrap(self, in_sync: bool) -> None:
         """The script's model on the new group (:meth:`LoopRecovery.rewrap
         <elastic_runner.own_loop.in_place.LoopRecovery.rewrap>`: it moves no values, so
-        ``in_sync`` changes nothing)."""
+        ``in_sync`` changes nothing), and every member's ``state=`` rank 0's
+        (``own_loop/script_state.py``; collective): unless the failure came at a step's
+        boundary, every rank runs the loop's window of the group's step again, a replacement
+        in a discarded first pass."""
         self.in_place.rewrap()
+        redo = self._parts.script_state.agree(self.info.rank, self._joining, self._phase,
+                                              self.step)
+        self.in_place.phantom = redo and self._joining and not self.checkpoints.sharded
 
     def _step_discarded(self) -> None:
         """An in-place recovery discarded the step in flight on every rank; the state it

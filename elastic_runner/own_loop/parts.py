@@ -16,14 +16,15 @@ from ..recovery.recoverable import RecoveryProfile
 from ..recovery.script import NoScriptRecovery, ScriptRecovery
 from ..train.callbacks import Callback
 from ..train.consensus import StepConsensus
+from .script_state import NoScriptState, ScriptState
 
 
 @dataclass
 class LoopParts:
     """Where the loop runs (``info``; a regroup moves it), its preemption flag, what its
     recovery may do (``profile``), this process's in-place recovery, the script's model object
-    (DDP, FSDP2 or plain) and loader, how to make its step vote, and what a regroup rebuilds
-    for another rank (the rank-bound reporting)."""
+    (DDP, FSDP2 or plain) and loader, how to make its step vote, what a regroup rebuilds
+    for another rank (the rank-bound reporting), and its ``state=`` as rank 0 holds it."""
 
     info: DistInfo
     preempt: PreemptionFlag
@@ -37,3 +38,4 @@ class LoopParts:
     runner: Callable[[int, int], list[Callback]]  # the runner's callbacks for a rank, world size
     reporting: list[Callback]  # those of this rank now
     own_logging: bool  # the runner set up logging (a renumbered rank sets it up again)
+    script_state: ScriptState | NoScriptState  # state=, rank 0's through a replacement

@@ -23,7 +23,12 @@ class RecoveryConfig(Section):
 
     mode: Literal["in_place", "restart"] = "in_place"
     spare: StrictBool = True
-    """Keep one warm replacement per node (imported, task built)."""
+    """Keep warm replacements per node (imported, task built): `spares` of them."""
+    spares: StrictInt = Field(1, ge=1)
+    """Warm spares per node with `spare` on: failures that come close together (a node losing
+    several GPUs) each find one ready. They start one at a time; after a replacement the next
+    starts at once at a lower CPU priority where the agent may restore it (root), else once
+    that recovery's first step is committed."""
     spare_delay_seconds: Float = Field(10.0, ge=0)
     """Start it this long after the workers built the task: a short job never pays for one (a
     failure before gets a cold start). Once it replaced a worker, the next one starts when that

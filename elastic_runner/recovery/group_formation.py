@@ -17,7 +17,7 @@ import torch.distributed as dist
 from ..logs import first_line
 from .group_sockets import GroupSockets
 from .outcomes import JobFinished
-from .protocol import GENERATION_ENV
+from .protocol import GENERATION_ENV, SPARE_NICE_ENV
 from .store_client import StoreClient
 
 # the worker's recovery log lines keep the logger name they always had (bench and operators
@@ -175,4 +175,19 @@ class GroupFormation:
         # a store that is gone (its agent died, or the store moved on) raises here: leave
         env = attempt.wait_assignment(spare, _SPARE_POLL_S)
         self.generation = int(env[GENERATION_ENV])
+        restore_priority()
         return env
+
+
+def restore_priority() -> None:
+    """A spare started at a lower CPU priority (:data:`SPARE_NICE_ENV`) that takes a worker's
+    place: every thread of this process back to the agent's nice value. A thread that cannot
+    be changed (no CAP_SYS_NICE: the agent then starts none lower) is logged."""
+    target = os.environ.pop(SPARE_NICE_ENV, None)
+    if target is None:
+        return
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.setpriority(os.PRIO_PROCESS, int(tid), int(target))
+        except (PermissionError, ProcessLookupError) as e:
+            log.warning("the replacement's thread %s keeps its lower priority: %s", tid, e)

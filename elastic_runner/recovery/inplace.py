@@ -103,6 +103,12 @@ class NoRecovery:
     def announce_recovered(self, rank: int, report: RecoveryReport) -> None:
         pass
 
+    def keep_rank0_state(self, blob: bytes) -> None:
+        pass
+
+    def rank0_state(self) -> bytes | None:
+        return None
+
     def recover(self, error: BaseException, loop: Recoverable) -> RecoveryReport | None:
         return None
 
@@ -352,6 +358,23 @@ class InPlaceRecovery:
     def ask_restart(self) -> None:
         """No agent replaces anyone in place in this attempt any more: torch's restart path."""
         self.signals.ask_restart()
+
+    def keep_rank0_state(self, blob: bytes) -> None:
+        """Rank 0 of a script's loop: its ``state=`` versions, where a replacement's group
+        finds them once rank 0 is gone (``own_loop/script_state.py``).
+
+        Raises:
+            RuntimeError: the store is unreachable.
+        """
+        self.client.attempt.keep_rank0_state(blob)
+
+    def rank0_state(self) -> bytes | None:
+        """What rank 0 kept last (:meth:`keep_rank0_state`; None: nothing).
+
+        Raises:
+            RuntimeError: the store is unreachable.
+        """
+        return self.client.attempt.rank0_state()
 
     # ------------------------------------------------------------ peer copies
 

@@ -369,7 +369,7 @@ def announce_join(store: dist.Store, key: Key, view: View, joining: dict[int, in
 @dataclass(frozen=True)
 class Policy:
     """Which groups a node's departure may leave: at least ``min_nodes`` nodes (``--nnodes``
-    MIN) and a world size the global batch divides (``batch``; None: a script's own loop, whose
+    MIN) and a world size the global batch fits (``batch``; None: a script's own loop, whose
     batch the runner does not know: any world size). Below that the job takes torch's restart
     path, where torchrun waits for enough nodes (its ``join_timeout``)."""
 
@@ -389,7 +389,8 @@ class Policy:
         return replace(self, batch=self.batch.kept(0, job_global_batch))
 
     def fits(self, world_size: int) -> bool:
-        """Whether the global batch divides ``world_size`` ranks' micro-batches."""
+        """Whether the global batch gives every micro-batch of ``world_size`` ranks a sample (an
+        uneven split where it does not divide them: ``data/sampler.py``)."""
         if self.batch is None:
             return True
         try:
@@ -412,7 +413,7 @@ class Policy:
         if world_size < 1:
             return "no rank left"
         if not self.fits(world_size):
-            return f"batch.global_batch_size is not divisible at world size {world_size}"
+            return f"batch.global_batch_size cannot be split at world size {world_size}"
         return None
 
 

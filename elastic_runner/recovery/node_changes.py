@@ -97,8 +97,7 @@ class NodeChanges:
         return None
 
     def policy(self, loop: Recoverable) -> Policy:
-        """The departure policy: ``--nnodes`` MIN, and a world size the global batch
-        divides."""
+        """The departure policy: ``--nnodes`` MIN, and a world size the global batch fits."""
         return Policy.for_batch(self.min_nodes, loop.profile.batch)
 
     # ------------------------------------------------------------ at the step boundary
@@ -224,7 +223,7 @@ class NodeChanges:
         if not joining:
             return [0, loop.info.world_size, []]
         if not self.policy(loop).fits(world_size):
-            why = (f"batch.global_batch_size is not divisible at world size {world_size} "
+            why = (f"batch.global_batch_size cannot be split at world size {world_size} "
                    f"(nodes {sorted(joining)} asked to join)")
             log.error("membership: %s: they stay out", why)
             refuse_joins(store, key, requests, why)

@@ -29,6 +29,10 @@ key                                    written by -> read by
                                        takes
 ``moved/<node>``                       an agent following the store to another node -> the
                                        leaving host
+``rank0_state``                        rank 0 of a script's loop, at a step boundary where the
+                                       loop's work after a step changed its ``state=`` -> the
+                                       group's source after rank 0 was replaced
+                                       (``own_loop/script_state.py``)
 =====================================  =========================================================
 
 The membership's keys (``view``, ``node/...``, ``departed/<node>``, ``join/...``,
@@ -48,6 +52,9 @@ ENV = "ELASTIC_RUNNER_INPLACE"
 """The recovery store, for a worker or spare: a ``recovery.store.StoreLocation`` as JSON."""
 SPARE_ENV = "ELASTIC_RUNNER_SPARE"
 """Set on a spare only: ``<node rank>.<number>`` (a joining node's: ``<node>.`` + local rank)."""
+SPARE_NICE_ENV = "ELASTIC_RUNNER_SPARE_NICE"
+"""Set on a spare started at a lower CPU priority: the nice value its threads go back to once
+it takes a worker's place (the agent's)."""
 GENERATION_ENV = "ELASTIC_RUNNER_GENERATION"
 """Set on a replacement: the generation whose group it joins."""
 HEARTBEAT_ENV = "ELASTIC_RUNNER_HEARTBEAT_DIR"
@@ -101,6 +108,16 @@ class AttemptKeys:
 
     def finished(self) -> bool:
         return self._has("finished")
+
+    def keep_rank0_state(self, blob: bytes) -> None:
+        """Rank 0's ``state=`` versions (``own_loop/script_state.py``; ``torch.save`` bytes)."""
+        self.store.set(self.key("rank0_state"), blob)
+
+    def rank0_state(self) -> bytes | None:
+        """What :meth:`keep_rank0_state` wrote last (None: nothing yet)."""
+        if not self._has("rank0_state"):
+            return None
+        return bytes(self.store.get(self.key("rank0_state")))
 
     def allow_joins_in_place(self) -> None:
         self.store.set(self.key("joins_in_place"), "1")

@@ -65,8 +65,9 @@ class BatchConfig(Section):
     The global batch stays the same when the world size changes (nodes leave or join, a restart
     at another size), so the optimisation trajectory and ``optimizer.lr``'s meaning do not
     change: ``grad_accum_steps`` is derived from it at each world size
-    (``global / (world_size * micro_batch_size)``; a world size it does not divide is an error
-    naming the ones it does). The global batch is ``global_batch_size`` when set, else the job's
+    (``ceil(global / (world_size * micro_batch_size))``; where that does not divide it, the
+    micro-batches differ by at most one sample and each one's loss is weighted by its share:
+    ``data/sampler.py``). The global batch is ``global_batch_size`` when set, else the job's
     first: ``world_size * micro_batch_size * grad_accum_steps`` at its first world size, carried
     in its checkpoints and by its live ranks (:meth:`kept`). With ``keep_global_batch: false``
     and no ``global_batch_size``, the per-rank batch is fixed instead and the global batch (and
@@ -79,8 +80,9 @@ class BatchConfig(Section):
     """Micro-batches per optimizer step on each rank (derived from `global_batch_size` when that is
     set)."""
     global_batch_size: StrictInt | None = None
-    """Samples per optimizer step over all ranks, kept when the world size changes (it must divide
-    by world size x `micro_batch_size`); null: the job's first global batch (world size x
+    """Samples per optimizer step over all ranks, kept when the world size changes (split unevenly,
+    each micro-batch's loss weighted by its share, where world size x `micro_batch_size` does not
+    divide it); null: the job's first global batch (world size x
     `micro_batch_size` x `grad_accum_steps` at its first world size), kept the same way, unless
     `keep_global_batch` is false."""
     keep_global_batch: StrictBool = True
@@ -111,23 +113,27 @@ class BatchConfig(Section):
         return self.model_copy(update={"global_batch_size": job_global_batch or first})
 
     def accumulation_for(self, world_size: int) -> int:
-        """Micro-batches per optimizer step at ``world_size``.
+        """Micro-batches per optimizer step at ``world_size``: ``ceil(global_batch_size /
+        (world_size x micro_batch_size))`` (an uneven split where that does not divide it).
 
         Raises:
-            ConfigError: ``global_batch_size`` is not a multiple of world_size x micro_batch_size;
-                the message lists the world sizes (up to 64) that divide it.
+            ConfigError: the split would leave a micro-batch empty (fewer samples than
+                micro-batches); the message lists the world sizes (up to 64) it fits.
         """
         if self.global_batch_size is None:
             return self.grad_accum_steps
-        per_step = world_size * self.micro_batch_size
-        if self.global_batch_size % per_step:
-            valid = [w for w in range(1, 65)
-                     if self.global_batch_size % (w * self.micro_batch_size) == 0]
+        g, b = self.global_batch_size, self.micro_batch_size
+
+        def accum(w: int) -> int:
+            return -(-g // (w * b))
+
+        if g < world_size * accum(world_size):
+            valid = [w for w in range(1, 65) if g >= w * accum(w)]
             raise ConfigError(
-                f"batch.global_batch_size: {self.global_batch_size} is not divisible by "
-                f"world_size {world_size} x micro_batch_size {self.micro_batch_size}; "
-                f"valid world sizes: {valid or 'none'}")
-        return self.global_batch_size // per_step
+                f"batch.global_batch_size: {g} samples cannot give each of world_size "
+                f"{world_size} ranks {accum(world_size)} non-empty micro-batch(es) of at most "
+                f"micro_batch_size {b}; world sizes it fits: {valid}")
+        return accum(world_size)
 
 
 class TrainingConfig(Section):

@@ -23,7 +23,13 @@ empty; no trigger configured: a null object, not even the ``stat``). Each line i
   at step S (trigger file PATH)``;
 * ``slow rank=R seconds=S``: a standing request: while the line is in the file, rank R sleeps
   S seconds before each step (a straggler made and ended from outside, as in a drill of the
-  straggler log and alerts); R logs when it starts and when it ends.
+  straggler log and alerts); R logs when it starts and when it ends;
+* ``pause rank=R at=NAME``: rank R blocks forever just before the next call named NAME that its
+  script's own loop makes in that step or the work after it (a ``torch.distributed`` collective
+  such as ``all_reduce`` or ``broadcast_object_list``, or ``clip_grad_norm_``;
+  ``own_loop/script_collectives.py``), and removes the line; it logs ``fault injection: rank R
+  pauses before its NAME at step S``. A drill kills it there, so its peers wait inside that
+  very call when it dies.
 
 A rank reads and rewrites the file under an exclusive ``flock`` of PATH, so writers must take it
 too, e.g. ``flock PATH -c 'echo "nan rank=1" >> PATH'`` (``bench/soak.py`` does this from
@@ -34,6 +40,7 @@ outside the group stays (every rank then reads the file at each step until it is
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import logging
 import os
@@ -103,7 +110,7 @@ class FaultInjector:
             return True
         if not self._requests.nan:
             return False
-        self._requests = Requests(slow_seconds=self._requests.slow_seconds)
+        self._requests = dataclasses.replace(self._requests, nan=False)
         log.warning("fault injection: rank %d poisons its loss at step %d (trigger file %s)",
                     self.rank, step, self.trigger.path)
         return True
@@ -119,6 +126,18 @@ class FaultInjector:
             if spec.kind == "slow" and self._due(spec, step, steps_this_attempt, spec.count))
         if delay > 0:
             time.sleep(delay)
+
+    def pause_before(self, name: str, step: int) -> None:
+        """Block forever if the trigger file asked this rank to pause before ``name`` (read at
+        the step's :meth:`begin_step`; consumed)."""
+        if self._requests.pause != name:
+            return
+        self._requests = dataclasses.replace(self._requests, pause="")
+        log.warning("fault injection: rank %d pauses before its %s at step %d (trigger file %s)",
+                    self.rank, name, step, self.trigger.path)
+        for handler in logging.getLogger("elastic_runner").handlers:
+            handler.flush()
+        _hang_forever()
 
     def hang_now(self, step: int, steps_this_attempt: int) -> None:
         """Block forever if a ``hang`` fault is due at the step about to run."""
@@ -152,11 +171,12 @@ class FaultInjector:
 
 @dataclass(frozen=True)
 class Requests:
-    """What the trigger file asks of one rank at one step: a NaN loss (once), and the seconds
-    of its standing ``slow`` request (0: none)."""
+    """What the trigger file asks of one rank at one step: a NaN loss (once), the seconds of
+    its standing ``slow`` request (0: none), and the call to pause before (once; "": none)."""
 
     nan: bool = False
     slow_seconds: float = 0.0
+    pause: str = ""
 
 
 NO_REQUESTS = Requests()
@@ -176,6 +196,7 @@ class TriggerFile:
 
     NAN = re.compile(r"^nan\s+rank=(\d+)$")
     SLOW = re.compile(r"^slow\s+rank=(\d+)\s+seconds=(\d+(?:\.\d*)?|\.\d+)$")
+    PAUSE = re.compile(r"^pause\s+rank=(\d+)\s+at=([A-Za-z_]\w*)$")
 
     def __init__(self, path: Path, rank: int) -> None:
         self.path, self.rank = path, rank
@@ -183,8 +204,9 @@ class TriggerFile:
         self._slow = 0.0  # the standing slow request last seen (logged when it changes)
 
     def poll(self) -> Requests:
-        """This rank's requests in the file now: a ``nan rank=<this rank>`` line (one per
-        call) and any line that does not parse are removed; ``slow`` lines stay. Never raises:
+        """This rank's requests in the file now: a ``nan`` or ``pause`` line of this rank (one
+        of each per call) and any line that does not parse are removed; ``slow`` lines stay.
+        Never raises:
         an unreadable file is logged once and counts as empty."""
         try:
             if os.stat(self.path).st_size == 0:
@@ -208,20 +230,24 @@ class TriggerFile:
             return self._seen(Requests())
 
     def _consume(self, lines: list[str]) -> tuple[list[str], Requests]:
-        keep, nan, slow = [], False, 0.0
+        keep, nan, slow, pause = [], False, 0.0, ""
         for ln in lines:
-            m_nan, m_slow = self.NAN.match(ln), self.SLOW.match(ln)
-            if m_nan is None and m_slow is None:
+            m_nan, m_slow, m_pause = self.NAN.match(ln), self.SLOW.match(ln), self.PAUSE.match(ln)
+            if m_nan is None and m_slow is None and m_pause is None:
                 log.warning("faults.trigger_file %s: removed the line %r (allowed: 'nan rank=R', "
-                            "'slow rank=R seconds=S', R a global rank)", self.path, ln)
+                            "'slow rank=R seconds=S', 'pause rank=R at=NAME', R a global rank)",
+                            self.path, ln)
                 continue
             if m_nan is not None and not nan and int(m_nan[1]) == self.rank:
                 nan = True
                 continue
+            if m_pause is not None and not pause and int(m_pause[1]) == self.rank:
+                pause = m_pause[2]
+                continue
             if m_slow is not None and int(m_slow[1]) == self.rank:
                 slow = float(m_slow[2])
             keep.append(ln)
-        return keep, Requests(nan=nan, slow_seconds=slow)
+        return keep, Requests(nan=nan, slow_seconds=slow, pause=pause)
 
     def _seen(self, requests: Requests) -> Requests:
         if requests.slow_seconds != self._slow:

@@ -276,7 +276,7 @@ def _check_same_task(cfg: Config, built: str) -> None:
 def _loader(cfg: Config, info: DistInfo, bundle: TaskBundle) -> ElasticDataLoader:
     sampler = ElasticSampler(len(bundle.train), cfg.seed, cfg.batch.micro_batch_size,
                              cfg.batch.accumulation_for(info.world_size), info.rank,
-                             info.world_size)
+                             info.world_size, global_batch_size=cfg.batch.global_batch_size)
     return ElasticDataLoader(bundle.train, sampler, collate_fn=bundle.collate_fn,
                              num_workers=cfg.data.num_workers, pin_memory=cfg.data.pin_memory)
 

@@ -61,12 +61,16 @@ class StepEngine:
     def step(self, micro_batches: list[Any], session: TrainingSession) -> torch.Tensor:
         """One optimizer step; returns the step's loss (detached, on the device, not read)."""
         n = len(micro_batches)
+        # an uneven split of the global batch: each micro-batch's share (data/sampler.py)
+        weights = None if session.sampler.even else session.sampler.loss_weights()
         total = None
         for i, batch in enumerate(micro_batches):
             last = i == n - 1
             with self.parallelism.gradient_sync(self.net, last), self._autocast():
                 loss = batch_loss(self.net, to_device(batch, self.device), self.loss_fn)
-            if n > 1:
+            if weights is not None:
+                loss = loss * weights[i]
+            elif n > 1:
                 loss = loss / n
             total = loss.detach() if total is None else total + loss.detach()
             if last:  # this backward's all-reduce carries the step's vote
