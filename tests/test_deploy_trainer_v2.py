@@ -448,7 +448,7 @@ PLANTED = {
     "config mount": ("command", lambda o: _runtime_container(o)["volumeMounts"][0].update(
         mountPath="/etc/config")),
     "processes": ("world_size", lambda o: o["TrainJob"]["spec"]["trainer"].update(
-        numProcPerNode=5)),
+        numProcPerNode=4096)),  # more ranks than the global batch has samples
     "grace period": ("stop", lambda o: _runtime_job(o)["template"]["spec"].update(
         terminationGracePeriodSeconds=60)),
     "143 spends restarts": ("stop", lambda o: _runtime_job(o)["podFailurePolicy"]["rules"]

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from elastic_runner.agent.hang_watch import HangWatch
 from elastic_runner.agent.node_attempt import NodeAttempt
-from elastic_runner.agent.spares import Spares, WarmSpares
+from elastic_runner.agent.spares import REFILL_NICE, Spares, WarmSpares
 from elastic_runner.agent.store import AgentStore
 from elastic_runner.checkpoint.fencing import FencedOut
 from elastic_runner.preempt import Preempted
@@ -250,10 +250,12 @@ def test_a_spare_reads_what_the_workers_read_from_its_agent(tmp_path):
     assert env[SPARE_ENV] == "1.0" and env["RANK"] == "-1"
 
 
-def test_after_a_replacement_the_next_spare_starts_once_the_recovery_committed_a_step(tmp_path):
+def test_after_a_replacement_the_next_spare_starts_lowered_or_once_the_recovery_committed(
+        tmp_path):
     """The next warm spare (a real process) starts when rank 0 announces the recovery's first
     committed step, not at the replacement: its build would take the CPU from the recovery (on
-    2 cores the recovery was about 1 s slower at GPT-2-small width)."""
+    2 cores the recovery was about 1 s slower at GPT-2-small width). An agent that may give a
+    spare its priority back (root) starts it at once instead, at nice +10."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=5))
     keys = AttemptKeys(store, lambda *parts: "/".join(["attempt", *map(str, parts)]))
@@ -263,25 +265,36 @@ def test_after_a_replacement_the_next_spare_starts_once_the_recovery_committed_a
     pc = SimpleNamespace(entrypoint=sys.executable, args={0: ("-c", "import time; time.sleep(60)")},
                          envs={0: {"LOCAL_RANK": "0", "RANK": "0", "GROUP_RANK": "0"}})
     spares = WarmSpares(attempt, delay_s=0)
+    spares._nice = 0  # an agent that may not give a spare its priority back: the refill waits
     keys.announce_built()
     spares.keep(pc)
-    taken = spares._spare
-    assert taken is not None  # the first one: as soon as the task is built
+    taken = spares._kept[0]  # the first one: as soon as the task is built
     attempt.generation = 3
     assert spares.take(pc) is taken  # a worker died: it takes the place
+    lowered = None
     try:
         spares.keep(pc)
-        assert spares._spare is None  # the recovery of generation 3 has not committed a step
+        assert not spares._kept  # the recovery of generation 3 has not committed a step
         keys.announce_recovered(2)
         spares.keep(pc)
-        assert spares._spare is None  # another generation's
+        assert not spares._kept  # another generation's
         keys.announce_recovered(3)
         spares.keep(pc)
-        assert spares._spare is not None and spares._spare.proc.poll() is None
+        assert spares._kept and spares._kept[0].proc.poll() is None
+        # an agent that may (root): the next refill starts at once, at a lower priority
+        spares._nice = REFILL_NICE
+        attempt.generation = 4
+        lowered = spares.take(pc)
+        spares.keep(pc)
+        assert spares._kept and spares._kept[0] is not lowered
+        pid = spares._kept[0].proc.pid
+        assert os.getpriority(os.PRIO_PROCESS, pid) == \
+            os.getpriority(os.PRIO_PROCESS, 0) + REFILL_NICE
     finally:
         spares.drop()
-        taken.proc.kill()
-        taken.proc.wait()
+        for proc in [taken.proc] + ([lowered.proc] if lowered else []):
+            proc.kill()
+            proc.wait()
 
 
 @pytest.mark.parametrize(("reason", "raised", "says"), [
