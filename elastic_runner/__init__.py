@@ -61,7 +61,7 @@ _EXPORTS = {
     "LogEvent": "train.callbacks",  # what Callback.on_log receives
     "fault_tolerant": "own_loop",
     "FaultTolerantLoop": "own_loop",
-    "init_distributed": "recovery.script",
+    "init_distributed": "own_loop.joining",
     "DistInfo": "dist",
     "Trainer": "trainer.loop",
 }

@@ -21,7 +21,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from .compat import check_torch
 from .config import Config, load_config
 from .config_base import ConfigError
-from .dist import destroy_distributed, init_distributed, is_peer_failure, open_device
+from .dist import DistInfo, destroy_distributed, is_peer_failure, open_device
 from .exit_codes import EXIT_OK, EXIT_PEER_LOST
 from .logs import first_line, setup_logging
 from .observe.config import MetricsConfig
@@ -29,9 +29,9 @@ from .observe.goodput import process_start_time
 from .observe.health import MetricsServer
 from .observe.metrics import AGENT_ENV, RankMetrics
 from .recovery.heartbeat import Heartbeat
-from .recovery.inplace import InPlaceRecovery, JobFinished, NoRecovery, Regroup
-from .recovery.protocol import SPARE_ENV
+from .recovery.inplace import InPlaceRecovery, JobFinished, Regroup
 from .recovery.rejoin import rejoin
+from .recovery.runtime import RecoveryService, RecoveryTail, join_group, spare_name, take_place
 from .tasks.base import TaskBundle
 from .train.callbacks import JOINING
 from .train.endings import expected_exit
@@ -68,16 +68,14 @@ def _train(config_path: str, overrides: list[str], resume: bool, entered: float,
     # --no-resume: nothing stored is reused, neither checkpoints nor task artifacts
     cfg = load_config(config_path, [*overrides, *([] if resume else ["checkpoint.resume=false"])])
     recovery = InPlaceRecovery.from_env(cfg.recovery)
-    spare = os.environ.get(SPARE_ENV) if recovery.active else None
-    if spare and spare.endswith("."):  # a joining node's worker: named by its local rank
-        spare += os.environ.get("LOCAL_RANK", "0")
+    spare = spare_name(recovery)
     task = stand_by(cfg, recovery, spare, verbose) if spare else None
     heartbeat = Heartbeat.from_env(cfg.recovery.heartbeat_timeout_seconds
                                    if recovery.active else None)
     watch = recovery.watch()  # several nodes: a partitioned peer's collective is left
     metrics, server = worker_metrics(cfg.metrics)
     metrics.phase("starting", None)  # joining the process group is not a hang
-    info = None
+    joined = False
     trainer = None
     linger = 0.0
     try:
@@ -85,34 +83,15 @@ def _train(config_path: str, overrides: list[str], resume: bool, entered: float,
         open_device(int(os.environ.get("LOCAL_RANK", 0)))
         marks.append(time.time())
         try:
-            store = recovery.group_store() if recovery.active else None
+            info = join_group(recovery, cfg.distributed.backend, cfg.distributed.timeout_seconds,
+                              cfg.distributed.eager_init)
         except JobFinished as e:  # a replacement ready after the last step
             log.warning("%s", e)
             return EXIT_OK
-        with recovery.sockets.forming():
-            info = init_distributed(cfg.distributed.backend, cfg.distributed.timeout_seconds,
-                                    store, cfg.distributed.eager_init)
-        recovery.backend = info.backend
+        joined = True
         marks.append(time.time())
-        if info.rank == 0:
-            log.info("process group: backend %s, world size %d, rank 0 on %s%s", info.backend,
-                     info.world_size, info.device, _device_name(info.device))
-        with _building(cfg, recovery):
-            trainer = build_trainer(cfg, info, metrics, task, joining=task is not None,
-                                    job_global_batch=recovery.job_global_batch())
-        trainer.attach(recovery)
-        trainer.preempt.install()
-        marks.append(time.time())
-        if task is not None:
-            trainer.session.callbacks.on_phase("recovering", JOINING, True)
-            rejoin(trainer, joining=True)
-        elif cfg.checkpoint.resume:
-            trainer.resume()
-        marks.append(time.time())
-        recovery.announce_built(info.rank)
-        if info.rank == 0 and task is None:
-            log_startup(marks)
-        trainer = fit(cfg, trainer, recovery, metrics, joined=task is not None)
+        trainer = start(cfg, info, RecoveryTail(recovery), metrics, task, marks)
+        trainer = fit(cfg, trainer, metrics, joined=task is not None)
         recovery.announce_finished(trainer.info.rank)
         linger = cfg.metrics.linger_seconds  # a final scrape sees the ending (not on errors)
     finally:
@@ -123,7 +102,7 @@ def _train(config_path: str, overrides: list[str], resume: bool, entered: float,
         # training ended got a finished worker killed as hung, and the job then waited for
         # its replacement until the test's timeout)
         heartbeat.close()
-        if info is not None:
+        if joined:
             destroy_distributed()
         # the trainer is not freed here: a gloo group's destructor, run by the collector with
         # the GIL held, waits for the group's worker thread, which may wait for the GIL to
@@ -138,8 +117,35 @@ def _train(config_path: str, overrides: list[str], resume: bool, entered: float,
     return EXIT_OK
 
 
-def fit(cfg: Config, trainer: Trainer, recovery: InPlaceRecovery | NoRecovery,
-        metrics: RankMetrics, joined: bool) -> Trainer:
+def start(cfg: Config, info: DistInfo, tail: RecoveryTail, metrics: RankMetrics,
+          task: TaskBundle | None, marks: list[float]) -> Trainer:
+    """Build the trainer in the formed group and bring it to the group's state: a replacement
+    (``task`` built while it stood by) receives it from the survivors, any other rank loads the
+    newest checkpoint (when ``checkpoint.resume``). ``marks``: wall-clock times (seconds) of
+    the start-up so far; rank 0 logs where it went."""
+    recovery = tail.recovery
+    if info.rank == 0:
+        log.info("process group: backend %s, world size %d, rank 0 on %s%s", info.backend,
+                 info.world_size, info.device, _device_name(info.device))
+    with _building(cfg, recovery):
+        trainer = build_trainer(cfg, info, metrics, task, joining=task is not None,
+                                job_global_batch=recovery.job_global_batch())
+    trainer.attach(tail)
+    trainer.preempt.install()
+    marks.append(time.time())
+    if task is not None:
+        trainer.session.callbacks.on_phase("recovering", JOINING, True)
+        rejoin(trainer, joining=True)
+    elif cfg.checkpoint.resume:
+        trainer.resume()
+    marks.append(time.time())
+    recovery.announce_built(info.rank)
+    if info.rank == 0 and task is None:
+        log_startup(marks)
+    return trainer
+
+
+def fit(cfg: Config, trainer: Trainer, metrics: RankMetrics, joined: bool) -> Trainer:
     """Train to the end; each regroup (continue shrunk) rebuilds the trainer in this process.
     Returns the trainer that finished."""
     first = trainer
@@ -148,19 +154,19 @@ def fit(cfg: Config, trainer: Trainer, recovery: InPlaceRecovery | NoRecovery,
             trainer.fit(joined=joined)
             return trainer
         except Regroup as r:
-            trainer, joined = regroup(cfg, trainer, recovery, metrics, r), True
+            trainer, joined = regroup(cfg, trainer, metrics, r), True
         except BaseException:
             if trainer is not first:  # the caller closes the first one
                 trainer.close()
             raise
 
 
-def regroup(cfg: Config, old: Trainer, recovery: InPlaceRecovery | NoRecovery,
-            metrics: RankMetrics, r: Regroup) -> Trainer:
+def regroup(cfg: Config, old: Trainer, metrics: RankMetrics, r: Regroup) -> Trainer:
     """Go on as rank ``r.rank`` of ``r.world_size``: the same task (data and model objects),
     this process's state, a new process group, a trainer built for the new world size (the
     sampler's global cursor keeps every sample exactly once; the accumulation is re-derived
-    from the global batch the job keeps), then the group agrees on the state (``rejoin``). Sharded
+    from the global batch the job keeps), then the group agrees on the state (``rejoin``,
+    through the process's :class:`~elastic_runner.recovery.runtime.RecoveryTail`). Sharded
     state (FSDP2) cannot move to the new group: a new module of the same structure is sharded on
     it, and ``rejoin`` loads it from the peer copies (or the newest checkpoint)."""
     sharded = old.checkpoints.sharded
@@ -168,36 +174,32 @@ def regroup(cfg: Config, old: Trainer, recovery: InPlaceRecovery | NoRecovery,
     goodput = old.checkpoints.state["goodput"].state_dict()
     bundle = dataclasses.replace(old.bundle,
                                  model=old.parallelism.module_for_new_group(old.model))
+    tail = old.tail
     destroy_distributed()
-    t0 = time.perf_counter()
-    recovery.form_group(r.rank, r.world_size, r.generation)
-    t1 = time.perf_counter()
-    os.environ.update(RANK=str(r.rank), WORLD_SIZE=str(r.world_size))
-    if r.rank != old.info.rank:  # renumbered: a new rank 0 logs what rank 0 logs
-        setup_logging(r.rank)
-    info = dataclasses.replace(old.info, rank=r.rank, world_size=r.world_size)
-    metrics.world(r.world_size)
-    with _building(cfg, recovery):
-        trainer = build_trainer(cfg, info, metrics, (bundle, old.profile.fingerprint), joining=True,
-                                job_global_batch=old.cfg.batch.global_batch_size)
-    trainer.attach(recovery)
-    trainer.preempt.install()
-    if sharded:
-        trainer.checkpoints.state["goodput"].load_state_dict(goodput)
-    else:
-        trainer.checkpoints.load_from_peer(state, r.rank)
-    # the new trainer's clock goes on from the old one's account, not from the process start
-    trainer.checkpoints.state["goodput"].on_recovered(trainer.state.step, True,
-                                                      trainer.sampler.last_step)
-    trainer.after_done = after
-    rejoin(trainer, joining=False, report=r.report)
-    if r.report is not None:
-        r.report.phases.update(group=t1 - t0, state=time.perf_counter() - t1)
-        trainer.recovered_at(r.report)
-    return trainer
+
+    def moved() -> Trainer:
+        info = dataclasses.replace(old.info, rank=r.rank, world_size=r.world_size)
+        metrics.world(r.world_size)
+        with _building(cfg, tail.recovery):
+            trainer = build_trainer(cfg, info, metrics, (bundle, old.profile.fingerprint),
+                                    joining=True,
+                                    job_global_batch=old.cfg.batch.global_batch_size)
+        trainer.attach(tail)
+        trainer.preempt.install()
+        if sharded:
+            trainer.checkpoints.state["goodput"].load_state_dict(goodput)
+        else:
+            trainer.checkpoints.load_from_peer(state, r.rank)
+        # the new trainer's clock goes on from the old one's account, not the process start
+        trainer.checkpoints.state["goodput"].on_recovered(trainer.state.step, True,
+                                                          trainer.sampler.last_step)
+        trainer.after_done = after
+        return trainer
+
+    return tail.regroup(r, r.report, old.info.rank, moved)  # type: ignore[return-value]
 
 
-def _building(cfg: Config, recovery: InPlaceRecovery | NoRecovery
+def _building(cfg: Config, recovery: RecoveryService
               ) -> contextlib.AbstractContextManager[None]:
     """Under FSDP the trainer's build makes groups inside the current one (an HSDP mesh's, the
     checkpoint group): a peer can wait on this rank in them, so recovery cuts their sockets too.
@@ -207,24 +209,19 @@ def _building(cfg: Config, recovery: InPlaceRecovery | NoRecovery
     return recovery.sockets.forming(subgroups=True)
 
 
-def stand_by(cfg: Config, recovery: InPlaceRecovery, spare: str, verbose: bool
+def stand_by(cfg: Config, recovery: RecoveryService, spare: str, verbose: bool
              ) -> tuple[TaskBundle, str]:
     """A warm spare: build the task's data and model now, then wait until the agent hands
     this process a failed worker's place (its RANK, LOCAL_RANK, ... become this process's
-    environment). Stored task artifacts are read, never remade (the job made them)."""
+    environment: :func:`~elastic_runner.recovery.runtime.take_place`). Stored task artifacts
+    are read, never remade (the job made them)."""
     reuse = cfg.model_copy(deep=True)
     reuse.checkpoint.resume = True
     task = build_task(reuse)
     # what building the trainer imports lazily (an optimizer imports torch._dynamo: ~1 s) is
     # imported now, not while the survivors wait
     build_optimizer(cfg, task[0].model, task[0])
-    t0 = time.time()
-    env = recovery.wait_assignment(spare)
-    os.environ.update(env)
-    setup_logging(int(env["RANK"]), verbose)
-    log.warning("spare %s replaces rank %s (local_rank %s) in generation %d, after standing by "
-                "%.1f s", spare, env["RANK"], env["LOCAL_RANK"], recovery.generation,
-                time.time() - t0)
+    take_place(recovery, spare, verbose)
     return task
 
 

@@ -56,7 +56,7 @@ def test_each_attempt_gets_one_fresh_namespace_despite_stale_keys():
 
 def _init_in_child(queue) -> None:  # noqa: ANN001 - a multiprocessing.Queue
     from elastic_runner.config_base import ConfigError
-    from elastic_runner.recovery.script import init_distributed
+    from elastic_runner.own_loop.joining import init_distributed
 
     try:
         init_distributed()

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..recovery.background import Stoppable
 from .node_attempt import AGENT_LOG as log
 
 
@@ -60,6 +61,6 @@ class NoHangWatch:
         """Nothing to do."""
 
 
-def hang_watch(heartbeats: Path, limit_s: float | None) -> HangWatch | NoHangWatch:
+def hang_watch(heartbeats: Path, limit_s: float | None) -> Stoppable:
     """The watch for ``recovery.heartbeat_timeout_seconds`` = ``limit_s`` (None: off)."""
     return NoHangWatch() if limit_s is None else HangWatch(heartbeats, limit_s)

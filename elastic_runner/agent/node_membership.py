@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch.distributed.elastic.agent.server.api import WorkerGroup
 
+from ..recovery.background import Stoppable
 from ..recovery.membership import (
     THREAD_STORE_TIMEOUT_S,
     NoBeat,
@@ -45,7 +46,7 @@ class NodeMembership:
         self._attempt, self._timeout_s = attempt, node_timeout_s
         self._hosts_store, self._failover = hosts_store, failover
         self._watch: NodeWatch | None = None  # several nodes with node_timeout_seconds
-        self._beat: NodeBeat | NoBeat = NoBeat()
+        self._beat: Stoppable = NoBeat()
 
     def register(self, worker_group: WorkerGroup, joined: bool = False) -> None:
         """Several nodes: register this node's ranks (``joined``: it joined a running

@@ -37,6 +37,7 @@ import hashlib
 import logging
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +58,7 @@ from ..observe.reporting import Budgets, FaultInjection
 from ..preempt import PreemptionFlag
 from ..rank_session import CheckpointSpec, ReportingSpec, SessionSpec, assemble_session
 from ..recovery.recoverable import RecoveryProfile
-from ..recovery.script import ScriptRecovery
+from ..recovery.script import ScriptProcess
 from ..script_env import CHECKPOINT_DIR_FILE_ENV, FAULTS_ENV, FAULTS_TRIGGER_ENV, TRACE_DIR_ENV
 from ..train.callbacks import Callback
 from ..train.config import FaultConfig, FaultSpec
@@ -67,8 +68,8 @@ from ..train.session import SessionOptions
 from .in_place import in_place_process
 from .loop import FaultTolerantLoop
 from .parts import LoopParts
-from .script_collectives import ScriptCollectives, install
-from .script_state import NoScriptState, ScriptState
+from .script_collectives import ScriptCollectives
+from .script_state import NoScriptState, ScriptState, StateRecord
 
 __all__ = ["DEFAULT_EVERY_SECONDS", "FaultTolerantLoop", "fault_tolerant", "model_fingerprint"]
 
@@ -121,10 +122,42 @@ def fault_tolerant(model: nn.Module, optimizer: torch.optim.Optimizer,
     Raises:
         TypeError: a value of ``state`` is not ``Stateful``.
     """
-    trace_dir = os.environ.get(TRACE_DIR_ENV) or trace_dir
-    _tell_the_agent(checkpoint_dir)
+    return _assemble(_Request(model, optimizer, loader, checkpoint_dir, every_steps,
+                              every_seconds, async_save, keep_last, state or {},
+                              log_every_steps, max_bad_steps, hang_timeout_seconds,
+                              long_op_timeout_seconds, metrics or MetricsConfig(), trace_dir,
+                              comm_hook, hook_state, callbacks or []))
+
+
+@dataclass(frozen=True)
+class _Request:
+    """:func:`fault_tolerant`'s arguments (its docstring says what each is)."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    loader: ElasticDataLoader
+    checkpoint_dir: str
+    every_steps: int
+    every_seconds: float | None
+    async_save: bool
+    keep_last: int
+    state: Mapping[str, Stateful]
+    log_every_steps: int
+    max_bad_steps: int
+    hang_timeout_seconds: float | None
+    long_op_timeout_seconds: float
+    metrics: MetricsConfig
+    trace_dir: str | None
+    comm_hook: CommHook | None
+    hook_state: Any
+    callbacks: list[Callback]
+
+
+def _assemble(q: _Request) -> FaultTolerantLoop:
+    """The loop :func:`fault_tolerant` returns, assembled from its parts."""
+    model, optimizer, loader, state = q.model, q.optimizer, q.loader, q.state
+    _tell_the_agent(q.checkpoint_dir)
     inner = model.module if isinstance(model, DDP) else model
-    device = next(inner.parameters()).device
     rank, sampler = current_rank(), loader.elastic_sampler
     own_logging = (not logging.getLogger("elastic_runner").handlers
                    and not logging.getLogger().handlers)
@@ -132,54 +165,59 @@ def fault_tolerant(model: nn.Module, optimizer: torch.optim.Optimizer,
         setup_logging(rank)  # the runner's lines (resumed from, checkpoints) unless you log
     preempt = PreemptionFlag()
     preempt.install()
-    rank_metrics, closing = _metrics(metrics or MetricsConfig())
-    reporting = ReportingSpec(rank_metrics, Budgets(hang_timeout_seconds,
-                                                    long_op_timeout_seconds), trace_dir)
-    if not every_steps and every_seconds is None:
-        every_seconds = DEFAULT_EVERY_SECONDS
-        if rank == 0:
-            log.info("fault_tolerant: no checkpoint cadence given (every_steps, "
-                     "every_seconds): a checkpoint every %g s", every_seconds)
+    rank_metrics, closing = _metrics(q.metrics)
+    reporting = ReportingSpec(rank_metrics, Budgets(q.hang_timeout_seconds,
+                                                    q.long_op_timeout_seconds),
+                              os.environ.get(TRACE_DIR_ENV) or q.trace_dir)
     process = in_place_process(model)
     fingerprint = model_fingerprint(inner, sampler)
     closing_flag = [False]  # the manifest's "finished": the checkpoint of close()
 
     def vote() -> StepConsensus:  # a membership change's step boundary stops it too
-        return make_consensus(model, lambda: preempt.stop_asked, comm_hook, hook_state)
+        return make_consensus(model, lambda: preempt.stop_asked, q.comm_hook, q.hook_state)
 
-    info = _dist_info(rank, sampler.world_size, device)
+    info = _dist_info(rank, sampler.world_size, next(inner.parameters()).device)
     faults = _faults(rank)
     session, ours = assemble_session(SessionSpec(
         place=info, sampler=sampler, stateful={"model": inner, "optimizer": optimizer},
-        checkpoint=CheckpointSpec(checkpoint_dir, fingerprint, lambda: closing_flag[0],
-                                  every_steps=every_steps, every_seconds=every_seconds,
-                                  async_save=async_save, keep_last=keep_last),
+        checkpoint=CheckpointSpec(q.checkpoint_dir, fingerprint, lambda: closing_flag[0],
+                                  every_steps=q.every_steps,
+                                  every_seconds=_cadence(q.every_steps, q.every_seconds, rank),
+                                  async_save=q.async_save, keep_last=q.keep_last),
         reporting=reporting, consensus=vote(),
-        options=SessionOptions(sampler.seed, log_every_steps, max_bad_steps),
-        lr=lambda: optimizer.param_groups[0]["lr"], callbacks=callbacks or [],
-        faults=faults, more_state=state or {}, fetched=loader.take_fetched))
+        options=SessionOptions(sampler.seed, q.log_every_steps, q.max_bad_steps),
+        lr=lambda: optimizer.param_groups[0]["lr"], callbacks=q.callbacks,
+        faults=faults, more_state=state, fetched=loader.take_fetched))
     # an FSDP2 loop's shards cannot take another world size in its process
     profile = RecoveryProfile(fingerprint, regroups=not session.checkpoints.sharded)
-    # rank 0's state= through a replacement of any rank, and whether a recovery's group runs
-    # the loop's window again (own_loop/script_state.py)
-    script_state = (ScriptState(state or {}, rank, process.recovery)
-                    if process.recovery.active else NoScriptState())
     parts = LoopParts(info, preempt, profile, process, model, loader, vote, closing_flag,
                       rank_metrics, lambda r, w: reporting.callbacks(r, w, sampler), ours,
-                      own_logging, script_state)
-    params = [p for p in inner.parameters() if p.requires_grad]
-    loop = FaultTolerantLoop(session, params, closing, parts)
-    loop.recovery.bind(loop)
-    if process.recovery.active:  # the loop's own collectives recover in place too
-        calls = ScriptCollectives(loop.in_place, faults.injector.pause_before if faults
-                                  else _no_pause)
-        install(calls)
-        loop.in_place.script_calls = calls
-    session.leave = lambda: loop.recovery.leave(loop)  # nodes leave and join in place
-    if isinstance(process, ScriptRecovery):
-        loop.in_place.guard(model)
-    loader.before_hand_out = loop._begin_step  # the next step's first batch: its boundary
+                      own_logging, _script_state(state, rank, process))
+    loop = FaultTolerantLoop(session, [p for p in inner.parameters() if p.requires_grad],
+                             closing, parts)
+    loop.attach(ScriptCollectives(loop.in_place, faults.injector.pause_before if faults
+                                  else _no_pause) if process.recovery.active else None)
     return loop
+
+
+def _cadence(every_steps: int, every_seconds: float | None, rank: int) -> float | None:
+    """The checkpoint cadence by time: ``every_seconds``, or :data:`DEFAULT_EVERY_SECONDS` when
+    no cadence is given (said once), so a crash never resumes from step 0 after a long run."""
+    if every_steps or every_seconds is not None:
+        return every_seconds
+    if rank == 0:
+        log.info("fault_tolerant: no checkpoint cadence given (every_steps, every_seconds): a "
+                 "checkpoint every %g s", DEFAULT_EVERY_SECONDS)
+    return DEFAULT_EVERY_SECONDS
+
+
+def _script_state(state: Mapping[str, Stateful], rank: int,
+                  process: ScriptProcess) -> StateRecord:
+    """Rank 0's ``state=`` through a replacement of any rank, and whether a recovery's group
+    runs the loop's window again (``own_loop/script_state.py``): in place only."""
+    if not process.recovery.active:
+        return NoScriptState()
+    return ScriptState(state, rank, process.recovery)
 
 
 def _tell_the_agent(checkpoint_dir: str) -> None:

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -19,17 +17,16 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .. import compat
-from ..logs import setup_logging
-from ..recovery.inplace import InPlaceRecovery, NoRecovery, Regroup, StepRedo
+from ..recovery.inplace import Regroup, StepRedo
 from ..recovery.recoverable import Recoverable
-from ..recovery.rejoin import RecoveryReport, rejoin
-from ..recovery.script import NoScriptRecovery, ScriptRecovery
+from ..recovery.rejoin import RecoveryReport
+from ..recovery.runtime import RecoveryService, RecoveryTail, renew_exchanges
+from ..recovery.script import NoScriptRecovery, ScriptProcess, ScriptRecovery
 from ..recovery.script import current as current_process
 from ..train.session import TrainingFailed
-from ..train.straggler import StragglerMonitor
 from .nested import each_tensor
 from .parts import LoopParts
-from .script_collectives import NoScriptCollectives, ScriptCollectives
+from .script_collectives import Guards, NoScriptCollectives
 
 log = logging.getLogger("elastic_runner.own_loop")
 
@@ -49,14 +46,13 @@ class LoopRecovery:
                  discarded: Callable[[], None]) -> None:
         self._loop, self._parts, self._params = loop, parts, params
         self._discarded = discarded
-        self._recovery: InPlaceRecovery | NoRecovery = parts.process.recovery
-        self._recovering: RecoveryReport | None = None  # done at the next committed step
-        self._t_recovered = 0.0
+        self._recovery: RecoveryService = parts.process.recovery
+        self._tail = RecoveryTail(self._recovery)  # the runtime both loops share
         # a replacement's first pass through the loop: discarded, so that it runs the loop's
         # window of the group's step as the survivors do (FaultTolerantLoop.rewrap)
         self.phantom = False
         # the loop's own collectives (own_loop/script_collectives.py): the loop sets them
-        self.script_calls: ScriptCollectives | NoScriptCollectives = NoScriptCollectives()
+        self.script_calls: Guards = NoScriptCollectives()
 
     def collective(self, call: Callable[..., Any], *args: Any) -> bool:
         """``call(*args)``; when one of its collectives fails because a peer died (in-place
@@ -74,7 +70,8 @@ class LoopRecovery:
             except RuntimeError as e:
                 if isinstance(e, TrainingFailed) or not self._recovery.active:
                     raise
-                self._recover(e)
+                self._tail.recover(e, self._loop, self._forget_step)
+                self._redo()
                 return False
         except Regroup as r:  # nodes left or joined: this rank goes on in another group
             self._regroup(r)
@@ -109,7 +106,7 @@ class LoopRecovery:
                                "checkpoint") from error
         if report is None:
             raise error
-        self._recovering, self._t_recovered = report, time.perf_counter()
+        self._tail.recovered_at(report)
 
     def discarded_pass_done(self) -> None:
         """A discarded pass reached ``step_done()``: a replacement's first one (:attr:`phantom`)
@@ -122,13 +119,7 @@ class LoopRecovery:
     def committed(self, step: int) -> None:
         """Step ``step`` is committed: the first one after an in-place recovery completes its
         report."""
-        report, self._recovering = self._recovering, None
-        if report is None:
-            return
-        report.phases["first step"] = time.perf_counter() - self._t_recovered
-        self._recovery.announce_recovered(self._parts.info.rank, report)
-        log.warning("%s", report.done(step))
-        self._loop.session.callbacks.on_recovery_report(report)
+        self._tail.committed(step, self._parts.info.rank, self._loop.session.callbacks)
 
     # ------------------------------------------------------------ the script's model
 
@@ -209,13 +200,11 @@ class LoopRecovery:
         place, so the ``model`` the loop holds stays the one to call), or its FSDP2 modules
         gather and scatter over it; and the vote and the straggler exchange that go with it."""
         parts, session = self._parts, self._loop.session
-        info = parts.info
         if isinstance(parts.model, DDP):
             compat.ddp_reattach(parts.model)
         elif session.checkpoints.sharded:
             compat.fsdp_reattach(parts.model)
-        session.consensus = parts.vote()
-        session.straggler = StragglerMonitor(0.0, info.rank, info.world_size, info.device)
+        renew_exchanges(session, parts.vote(), parts.info)
 
     # ------------------------------------------------------------ recovering
 
@@ -224,22 +213,9 @@ class LoopRecovery:
         for p in self._params:  # the step's partial gradients
             p.grad = None
 
-    def _recover(self, error: RuntimeError) -> None:
-        """A collective failed: re-form the group in place (or re-raise ``error``).
-
-        Raises:
-            Regroup: a node left or joined meanwhile (:meth:`_regroup` follows).
-        """
-        self._forget_step()
-        report = self._recovery.recover(error, self._loop)
-        if report is None:
-            raise error
-        self._go_on(report)
-
-    def _go_on(self, report: RecoveryReport) -> None:
+    def _redo(self) -> None:
         """The group agreed on the state: the step in flight is discarded on every rank and
-        its micro-batches come again (the first committed step completes ``report``)."""
-        self._recovering, self._t_recovered = report, time.perf_counter()
+        its micro-batches come again (the first committed step completes the report)."""
         self._discarded()
         self._parts.loader.restart()
 
@@ -247,37 +223,35 @@ class LoopRecovery:
         """Go on as rank ``r.rank`` of ``r.world_size`` (nodes left, or joined at a step
         boundary), in this process: the group re-formed, this rank's place (sampler split,
         reporting, checkpoint writer) moved to it, the script's DDP reduces over it, and the
-        members agree on the state (a joining node's ranks receive it). The sampler's global
+        members agree on the state (a joining node's ranks receive it): the runtime's
+        :meth:`~elastic_runner.recovery.runtime.RecoveryTail.regroup`. The sampler's global
         cursor keeps every sample once; the micro-batch stays, so the global batch follows the
         world size."""
         self._forget_step()
-        loop, world_size = self._loop, self._parts.info.world_size
+        loop, info = self._loop, self._parts.info
         report = r.report or RecoveryReport(r.generation, [], loop.session.state.step)
-        if r.world_size == world_size:  # FSDP2's replacements (recover())
+        if r.world_size == info.world_size:  # FSDP2's replacements (recover())
             joining = list(report.failed_ranks)
         else:  # a join's ranks follow the members'
-            joining = list(range(world_size, r.world_size))
-        if loop.session.checkpoints.sharded and r.world_size != world_size:
+            joining = list(range(info.world_size, r.world_size))
+        if loop.session.checkpoints.sharded and r.world_size != info.world_size:
             self._recovery.ask_restart()
             raise RuntimeError(f"an FSDP2 loop cannot go on at world size {r.world_size} in "
                                "its process: every worker restarts from the newest checkpoint")
-        t0 = time.perf_counter()
-        self._recovery.form_group(r.rank, r.world_size, r.generation)
-        t1 = time.perf_counter()
-        self._place(r.rank, r.world_size)
-        self._recovery.bind(loop)
-        self.group_formed(joining)
-        rejoin(loop, joining=False, report=report)
-        report.phases.update(group=t1 - t0, state=time.perf_counter() - t1)
-        self._go_on(report)
+
+        def moved() -> Recoverable:
+            self._place(r.rank, r.world_size)
+            self._recovery.bind(loop)
+            self.group_formed(joining)
+            return loop
+
+        self._tail.regroup(r, report, info.rank, moved, self._parts.own_logging)
+        self._redo()
 
     def _place(self, rank: int, world_size: int) -> None:
-        """This process is ``rank`` of ``world_size`` now: its environment, the sampler's
-        split, the session's numbers, the checkpoint writer and the rank-bound reporting."""
+        """This process is ``rank`` of ``world_size`` now: the sampler's split, the session's
+        numbers, the checkpoint writer and the rank-bound reporting."""
         parts, session = self._parts, self._loop.session
-        if rank != parts.info.rank and parts.own_logging:
-            setup_logging(rank)
-        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size))
         parts.info = dataclasses.replace(parts.info, rank=rank, world_size=world_size)
         sampler = session.sampler  # its committed geometry stays the old group's until a step
         sampler.rank, sampler.world_size = rank, world_size
@@ -288,7 +262,7 @@ class LoopRecovery:
         session.callbacks.swap(old, parts.reporting)
 
 
-def in_place_process(model: nn.Module) -> ScriptRecovery | NoScriptRecovery:
+def in_place_process(model: nn.Module) -> ScriptProcess:
     """This process's in-place recovery (``recovery/script.py``), for a DDP, FSDP2 or plain
     model; the agents are asked for torch's restart path at once where the model cannot move to
     a re-formed group: an FSDP2 mesh that is not 1-D over the default group, or a torch on

@@ -24,8 +24,9 @@ from ..dist import DistInfo, release_groups_of
 from ..exit_codes import EXIT_PREEMPTED
 from ..parallel.base import total_norm
 from ..preempt import Preempted
-from ..recovery.inplace import InPlaceRecovery, NoRecovery
 from ..recovery.rejoin import rejoin
+from ..recovery.runtime import RecoveryService
+from ..recovery.script import ScriptRecovery
 from ..script_env import NO_RESUME_ENV
 from ..train.callbacks import JOINING
 from ..train.endings import expected_exit
@@ -33,7 +34,7 @@ from ..train.session import RollbackRequested, TrainingFailed, TrainingSession
 from ..train.state import TrainState
 from .in_place import LoopRecovery
 from .parts import LoopParts
-from .script_collectives import NoScriptCollectives, ScriptCollectives
+from .script_collectives import Guards, ScriptCollectives, install
 
 log = logging.getLogger("elastic_runner.own_loop")
 
@@ -67,30 +68,40 @@ class FaultTolerantLoop:
 
     def __init__(self, session: TrainingSession, params: list[nn.Parameter],
                  closing: list[Any], parts: LoopParts) -> None:
-        self.session, self._params, self._closing = session, params, closing
-        self._parts = parts
+        self.session, self._params, self._closing, self._parts = session, params, closing, parts
         # what in-place recovery reads (recovery.recoverable.Recoverable)
         self.preempt, self.profile = parts.preempt, parts.profile
-        self.recovery: InPlaceRecovery | NoRecovery = parts.process.recovery
+        self.recovery: RecoveryService = parts.process.recovery
         self.after_done = 0  # the last step whose post-step work (the loop's own) is done
         self.in_place = LoopRecovery(self, parts, params, self._step_discarded)
         self._loss: torch.Tensor | None = None
-        self._saved_step = -1
+        self._saved_step = -1  # of the last checkpoint this loop took or resumed from
         self._due = False  # step_done() asked for a checkpoint, taken at the next boundary
         self._begun = False  # the next step has begun (begin_step at the boundary)
         self._discarded = False  # an in-place recovery discarded the step in flight
         self._epoch: int | None = None  # of the last step, and where its cursor ended
-        self._end_cursor = 0
-        self._closed = False
+        self._end_cursor, self._closed = 0, False
         # where the loop is: "step" (from a boundary to step_done), "window" (the loop's own
         # work after step_done), "boundary" (the next step's checkpoint and peer copies): a
         # recovery at the boundary redoes nothing, elsewhere the window runs again
         self._phase = "step"
         self._joining = False  # a replacement inside resume()
 
+    def attach(self, calls: ScriptCollectives | None) -> None:
+        """Recover through this process's recovery: the loop's own collectives ``calls``
+        (None: recovery off) guarded, nodes leaving and joining in place, the script's model
+        guarded, and the loader's next batch this loop's step boundary."""
+        self.recovery.bind(self)
+        if calls is not None:
+            install(calls)
+            self.in_place.script_calls = calls
+        self.session.leave = lambda: self.recovery.leave(self)
+        if isinstance(self._parts.process, ScriptRecovery):
+            self.in_place.guard(self._parts.model)
+        self._parts.loader.before_hand_out = self._begin_step
+
     @property
-    def _calls(self) -> ScriptCollectives | NoScriptCollectives:
-        """The loop's own collectives (``own_loop/script_collectives.py``)."""
+    def _calls(self) -> Guards:  # script_collectives.py
         return self.in_place.script_calls
 
     @property
@@ -298,8 +309,7 @@ class FaultTolerantLoop:
                     "or elastic-runner run --no-resume)", where, self.step)
 
     def group_formed(self, joining: list[int]) -> None:
-        """In-place recovery formed a new group (:meth:`LoopRecovery.group_formed
-        <elastic_runner.own_loop.in_place.LoopRecovery.group_formed>`)."""
+        """In-place recovery formed a new group (``LoopRecovery.group_formed``)."""
         self.in_place.group_formed(joining)
 
     def rewrap(self, in_sync: bool) -> None:

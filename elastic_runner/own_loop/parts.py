@@ -13,10 +13,10 @@ from ..dist import DistInfo
 from ..observe.metrics import RankMetrics
 from ..preempt import PreemptionFlag
 from ..recovery.recoverable import RecoveryProfile
-from ..recovery.script import NoScriptRecovery, ScriptRecovery
+from ..recovery.script import ScriptProcess
 from ..train.callbacks import Callback
 from ..train.consensus import StepConsensus
-from .script_state import NoScriptState, ScriptState
+from .script_state import StateRecord
 
 
 @dataclass
@@ -29,7 +29,7 @@ class LoopParts:
     info: DistInfo
     preempt: PreemptionFlag
     profile: RecoveryProfile
-    process: ScriptRecovery | NoScriptRecovery
+    process: ScriptProcess
     model: nn.Module
     loader: ElasticDataLoader
     vote: Callable[[], StepConsensus]
@@ -38,4 +38,4 @@ class LoopParts:
     runner: Callable[[int, int], list[Callback]]  # the runner's callbacks for a rank, world size
     reporting: list[Callback]  # those of this rank now
     own_logging: bool  # the runner set up logging (a renumbered rank sets it up again)
-    script_state: ScriptState | NoScriptState  # state=, rank 0's through a replacement
+    script_state: StateRecord  # state=, rank 0's through a replacement

@@ -64,10 +64,30 @@ class Recovery(Protocol):
     def recover_in_window(self, error: RuntimeError) -> None: ...
 
 
+class Guards(Protocol):
+    """The loop's own collectives as the loop drives them: :class:`ScriptCollectives` or its
+    null object :class:`NoScriptCollectives`."""
+
+    in_window: bool
+
+    def window(self, step: int) -> None: ...
+
+    def after_backward(self, step: int) -> None: ...
+
+    def runner(self) -> None: ...
+
+    def call(self, name: str, fn: Callable[..., Any], args: tuple[Any, ...],
+             kwargs: dict[str, Any], stand_in: Callable[[], Any]) -> Any: ...
+
+
 class NoScriptCollectives:
     """In-place recovery off: nothing is guarded."""
 
     in_window = False
+
+    def call(self, name: str, fn: Callable[..., Any], args: tuple[Any, ...],
+             kwargs: dict[str, Any], stand_in: Callable[[], Any]) -> Any:
+        return fn(*args, **kwargs)
 
     def window(self, step: int) -> None:
         pass
@@ -174,7 +194,7 @@ class ScriptCollectives:
                 again = True
 
 
-_current: list[ScriptCollectives | NoScriptCollectives] = [NoScriptCollectives()]
+_current: list[Guards] = [NoScriptCollectives()]
 
 
 def install(collectives: ScriptCollectives) -> None:

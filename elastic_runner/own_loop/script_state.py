@@ -61,6 +61,19 @@ class Rank0Store(Protocol):
     def rank0_state(self) -> bytes | None: ...
 
 
+class StateRecord(Protocol):
+    """``state=`` as the loop records it: :class:`ScriptState` (in place) or its null object
+    :class:`NoScriptState`."""
+
+    def committed(self, step: int) -> None: ...
+
+    def window_done(self, step: int) -> None: ...
+
+    def restore(self) -> None: ...
+
+    def agree(self, rank: int, joining: bool, phase: str, step: int) -> bool: ...
+
+
 class NoScriptState:
     """No in-place recovery (plain torchrun, recovery off): a restart reads rank 0's checkpoint,
     nothing to record."""

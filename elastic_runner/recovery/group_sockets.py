@@ -32,6 +32,7 @@ import os
 import socket
 import threading
 from collections.abc import Iterator
+from typing import Protocol
 
 _FD_DIR = "/proc/self/fd"
 
@@ -119,8 +120,22 @@ class GroupSockets:
         return count
 
 
+class Sockets(Protocol):
+    """What the recovery uses of the current group's connections: :class:`GroupSockets`, or
+    its null object :class:`NoSockets`."""
+
+    epoch: int
+
+    def forming(self, subgroups: bool = False) -> contextlib.AbstractContextManager[None]: ...
+
+    def outside(self) -> contextlib.AbstractContextManager[None]: ...
+
+    def cut(self, epoch: int | None = None, how: int = socket.SHUT_WR) -> int: ...
+
+
 class NoSockets:
-    """Nothing to cut (no in-place recovery: torchrun restarts every worker)."""
+    """Nothing to cut (no in-place recovery: torchrun restarts every worker); a
+    :class:`Sockets`."""
 
     epoch = 0
 

@@ -19,6 +19,7 @@ import os
 import threading
 from pathlib import Path
 
+from .background import Stoppable
 from .protocol import HEARTBEAT_ENV
 
 __all__ = ["HEARTBEAT_ENV", "Heartbeat", "NoHeartbeat"]
@@ -35,7 +36,7 @@ class Heartbeat:
         self._thread.start()
 
     @classmethod
-    def from_env(cls, timeout_s: float | None) -> Heartbeat | NoHeartbeat:
+    def from_env(cls, timeout_s: float | None) -> Stoppable:
         """This worker's heartbeat (four beats per ``timeout_s``, the agent's limit), or a
         :class:`NoHeartbeat` without the agent's directory or with the check off."""
         directory = os.environ.get(HEARTBEAT_ENV)

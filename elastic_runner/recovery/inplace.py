@@ -53,6 +53,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from .background import Stoppable
 from .failure import OWN_ERROR_GRACE_S, FailureRecovery
 from .generation_watch import GenerationWatch, NoWatch
 from .group_formation import GroupFormation
@@ -62,7 +63,7 @@ from .node_changes import NodeChanges
 from .outcomes import JobFinished, Regroup, StepRedo
 from .peer_copies import NoCopies, PeerCopies
 from .protocol import ENV, GENERATION_ENV, MIN_NODES_ENV, AttemptKeys
-from .recoverable import Live, Recoverable
+from .recoverable import Copies, Live, Recoverable
 from .rejoin import RecoveryReport, wire_device
 from .signals import AgentSignals
 from .store import StoreLocation, connect
@@ -76,7 +77,8 @@ log = logging.getLogger(__name__)
 
 
 class NoRecovery:
-    """Recovery off (plain torchrun, ``recovery.mode: restart``): every error propagates."""
+    """Recovery off (plain torchrun, ``recovery.mode: restart``): every error propagates; the
+    null object of :class:`~elastic_runner.recovery.recoverable.RecoveryService`."""
 
     active = False
     generation = 0
@@ -124,6 +126,18 @@ class NoRecovery:
     def watch(self) -> NoWatch:
         return NoWatch()
 
+    def ask_restart(self) -> None:
+        pass  # torch's restart path is the only one
+
+    def group_store(self, rank: int | None = None, world_size: int | None = None) -> None:
+        return None  # torchrun's own store
+
+    def form_group(self, rank: int, world_size: int, generation: int) -> None:
+        raise RuntimeError("no in-place recovery: no group is re-formed in this process")
+
+    def wait_assignment(self, spare: str) -> dict[str, str]:
+        raise RuntimeError("no in-place recovery: no agent assigns a spare")
+
 
 class InPlaceRecovery:
     """This worker's side of the protocol in the module docstring: composes the recovery store
@@ -166,7 +180,7 @@ class InPlaceRecovery:
         self.nodes = NodeChanges(self.client, self.formation, self.sockets, node, min_nodes)
         self.failures = FailureRecovery(self.formation, self.nodes, self.signals, self.sockets)
         # sharded state: each rank's shards also in a peer's memory (recovery/peer_copies.py)
-        self.copies: PeerCopies | NoCopies = (PeerCopies(peer_copy_every_steps, self.sockets)
+        self.copies: Copies = (PeerCopies(peer_copy_every_steps, self.sockets)
                                               if peer_copy_every_steps else NoCopies())
 
     @classmethod
@@ -241,7 +255,7 @@ class InPlaceRecovery:
             self.copies = NoCopies()
         self.nodes.bind(loop)
 
-    def watch(self) -> GenerationWatch | NoWatch:
+    def watch(self) -> Stoppable:
         """Several nodes: a :class:`GenerationWatch` on this worker (close it at the end)."""
         if not self.client.multi_node:
             return NoWatch()

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .group_sockets import NO_SOCKETS, GroupSockets, NoSockets
+from .group_sockets import NO_SOCKETS, Sockets
 from .state_transfer import Manifest, TensorMeta, flatten, rebuild, recv_manifest, send_manifest
 
 log = logging.getLogger(__name__)
@@ -155,7 +155,7 @@ class PeerCopies:
 
     enabled = True
 
-    def __init__(self, every_steps: int, sockets: GroupSockets | NoSockets = NO_SOCKETS
+    def __init__(self, every_steps: int, sockets: Sockets = NO_SOCKETS
                  ) -> None:
         self.every_steps = every_steps
         self.own: Copy | None = None

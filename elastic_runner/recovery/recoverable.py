@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from ..preempt import PreemptionFlag
     from ..train.config import BatchConfig
     from ..train.session import TrainingSession
-    from .peer_copies import NoCopies, PeerCopies
+    from .peer_copies import Copy
 
 
 @dataclass(frozen=True)
@@ -37,11 +37,28 @@ class RecoveryProfile:
     regroups: bool = True
 
 
+class Copies(Protocol):
+    """The peer copies as the recovery holds them: ``peer_copies.PeerCopies`` (sharded state
+    in a peer's memory too) or its null object ``peer_copies.NoCopies`` (off)."""
+
+    enabled: bool
+    own: Copy | None
+    held: Copy | None
+
+    def due(self, step: int) -> bool: ...
+
+    def summary(self) -> dict[str, Any]: ...
+
+    def settle(self) -> None: ...
+
+    def drop(self, reason: str) -> None: ...
+
+
 class RecoveryHooks(Protocol):
     """What a rejoin uses of the process's recovery (``inplace.InPlaceRecovery``): the peer
     copies, a survivor's live state, and torch's restart path."""
 
-    copies: PeerCopies | NoCopies
+    copies: Copies
     live: Live | None
 
     def ask_restart(self) -> None: ...

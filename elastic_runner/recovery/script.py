@@ -1,8 +1,9 @@
 """In-place recovery for a user's own training script: the process's side.
 
 Under ``elastic-runner run SCRIPT.py`` every worker process runs the user's script, the spares
-too. :func:`init_distributed` (``elastic_runner.init_distributed``, the first call a script makes
-to the runner) is where the process joins the job:
+too. ``er.init_distributed`` (:func:`elastic_runner.own_loop.joining.init_distributed`, the
+first call a script makes to the runner) is where the process joins the job, through
+:mod:`elastic_runner.recovery.runtime` as the built-in trainer's worker does:
 
 * a worker of the job's start joins generation 0 of the recovery store
   (:mod:`elastic_runner.recovery.inplace`) instead of a group of its own;
@@ -24,26 +25,32 @@ Without the agent's variables (plain ``torchrun``, ``python script.py``) the pro
 from __future__ import annotations
 
 import atexit
-import importlib
 import logging
-import multiprocessing
 import os
+from typing import Any, Protocol
 
-import torch.distributed as dist
 import yaml
 from pydantic import ValidationError
 
 from ..config_base import ConfigError
-from ..dist import DistInfo
-from ..dist import init_distributed as init_group
-from ..logs import first_line, setup_logging
+from ..logs import first_line
 from ..script_env import RECOVERY_ENV
+from .background import Stoppable
 from .config import RecoveryConfig
-from .heartbeat import Heartbeat, NoHeartbeat
-from .inplace import GenerationWatch, InPlaceRecovery, JobFinished, NoRecovery, NoWatch
-from .protocol import SPARE_ENV
+from .heartbeat import Heartbeat
+from .inplace import InPlaceRecovery, NoRecovery
 
 log = logging.getLogger(__name__)
+
+
+class ScriptProcess(Protocol):
+    """This process's recovery as a script's loop holds it: :class:`ScriptRecovery` or its
+    null object :class:`NoScriptRecovery`."""
+
+    recovery: Any  # InPlaceRecovery | NoRecovery (recovery.runtime.RecoveryService)
+    joining: bool
+
+    def close(self) -> None: ...
 
 
 class NoScriptRecovery:
@@ -61,7 +68,7 @@ class ScriptRecovery:
     and whether it joins a running group as a replacement (``joining``)."""
 
     def __init__(self, recovery: InPlaceRecovery, joining: bool,
-                 heartbeat: Heartbeat | NoHeartbeat, watch: GenerationWatch | NoWatch) -> None:
+                 heartbeat: Stoppable, watch: Stoppable) -> None:
         self.recovery, self.joining = recovery, joining
         self._heartbeat, self._watch = heartbeat, watch
         self._closed = False
@@ -104,88 +111,22 @@ def script_recovery_config(mode: str | None = None) -> RecoveryConfig:
     return cfg
 
 
-_current: list[ScriptRecovery | NoScriptRecovery] = [NoScriptRecovery()]
+_current: list[ScriptProcess] = [NoScriptRecovery()]
 
 
-def current() -> ScriptRecovery | NoScriptRecovery:
-    """This process's recovery, as :func:`init_distributed` set it up."""
+def current() -> ScriptProcess:
+    """This process's recovery, as ``er.init_distributed`` set it up
+    (:func:`elastic_runner.own_loop.joining.init_distributed`)."""
     return _current[0]
 
 
-def init_distributed(backend: str = "auto", timeout_s: float = 600.0) -> DistInfo:
-    """Join the job's default process group (``torchrun``'s environment; world size 1 without
-    one), and under ``elastic-runner run`` its in-place recovery: a spare waits here for the
-    place of a failed worker (module docstring).
-
-    Args:
-        backend: ``gloo``, ``nccl`` or ``auto`` (NCCL on CUDA, else gloo).
-        timeout_s: the collectives' timeout, seconds.
-
-    Returns:
-        This process's rank, local_rank, world_size, node_rank and device
-        (:class:`~elastic_runner.dist.DistInfo`). Without a launcher the default group is one
-        process (world size 1), so ``dist.get_rank()`` and DDP work as under torchrun.
-
-    Raises:
-        SystemExit(0): a spare whose job finished before it was needed.
-        ConfigError: :data:`RECOVERY_ENV` is not valid; a process started by
-            ``torch.multiprocessing.spawn`` without torchrun's environment.
-        TimeoutError: the group did not form within ``recovery.join_timeout_seconds``.
-    """
-    if "WORLD_SIZE" not in os.environ:
-        return _alone(backend, timeout_s)
-    cfg = script_recovery_config()
-    recovery = InPlaceRecovery.from_env(cfg)
-    if not isinstance(recovery, InPlaceRecovery):
-        return init_group(backend, timeout_s)
-    spare = os.environ.get(SPARE_ENV)
-    if spare is not None:
-        if spare.endswith("."):  # a joining node's worker: named by its local rank
-            spare += os.environ.get("LOCAL_RANK", "0")
-        _warm_up()
-        os.environ.update(recovery.wait_assignment(spare))
-        setup_logging(int(os.environ["RANK"]))
-        log.warning("spare %s replaces rank %s (local_rank %s) in generation %d", spare,
-                    os.environ["RANK"], os.environ["LOCAL_RANK"], recovery.generation)
-    process = ScriptRecovery(recovery, spare is not None,
-                             Heartbeat.from_env(cfg.heartbeat_timeout_seconds), recovery.watch())
+def start(cfg: RecoveryConfig, recovery: InPlaceRecovery, joining: bool) -> ScriptRecovery:
+    """This process's recovery from now on (its heartbeat and generation watch started, both
+    stopped at the interpreter's exit); ``joining``: it replaces a failed worker."""
+    process = ScriptRecovery(recovery, joining, Heartbeat.from_env(cfg.heartbeat_timeout_seconds),
+                             recovery.watch())
     atexit.register(process.close)
     _current[0] = process
-    try:
-        store = recovery.group_store()
-    except JobFinished as e:  # a replacement ready after the last step
-        log.warning("%s", e)
-        process.close()
-        raise SystemExit(0) from None
-    with recovery.sockets.forming():
-        info = init_group(backend, timeout_s, store)
-    recovery.backend = info.backend
-    return info
+    return process
 
 
-def _alone(backend: str, timeout_s: float) -> DistInfo:
-    """No launcher (``python script.py``, as one debugs): a process group of one, so that the
-    script's ``dist.get_rank()`` and its DDP work unchanged at world size 1.
-
-    Raises:
-        ConfigError: this process was started by ``multiprocessing`` (``torch.multiprocessing.spawn``,
-            the DDP tutorial's way), whose workers would each train alone.
-    """
-    if multiprocessing.parent_process() is not None:
-        raise ConfigError("er.init_distributed(): this process was started by multiprocessing "
-                          "(torch.multiprocessing.spawn?) without torchrun's environment: start "
-                          "the workers with `elastic-runner run script.py` or `torchrun`")
-    info = init_group(backend, timeout_s)
-    if not dist.is_initialized():
-        dist.init_process_group(info.backend, store=dist.HashStore(), rank=0, world_size=1)
-    return info
-
-
-def _warm_up() -> None:
-    """What the script imports lazily after this call (the runner's loop; torch's optimizers
-    import torch._dynamo on first use: 0.5 s), imported while the spare stands by rather than
-    while the survivors wait for it."""
-    import torch
-
-    importlib.import_module("elastic_runner.own_loop")
-    torch.optim.AdamW(torch.nn.Linear(1, 1).parameters())

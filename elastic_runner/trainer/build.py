@@ -27,6 +27,7 @@ from ..parallel.choose import make_parallelism
 from ..preempt import PreemptionFlag
 from ..rank_session import CheckpointSpec, ReportingSpec, SessionSpec, assemble_session
 from ..recovery.recoverable import RecoveryProfile
+from ..recovery.runtime import renew_exchanges
 from ..tasks.base import TaskBundle, check_same_build, task_fingerprint
 from ..train import faults as fault_injection
 from ..train.callbacks import Callback
@@ -36,7 +37,6 @@ from ..train.early_stop import EarlyStopping
 from ..train.session import SessionOptions, TrainingSession
 from ..train.state import seed_everything, use_deterministic_algorithms
 from ..train.stop import StopPolicy, StopReason
-from ..train.straggler import StragglerMonitor
 from .engine import StepEngine, precision_dtype
 from .loop import Trainer, lr_factor
 
@@ -223,9 +223,8 @@ def _rewrap(cfg: Config, info: DistInfo, trainer: Trainer, parallelism: Parallel
                                                                       init_sync=not in_sync)
     session = trainer.session
     trainer.engine.rebind(net)
-    session.consensus = _consensus(cfg, info, net, trainer.optimizer, trainer.preempt)
-    session.straggler = StragglerMonitor(cfg.metrics.straggler_threshold, info.rank,
-                                         info.world_size, info.device)
+    renew_exchanges(session, _consensus(cfg, info, net, trainer.optimizer, trainer.preempt),
+                    info, cfg.metrics.straggler_threshold)
 
 
 def lagged_vote(cfg: Config, info: DistInfo, optimizer: torch.optim.Optimizer) -> bool:

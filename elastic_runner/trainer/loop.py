@@ -11,37 +11,34 @@ loop after the same step. ``trainer/build.py`` assembles a trainer from a config
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import fsspec
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Subset
 
-from ..checkpoint import storage
 from ..checkpoint.manager import CheckpointManager, is_sharded
 from ..config import Config
 from ..config_base import ConfigError
 from ..data.loader import ElasticDataLoader
 from ..data.sampler import ElasticSampler, shard_indices
-from ..dist import DistInfo, all_reduce_sums, broadcast_object, max_over_ranks, release_groups_of
+from ..dist import DistInfo, all_reduce_sums, max_over_ranks, release_groups_of
 from ..parallel.base import Parallelism, SingleProcess
 from ..preempt import PreemptionFlag
-from ..recovery.inplace import InPlaceRecovery, NoRecovery, StepRedo
+from ..recovery.inplace import NoRecovery, StepRedo
 from ..recovery.recoverable import RecoveryProfile
-from ..recovery.rejoin import RecoveryReport
+from ..recovery.runtime import RecoveryService, RecoveryTail
 from ..tasks.base import TaskBundle, metric_sums
 from ..train.faults import planted_metric
 from ..train.session import RollbackRequested, TrainingFailed, TrainingSession
 from ..train.state import TrainState
 from ..train.stop import StopPolicy, StopReason
 from .engine import StepEngine, precision_dtype
+from .results import fmt_figures, report_results
 
 __all__ = ["Trainer", "TrainingFailed", "lr_factor", "precision_dtype"]
 
@@ -85,14 +82,14 @@ class Trainer:
     # the trainer)
     profile: RecoveryProfile
     results: dict[str, Any] = field(default_factory=dict)
-    recovery: InPlaceRecovery | NoRecovery = field(default_factory=NoRecovery)
+    recovery: RecoveryService = field(default_factory=NoRecovery)
+    # the process's recovery tail (recovery/runtime.py): it outlives a regroup's new trainer
+    tail: RecoveryTail = field(default_factory=lambda: RecoveryTail(NoRecovery()))
     # a new DDP (and vote) on the current group; True: the ranks' models already agree
     rewrap: Callable[[bool], None] = lambda in_sync: None
     parallelism: Parallelism = field(default_factory=SingleProcess)
     after_done: int = 0  # the last step whose evaluation / checkpoint work is done
     _best_pending: bool = False
-    _recovering: RecoveryReport | None = None
-    _t_recovered: float = 0.0
 
     @property
     def state(self) -> TrainState:
@@ -113,10 +110,11 @@ class Trainer:
     def group_formed(self, joining: list[int]) -> None:
         """A replacement's model is wrapped with the group's in ``rewrap``: nothing here."""
 
-    def attach(self, recovery: InPlaceRecovery | NoRecovery) -> None:
-        """Recover through ``recovery`` (in place, or not at all); a preemption of some nodes
-        then lets them leave while the others go on."""
-        self.recovery = recovery
+    def attach(self, tail: RecoveryTail) -> None:
+        """Recover through the process's ``tail`` (in place, or not at all); a preemption of
+        some nodes then lets them leave while the others go on."""
+        self.tail, self.recovery = tail, tail.recovery
+        recovery = tail.recovery
         self.session.leave = lambda: recovery.leave(self)
         recovery.bind(self)
 
@@ -159,20 +157,20 @@ class Trainer:
                     self._recover(e)
         finally:
             self.session.close()  # the last checkpoint is committed before we go on
-        self._report()
+        report_results(self)
         return self.results
 
     def _recover(self, error: RuntimeError) -> None:
         """In-place recovery (``recovery/inplace.py``), or re-raise ``error`` when no peer died or
         recovery is off (torchrun then restarts every worker)."""
-        self.session.abandon_step()
-        self.optimizer.zero_grad(set_to_none=True)  # the failed step's partial gradients
         epoch = self.sampler.epoch
-        report = self.recovery.recover(error, self)
-        if report is None:
-            raise error
+        self.tail.recover(error, self, self._discard)
         self._ended_by_peer(epoch)
-        self.recovered_at(report)
+
+    def _discard(self) -> None:
+        """The step in flight is applied by no rank: its partial gradients go too."""
+        self.session.abandon_step()
+        self.optimizer.zero_grad(set_to_none=True)
 
     def _ended_by_peer(self, epoch: int) -> None:
         """The state a peer sent has this rank past the end of ``epoch``, which it had not
@@ -186,10 +184,6 @@ class Trainer:
         self.session.callbacks.on_epoch_end(
             epoch, self.state.step, lambda: s.permutation(epoch)[end:].tolist())
 
-    def recovered_at(self, report: RecoveryReport) -> None:
-        """The group is re-formed: the first committed step completes ``report``."""
-        self._recovering, self._t_recovered = report, time.perf_counter()
-
     def _run_epoch(self) -> None:
         session = self.session
         # a recovery interrupted the last step's evaluation or checkpoint: redo it
@@ -199,20 +193,12 @@ class Trainer:
         for micro_batches in self._steps():  # the cursor moves only on finished steps
             loss = self.engine.step(micro_batches, session)  # no host sync but the vote
             session.end_step(loss)  # counters, reporting, guards, preemption
-            if self._recovering is not None:
-                self._recovered()
+            if self.tail.pending:  # the first step after a recovery: report it
+                self.tail.committed(self.state.step, self.info.rank, session.callbacks)
             if self._after_step(end_of_epoch=self.sampler.steps_left_in_epoch() == 0):
                 return
             self.recovery.regroup_due(self)  # shrunk: back to full size once it can
         self._end_epoch()
-
-    def _recovered(self) -> None:
-        """The first step after an in-place recovery is committed: report the recovery."""
-        report, self._recovering = self._recovering, None
-        report.phases["first step"] = time.perf_counter() - self._t_recovered
-        self.recovery.announce_recovered(self.info.rank, report)
-        log.warning("%s", report.done(self.state.step))
-        self.session.callbacks.on_recovery_report(report)
 
     def _steps(self) -> Any:
         """The epoch's remaining steps, each a list of micro-batches, fetched after
@@ -318,7 +304,7 @@ class Trainer:
         decision, message = self.stop.after_eval(value, self.state.step, self.info.rank)
         best = "none yet" if early.best is None else f"{early.best:.6g} at step {early.best_step}"
         log.info("eval at step %d: %s | %s %s%s: best %s%s", self.state.step,
-                 _fmt(metrics), "early stopping on" if es.enabled else "tracking", es.metric,
+                 fmt_figures(metrics), "early stopping on" if es.enabled else "tracking", es.metric,
                  f" (planted {value:.6g})" if planted is not None else "", best,
                  f", patience left {early.patience_left}" if es.enabled else "")
         self.session.callbacks.on_eval(self.state.step, metrics)
@@ -326,63 +312,3 @@ class Trainer:
         self._best_pending = decision.improved
         if decision.stop:
             self.session.finish(StopReason.EARLY_STOPPING, message)
-
-    def _report(self) -> None:
-        """Final validation of the last weights (unless the last step was evaluated), test
-        metrics of the best checkpoint's weights when there is one (``load_best_model_at_end``,
-        ``restore_best_weights``; else of the last weights), then ``results.json`` (rank 0;
-        ``eval_step`` and ``test_step`` say whose weights each split's figures are from; with
-        ``goodput``: the job's ``wall_seconds``, ``ettr`` and ``seconds`` by cause, as in the
-        ``goodput:`` line) and each rank's summary next to the checkpoints."""
-        if self.results.get("eval_step") != self.state.step:
-            self.results.update(self.evaluate("val", self.cfg.eval.max_batches),
-                                eval_step=self.state.step)
-        test_step = self._load_best_weights()
-        self.results.update(self.evaluate("test"), test_step=test_step)
-        self.results.update(step=self.state.step, epoch=self.sampler.epoch,
-                            stop_reason=self.stop.message)
-        goodput = self.checkpoints.state.get("goodput")
-        extra: dict[str, Any] = {}
-        if goodput is not None:  # one instant for the line and the file: they agree
-            now = goodput.clock()
-            extra["goodput"] = goodput.figures(now)
-            self.results.update(ettr=extra["goodput"]["ettr"])
-            line = goodput.summary(now)
-        log.info("finished: %s", _fmt(self.results))
-        if goodput is not None:
-            log.info("%s", line)
-        if self.info.is_main:
-            self._write_json("results.json", {**self.results, **extra})
-        # each rank records where it left the loop, so operators and tests can check that all
-        # ranks stopped after the same step
-        self._write_json(f"ranks/rank-{self.info.rank}.json", {
-            "rank": self.info.rank, "world_size": self.info.world_size, "step": self.state.step,
-            "epoch": self.sampler.epoch, "stop_reason": self.stop.message,
-            "restart_count": self.info.restart_count})
-
-    def _load_best_weights(self) -> int:
-        """Load the weights of the newest valid best checkpoint into the model, on every rank
-        (rank 0 names it: it committed the last one), when it is of another step than the
-        last; returns the step whose weights the model now has."""
-        best = None
-        if self.info.is_main and self.cfg.checkpoint.keep_best:
-            found = storage.latest_valid(self.cfg.checkpoint.dir, kind="best")
-            best = (found.step, found.path) if found is not None else None
-        best = broadcast_object(best)
-        if best is None or best[0] == self.state.step:
-            return self.state.step
-        self.checkpoints.load_weights(best[1])
-        log.info("test split on the best checkpoint's weights (%s: step %d, best %s)", best[1],
-                 best[0], self.cfg.early_stopping.metric)
-        return best[0]
-
-    def _write_json(self, relative: str, value: dict[str, Any]) -> None:
-        """Write a small JSON report next to the checkpoints (local path or fsspec URL)."""
-        with fsspec.open(f"{self.cfg.checkpoint.dir.rstrip('/')}/{relative}", "w",
-                         auto_mkdir=True) as f:
-            f.write(json.dumps(value, indent=1))
-
-
-def _fmt(d: dict[str, Any]) -> str:
-    return " ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in d.items())
-
