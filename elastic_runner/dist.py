@@ -34,7 +34,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .compat import agent_store, release_mesh_groups, shares_agent_store
+from .compat.agent import agent_store, shares_agent_store
+from .compat.fsdp import release_mesh_groups
 
 log = logging.getLogger(__name__)
 

@@ -29,7 +29,9 @@ import urllib.error
 import urllib.request
 from collections.abc import Mapping
 
-from ..compat import ETCD_OPTION_SPELLINGS, parse_rendezvous_endpoint
+from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+from ..compat.rendezvous import ETCD_OPTION_SPELLINGS
 
 log = logging.getLogger(__name__)
 

@@ -42,7 +42,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from ..compat import dcp_fsspec, dcp_internals
+from ..compat.dcp import dcp_fsspec, dcp_internals
 from .dcp_names import METADATA, SHARD_FILE, SHARDED_KEYS  # noqa: F401  (re-exported)
 
 # what ``.metadata`` may name (as torch 2.13's DCP writes it): DCP's metadata dataclasses and
