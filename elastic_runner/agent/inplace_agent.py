@@ -102,7 +102,7 @@ class InPlaceAgent(LocalElasticAgent):
         self._replacer = Replacer(self._attempt, self._spares, recovery.continue_shrunk, script,
                                   on_replacement or (lambda r: None))
         self._healthy = False  # the last look found the group healthy
-        self.left_the_job = False  # this node left in place: no restart (compat's budget)
+        self.left_the_job = False  # this node left in place: no restart (the restart budget's)
 
     # ------------------------------------------------------------ torch's agent hooks
 
