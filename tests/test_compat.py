@@ -200,7 +200,8 @@ def test_outage_patch_reports_no_waiting_nodes_and_retries_until_join_timeout(mo
     class Patched(DynamicRendezvousHandler):
         pass
 
-    assert rendezvous_outage.apply_rendezvous_fixes(Patched) and rendezvous_outage.apply_rendezvous_fixes(Patched)
+    apply = rendezvous_outage.apply_rendezvous_fixes
+    assert apply(Patched) and apply(Patched)
     monkeypatch.setattr(rendezvous_outage, "_RETRY_S", 0.05)
     handler = _down_handler(Patched)
     assert handler.num_nodes_waiting() == 0
@@ -288,11 +289,12 @@ def test_agent_emits_the_metric_names_agent_metrics_reads(emitted):
     assert ("workers.trainer.remaining_restarts", 3) in emitted
     assert ("workers.trainer.succeeded", 1) in emitted
     assert any(n.endswith(compat_agent.RENDEZVOUS_DURATION) for n in names)
-    for success in (compat_agent.RENDEZVOUS_SUCCESS, compat_agent.WORKERS_STARTED, compat_agent.WORKERS_STOPPED):
+    for success in (compat_agent.RENDEZVOUS_SUCCESS, compat_agent.WORKERS_STARTED,
+                    compat_agent.WORKERS_STOPPED):
         failure = success.removesuffix(".success") + ".failure"  # same stem (next test)
         assert any(n.endswith(failure) for n in names), success
-    assert any(n.startswith(compat_agent.WORKER_GROUP) and n.endswith(compat_agent.REMAINING_RESTARTS)
-               for n in names)
+    assert any(n.startswith(compat_agent.WORKER_GROUP)
+               and n.endswith(compat_agent.REMAINING_RESTARTS) for n in names)
     # and the monitor understands them
     monitor = AgentMonitor("job", "node", 2)
     for name, value in emitted:
@@ -665,27 +667,28 @@ def test_the_registry_catches_a_stray_private_name(tmp_path, monkeypatch, code, 
 # the fix's internals: the fix's name -> a Python expression, True when the fix is off. Every
 # fix with internals has one, or a reason in PASSIVE_FIXES.
 FIX_OFF_PROBES = {
-    compat_rendezvous.FIX_OUTAGE.name: "not rendezvous_outage.apply_rendezvous_fixes(type('H', ("
-                            "DynamicRendezvousHandler,), {}))",
-    compat_agent.FIX_RESTART_BUDGET.name: "not apply_agent_fixes(type('A', (LocalElasticAgent,), {}))",
+    compat_rendezvous.FIX_OUTAGE.name:
+        "not rendezvous_outage.apply_rendezvous_fixes(type('H', (DynamicRendezvousHandler,), {}))",
+    compat_agent.FIX_RESTART_BUDGET.name:
+        "not apply_agent_fixes(type('A', (LocalElasticAgent,), {}))",
     compat_agent.FIX_INPLACE.name: "not agent_class_yields()",
-    compat_agent.FIX_AGENT_STORE.name: "not compat_agent.shares_agent_store({compat_agent.AGENT_STORE_ENV: "
-                                 "'True'})",
-    compat_ddp.FIX_COMM_HOOK.name: "compat_ddp.registered_comm_hook(SimpleNamespace(_comm_hooks=[("
-                               "print, None)])) is None",
-    compat_optimizers.FIX_LAGGED_VOTE.name: "not skips_on_device(torch.optim.Adam([torch.nn.Parameter("
-                                 "torch.ones(1))], fused=True))",
+    compat_agent.FIX_AGENT_STORE.name:
+        "not compat_agent.shares_agent_store({compat_agent.AGENT_STORE_ENV: 'True'})",
+    compat_ddp.FIX_COMM_HOOK.name:
+        "compat_ddp.registered_comm_hook(SimpleNamespace(_comm_hooks=[(print, None)])) is None",
+    compat_optimizers.FIX_LAGGED_VOTE.name:
+        "not skips_on_device(torch.optim.Adam([torch.nn.Parameter(torch.ones(1))], fused=True))",
     compat_dcp.FIX_DCP_LOAD.name: "raises(compat_dcp.dcp_internals, ImportError, AttributeError)",
     compat_dcp.FIX_DCP_FSSPEC.name: "raises(lambda: dcp_format.writer('s3://b/step-00000001'), "
-                                "OSError)",
+                                    "OSError)",
     compat_fsdp.FIX_MESH_RELEASE.name: "mesh_registry_kept()",
     compat_ddp.FIX_DDP_REATTACH.name: "not compat_ddp.ddp_reattach_supported()",
-    compat_fsdp.FIX_FSDP_REATTACH.name: "fsdp_recovery.fsdp_reattach_refusal(torch.nn.Linear(1, 1)) "
-                                   "is not None",
+    compat_fsdp.FIX_FSDP_REATTACH.name:
+        "fsdp_recovery.fsdp_reattach_refusal(torch.nn.Linear(1, 1)) is not None",
 }
 PASSIVE_FIXES = {  # nothing of the package's runs through them: off, they only stop helping
-    compat_agent.FIX_AGENT_METRICS.name: "the agent monitor reads the metric names torch's agent "
-                                   "emits; renamed, its series stop changing",
+    compat_agent.FIX_AGENT_METRICS.name: "the agent monitor reads the metric names torch's "
+                                         "agent emits; renamed, its series stop changing",
 }
 
 # Takes torch internals away in this interpreter and asks the package what it does then.
