@@ -13,11 +13,12 @@ other backend's spelling (``cacert`` for ``ca_cert``, ``join_timeout`` for ``tim
 checked before the agent starts, so that an unreachable or misconfigured etcd ends in one line,
 not a traceback. Rendezvous errors (closed, timed out) end in one line too.
 
-Before the agent starts, :func:`elastic_runner.compat.registry.check_torch` verifies the torch internals
-the agent relies on (exit code 2 when a required one is gone) and the agent runs with torch's
-``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (a fresh workers' store every rendezvous round; see
-:mod:`elastic_runner.compat.rendezvous`, fix 1) and, unless the user set it, ``OMP_NUM_THREADS`` = cores / workers
-(torchrun would otherwise set 1 and print a banner about it), both for this run only.
+Before the agent starts, :func:`elastic_runner.compat.registry.check_torch` verifies the torch
+internals the agent relies on (exit code 2 when a required one is gone) and the agent runs with
+torch's ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (a fresh workers' store every rendezvous round;
+see :mod:`elastic_runner.compat.rendezvous`, fix 1) and, unless the user set it,
+``OMP_NUM_THREADS`` = cores / workers (torchrun would otherwise set 1 and print a banner about
+it), both for this run only.
 """
 
 from __future__ import annotations

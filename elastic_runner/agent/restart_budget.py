@@ -32,8 +32,8 @@ A refunded restart still counts in ``TORCHELASTIC_RESTART_COUNT``. What is left 
 not torch's fixed 30 s: a stopped or hung rank would otherwise hold up every restart.
 
 :func:`apply_agent_fixes` puts the budget into torch's ``LocalElasticAgent`` (its
-``_monitor_workers``); :mod:`elastic_runner.compat.agent` (fix 8) lists and checks the torch internals
-that relies on.
+``_monitor_workers``); :mod:`elastic_runner.compat.agent` (fix 8) lists and checks the torch
+internals that relies on.
 """
 
 from __future__ import annotations

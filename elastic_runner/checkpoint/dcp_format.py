@@ -15,7 +15,8 @@ non-tensor values (optimizer hyper-parameters) are loaded with ``torch.load(weig
 ``weights_only=True``.
 
 The torch internals this relies on (the offline whole-state load, where ``load_bytes`` puts a
-value) come from :func:`elastic_runner.compat.dcp.dcp_internals` (fix 11 there, checked at start-up).
+value) come from :func:`elastic_runner.compat.dcp.dcp_internals` (fix 11 there, checked at
+start-up).
 """
 
 from __future__ import annotations
