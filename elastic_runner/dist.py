@@ -16,9 +16,9 @@ creating the process group (:func:`attempt_namespace`), and the process group's 
 
 Which of torch's internals this relies on (the ``TORCHELASTIC_USE_AGENT_STORE`` variable and the
 store it announces) lives in :mod:`elastic_runner.compat.agent` (fix 3 there).
-``elastic-runner run`` turns the shared store off with torch's ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (compat fix 1),
-so there the workers' rank 0 hosts a new store per attempt and the handshake is skipped; it
-still runs under plain torchrun.
+``elastic-runner run`` turns the shared store off with torch's
+``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (compat fix 1), so there the workers' rank 0 hosts a
+new store per attempt and the handshake is skipped; it still runs under plain torchrun.
 """
 
 from __future__ import annotations
