@@ -46,7 +46,7 @@ COPY elastic_runner/ elastic_runner/
 # 1. torch alone from TORCH_INDEX_URL (--index-url: only that index, as PyTorch documents it);
 # 2. the package (a regular, non-editable install) and its other dependencies from PyPI; torch is
 #    already installed and satisfies both the package's torch range and the constraint, so pip
-#    keeps it (the range, torch>=2.4,<2.16, is compat.SUPPORTED_TORCH).
+#    keeps it (the range, torch>=2.4,<2.16, is compat.registry.SUPPORTED_TORCH).
 # ${CONSTRAINTS:+-c "$CONSTRAINTS"} adds "-c FILE" only when CONSTRAINTS is not empty, and
 # ${EXTRAS:+[$EXTRAS]} "[hf]" only when EXTRAS is not empty.
 # hadolint ignore=SC2086

@@ -28,10 +28,10 @@ part1)
     nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv
     python3 - <<'EOF' || exit 4
 import torch
-from elastic_runner import compat
+from elastic_runner.compat import registry
 print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name(), torch.cuda.nccl.version())
-print("agent:", compat.check_torch("agent"))
-print("worker:", compat.check_torch("worker"))
+print("agent:", registry.check_torch("agent"))
+print("worker:", registry.check_torch("worker"))
 EOF
     section transfer
     timeout 80 python3 -m bench.state_transfer --device cuda:0 --world-sizes 2 4 --blocks 115 \

@@ -27,7 +27,7 @@ Use it whole (``elastic-runner run CONFIG``: the built-in trainer) or in your ow
 ``tasks``        the task interface (``tasks.base``) and the built-in tasks; export and
                  ``generate()`` of transformers models
 top level        typed config (``config``), the command line (``cli``), the worker, process
-                 groups (``dist``), SIGTERM (``preempt``), exit codes, and ``compat``: every
+                 groups (``dist``), SIGTERM (``preempt``), exit codes, and ``compat/``: every
                  reliance on torch internals, with the supported torch range
 ===============  ==========================================================================
 

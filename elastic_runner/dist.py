@@ -15,10 +15,10 @@ creating the process group (:func:`attempt_namespace`), and the process group's 
 ``PrefixStore`` of that namespace. Keys of earlier attempts are never read.
 
 Which of torch's internals this relies on (the ``TORCHELASTIC_USE_AGENT_STORE`` variable and the
-store it announces) lives in :mod:`elastic_runner.compat` (fix 3 there). ``elastic-runner run``
-turns the shared store off with torch's ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (compat fix 1),
-so there the workers' rank 0 hosts a new store per attempt and the handshake is skipped; it
-still runs under plain torchrun.
+store it announces) lives in :mod:`elastic_runner.compat.agent` (fix 3 there).
+``elastic-runner run`` turns the shared store off with torch's
+``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (compat fix 1), so there the workers' rank 0 hosts a
+new store per attempt and the handshake is skipped; it still runs under plain torchrun.
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .compat import agent_store, release_mesh_groups, shares_agent_store
+from .compat.agent import agent_store, shares_agent_store
+from .compat.fsdp import release_mesh_groups
 
 log = logging.getLogger(__name__)
 
@@ -203,7 +204,7 @@ def destroy_distributed() -> None:
 def release_groups_of(*modules: Any) -> None:
     """Let the process groups of the device meshes that ``modules``' DTensor parameters
     (FSDP2) live on be freed by ``destroy_process_group``, not at the interpreter's exit
-    (:func:`elastic_runner.compat.release_mesh_groups`: a gloo group freed there may abort the
+    (:func:`elastic_runner.compat.fsdp.release_mesh_groups`: a gloo group freed there may abort the
     process). Call it once a module's collectives are over (the trainer's close, a survivor
     leaving its group); a module without DTensor parameters: nothing."""
     from torch.distributed.tensor import DTensor

@@ -18,7 +18,7 @@ import time
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from .compat import check_torch
+from .compat.registry import check_torch
 from .config import Config, load_config
 from .config_base import ConfigError
 from .dist import DistInfo, destroy_distributed, is_peer_failure, open_device

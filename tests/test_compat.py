@@ -1,4 +1,4 @@
-"""The torch internals elastic-runner relies on (``elastic_runner/compat.py``), checked against the
+"""The torch internals elastic-runner relies on (``elastic_runner/compat/``), checked against the
 installed torch without starting processes: each test fails when a torch upgrade changes the
 internal it names, and the start-up check names the torch version when a fix cannot apply."""
 
@@ -38,11 +38,22 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     RendezvousTimeout,
     create_handler,
 )
+from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+from torch.distributed.run import config_from_args, determine_local_world_size, get_args_parser
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from elastic_runner import compat
+from elastic_runner.agent import rendezvous_outage
+from elastic_runner.compat import agent as compat_agent
+from elastic_runner.compat import dcp as compat_dcp
+from elastic_runner.compat import ddp as compat_ddp
+from elastic_runner.compat import fix as compat_fix
+from elastic_runner.compat import fsdp as compat_fsdp
+from elastic_runner.compat import optimizers as compat_optimizers
+from elastic_runner.compat import registry
+from elastic_runner.compat import rendezvous as compat_rendezvous
 from elastic_runner.config import ConfigError
 from elastic_runner.observe.node_metrics import AgentMonitor
+from elastic_runner.recovery import fsdp_reattach as fsdp_recovery
 
 from .needs import in_ci
 
@@ -60,34 +71,34 @@ def _propagate(monkeypatch):
 
 def test_supported_range_is_pyprojects_and_holds_the_installed_torch():
     pyproject = (REPO / "pyproject.toml").read_text()
-    assert re.findall(r'"torch([^"]*)"', pyproject) == [compat.SUPPORTED_TORCH]
+    assert re.findall(r'"torch([^"]*)"', pyproject) == [registry.SUPPORTED_TORCH]
     # the image's first install pins the same range (it was left at <2.14 once)
     dockerfile = (REPO / "Dockerfile").read_text()
-    assert set(re.findall(r"torch(>=[\d.]+,<[\d.]+)", dockerfile)) == {compat.SUPPORTED_TORCH}
+    assert set(re.findall(r"torch(>=[\d.]+,<[\d.]+)", dockerfile)) == {registry.SUPPORTED_TORCH}
     # an upgrade past the range fails here: verify the internals below, then widen the range
-    assert compat.in_supported_range(), torch.__version__
-    assert compat.in_supported_range(compat.NEWEST_TORCH)  # CI's second environment's
-    assert not compat.in_supported_range("2.3.1") and not compat.in_supported_range("2.16.0")
+    assert registry.in_supported_range(), torch.__version__
+    assert registry.in_supported_range(registry.NEWEST_TORCH)  # CI's second environment's
+    assert not registry.in_supported_range("2.3.1") and not registry.in_supported_range("2.16.0")
 
 
 @pytest.mark.parametrize("role", ["agent", "worker"])
 def test_installed_torch_passes_the_startup_check(role, caplog):
     with caplog.at_level(logging.WARNING, logger="elastic_runner"):
-        assert compat.check_torch(role) == []
+        assert registry.check_torch(role) == []
     assert not caplog.records
 
 
 def test_required_fix_missing_stops_with_one_line_naming_torch(monkeypatch):
     monkeypatch.setattr(DynamicRendezvousHandler, "use_agent_store", property(lambda self: True))
-    with pytest.raises(compat.TorchCompatError) as e:
-        compat.check_torch("agent")
+    with pytest.raises(registry.TorchCompatError) as e:
+        registry.check_torch("agent")
     message = str(e.value)
     assert isinstance(e.value, ConfigError)  # the CLI and the worker exit with code 2 on it
     assert "\n" not in message and f"torch {torch.__version__}:" in message
-    assert "rendezvous store switch" in message and compat.SUPPORTED_TORCH in message
-    assert compat.IGNORE_CHECK_ENV in message
-    monkeypatch.setenv(compat.IGNORE_CHECK_ENV, "1")
-    (warning,) = compat.check_torch("agent")
+    assert "rendezvous store switch" in message and registry.SUPPORTED_TORCH in message
+    assert registry.IGNORE_CHECK_ENV in message
+    monkeypatch.setenv(registry.IGNORE_CHECK_ENV, "1")
+    (warning,) = registry.check_torch("agent")
     assert "rendezvous store switch" in warning and " is off (" in warning
 
 
@@ -95,17 +106,17 @@ def test_optional_fix_missing_warns_naming_torch(monkeypatch, caplog):
     monkeypatch.setattr(DDP, "register_comm_hook", lambda self, state, hook: None)
     monkeypatch.delenv("RANK", raising=False)
     with caplog.at_level(logging.WARNING, logger="elastic_runner"):
-        (warning,) = compat.check_torch("worker")
+        (warning,) = registry.check_torch("worker")
     assert f"torch {torch.__version__}:" in warning and "comm-hook detection is off" in warning
     assert [r.getMessage() for r in caplog.records] == [warning]
     monkeypatch.setenv("RANK", "3")  # other ranks stay quiet: the same torch on every rank
     caplog.clear()
-    assert compat.check_torch("worker") == [warning] and not caplog.records
+    assert registry.check_torch("worker") == [warning] and not caplog.records
 
 
 def test_a_missing_internal_turns_off_every_fix_that_lists_it(monkeypatch):
     monkeypatch.delattr(SimpleElasticAgent, "_invoke_run")
-    warnings = compat.check_torch("agent")
+    warnings = registry.check_torch("agent")
     gone = "(torch.distributed.elastic.agent.server.api:SimpleElasticAgent._invoke_run is gone)"
     assert len(warnings) == 2 and all(gone in w for w in warnings), warnings
     assert "agent metrics is off" in warnings[1] and "restart budget by cause is off" in warnings[0]
@@ -115,9 +126,9 @@ def test_a_check_that_cannot_inspect_torch_reports_instead_of_crashing(monkeypat
     def inspecting() -> str | None:  # as a check whose internal changed shape
         return SimpleElasticAgent._no_such_method.__code__
 
-    probe = compat._Fix("the probe", ("agent",), False, inspecting, "nothing")
-    monkeypatch.setattr(compat, "FIXES", (*compat.FIXES, probe))
-    (warning,) = compat.check_torch("agent")
+    probe = compat_fix.Fix("the probe", ("agent",), False, inspecting, "nothing")
+    monkeypatch.setattr(registry, "FIXES", (*registry.FIXES, probe))
+    (warning,) = registry.check_torch("agent")
     assert "the probe is off (AttributeError" in warning
 
 
@@ -134,7 +145,7 @@ def test_store_switch_makes_every_round_publish_a_fresh_store(monkeypatch, switc
     """With the switch each round builds its bootstrap store info anew (rank 0 publishes a free
     port through the round's rendezvous store) instead of returning the cached one, which is
     what kept a node whose rank changed pointing at a store nobody else used."""
-    monkeypatch.setenv(compat.SHARE_STORE_SWITCH, switch)
+    monkeypatch.setenv(compat_rendezvous.SHARE_STORE_SWITCH, switch)
     handler = _single_node_handler(f"switch-{switch}")
     try:
         cached = object()  # what an earlier round left behind
@@ -189,8 +200,9 @@ def test_outage_patch_reports_no_waiting_nodes_and_retries_until_join_timeout(mo
     class Patched(DynamicRendezvousHandler):
         pass
 
-    assert compat.apply_rendezvous_fixes(Patched) and compat.apply_rendezvous_fixes(Patched)
-    monkeypatch.setattr(compat, "_RETRY_S", 0.05)
+    apply = rendezvous_outage.apply_rendezvous_fixes
+    assert apply(Patched) and apply(Patched)
+    monkeypatch.setattr(rendezvous_outage, "_RETRY_S", 0.05)
     handler = _down_handler(Patched)
     assert handler.num_nodes_waiting() == 0
     before, started = _Down.calls, time.monotonic()
@@ -204,13 +216,13 @@ def test_outage_patch_reports_no_waiting_nodes_and_retries_until_join_timeout(mo
 # --- 3. the agent store in the workers (attempt namespace) ---
 
 def test_workers_learn_of_the_agent_store_from_the_variable_torch_reads(monkeypatch):
-    assert compat._mentions(LocalElasticAgent._start_workers, compat.AGENT_STORE_ENV)
+    assert compat_fix.mentions(LocalElasticAgent._start_workers, compat_agent.AGENT_STORE_ENV)
     for value in ("True", "False", "1", None):
         if value is None:
-            monkeypatch.delenv(compat.AGENT_STORE_ENV, raising=False)
+            monkeypatch.delenv(compat_agent.AGENT_STORE_ENV, raising=False)
         else:
-            monkeypatch.setenv(compat.AGENT_STORE_ENV, value)
-        assert compat.shares_agent_store() == torch_rendezvous._torchelastic_use_agent_store()
+            monkeypatch.setenv(compat_agent.AGENT_STORE_ENV, value)
+        assert compat_agent.shares_agent_store() == torch_rendezvous._torchelastic_use_agent_store()
 
 
 def test_shared_agent_store_reaches_workers_without_a_per_attempt_prefix(monkeypatch):
@@ -218,7 +230,7 @@ def test_shared_agent_store_reaches_workers_without_a_per_attempt_prefix(monkeyp
     ``/worker/attempt_<n>``): keys of earlier attempts stay visible, hence the namespace."""
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                            timeout=timedelta(seconds=10))
-    monkeypatch.setenv(compat.AGENT_STORE_ENV, "True")
+    monkeypatch.setenv(compat_agent.AGENT_STORE_ENV, "True")
     client = torch_rendezvous._create_c10d_store("127.0.0.1", server.port, 1, 2,
                                                  timedelta(seconds=10))
     assert not isinstance(client, dist.PrefixStore)
@@ -226,7 +238,7 @@ def test_shared_agent_store_reaches_workers_without_a_per_attempt_prefix(monkeyp
     assert server.get("left-by-attempt-1") == b"x"
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(server.port))
-    assert compat.agent_store(timedelta(seconds=10)).get("left-by-attempt-1") == b"x"
+    assert compat_agent.agent_store(timedelta(seconds=10)).get("left-by-attempt-1") == b"x"
 
 
 def test_prefix_store_isolates_attempts():
@@ -249,9 +261,9 @@ def emitted():
         def emit(self, metric_data: te_metrics.MetricData) -> None:
             names.append((metric_data.name, metric_data.value))
 
-    te_metrics.configure(Capture(), group=compat.METRICS_GROUP)
+    te_metrics.configure(Capture(), group=compat_agent.METRICS_GROUP)
     yield names
-    te_metrics.configure(te_metrics.NullMetricHandler(), group=compat.METRICS_GROUP)
+    te_metrics.configure(te_metrics.NullMetricHandler(), group=compat_agent.METRICS_GROUP)
 
 
 def test_agent_emits_the_metric_names_agent_metrics_reads(emitted):
@@ -276,16 +288,17 @@ def test_agent_emits_the_metric_names_agent_metrics_reads(emitted):
     assert "LocalElasticAgent._stop_workers.failure" in names
     assert ("workers.trainer.remaining_restarts", 3) in emitted
     assert ("workers.trainer.succeeded", 1) in emitted
-    assert any(n.endswith(compat.RENDEZVOUS_DURATION) for n in names)
-    for success in (compat.RENDEZVOUS_SUCCESS, compat.WORKERS_STARTED, compat.WORKERS_STOPPED):
+    assert any(n.endswith(compat_agent.RENDEZVOUS_DURATION) for n in names)
+    for success in (compat_agent.RENDEZVOUS_SUCCESS, compat_agent.WORKERS_STARTED,
+                    compat_agent.WORKERS_STOPPED):
         failure = success.removesuffix(".success") + ".failure"  # same stem (next test)
         assert any(n.endswith(failure) for n in names), success
-    assert any(n.startswith(compat.WORKER_GROUP) and n.endswith(compat.REMAINING_RESTARTS)
-               for n in names)
+    assert any(n.startswith(compat_agent.WORKER_GROUP)
+               and n.endswith(compat_agent.REMAINING_RESTARTS) for n in names)
     # and the monitor understands them
     monitor = AgentMonitor("job", "node", 2)
     for name, value in emitted:
-        monitor.emit(te_metrics.MetricData(0.0, compat.METRICS_GROUP, name, value))
+        monitor.emit(te_metrics.MetricData(0.0, compat_agent.METRICS_GROUP, name, value))
     assert monitor.snapshot()["state"] == "succeeded"
 
 
@@ -298,8 +311,8 @@ def test_prof_names_a_method_by_its_qualified_name(emitted):
     Agent()._rendezvous()
     (success, _), (duration, _) = emitted
     assert success == Agent._rendezvous.__qualname__ + ".success"
-    assert success.endswith(compat.RENDEZVOUS_SUCCESS)
-    assert duration.endswith(compat.RENDEZVOUS_DURATION)
+    assert success.endswith(compat_agent.RENDEZVOUS_SUCCESS)
+    assert duration.endswith(compat_agent.RENDEZVOUS_DURATION)
 
 
 # --- 5. DDP comm-hook details ---
@@ -321,10 +334,10 @@ def group():
 
 def test_registered_comm_hook_reports_the_users_hook(group):
     ddp = DDP(torch.nn.Linear(2, 2))
-    assert compat.registered_comm_hook(ddp) is None
+    assert compat_ddp.registered_comm_hook(ddp) is None
     state = object()
     ddp.register_comm_hook(state, allreduce_hook)
-    assert compat.registered_comm_hook(ddp) == (allreduce_hook, state)
+    assert compat_ddp.registered_comm_hook(ddp) == (allreduce_hook, state)
     with pytest.raises(RuntimeError, match="only be called once"):
         ddp.register_comm_hook(None, allreduce_hook)
 
@@ -343,7 +356,7 @@ def test_ddp_checks_a_hooks_bucket_parameter_by_name_and_annotation(group):
         ddp.register_comm_hook(None, other_name)
     with pytest.raises(ValueError, match="bucket annotation"):
         ddp.register_comm_hook(None, string_annotation)
-    assert compat.registered_comm_hook(ddp) is None
+    assert compat_ddp.registered_comm_hook(ddp) is None
 
 
 # --- 6. etcd rendezvous options ---
@@ -351,26 +364,26 @@ def test_ddp_checks_a_hooks_bucket_parameter_by_name_and_annotation(group):
 def test_etcd_backends_read_the_option_spellings_compat_lists():
     v2 = etcd_rendezvous_backend._create_etcd_client
     legacy = etcd_rendezvous._create_etcd_client
-    for v2_name, legacy_name in compat.ETCD_OPTION_SPELLINGS[:3]:
+    for v2_name, legacy_name in compat_rendezvous.ETCD_OPTION_SPELLINGS[:3]:
         # (only positive: both pass cert=/ca_cert= keywords to etcd.Client)
-        assert compat._mentions(v2, v2_name) and compat._mentions(legacy, legacy_name)
-    assert compat._mentions(etcd_rendezvous.create_rdzv_handler, "timeout")
-    assert etcd_rendezvous._DEFAULT_TIMEOUT == compat.DEFAULT_JOIN_TIMEOUT_S
-    assert RendezvousTimeout().join == timedelta(seconds=compat.DEFAULT_JOIN_TIMEOUT_S)
-    assert compat.parse_rendezvous_endpoint("etcd", default_port=2379) == ("etcd", 2379)
+        assert compat_fix.mentions(v2, v2_name) and compat_fix.mentions(legacy, legacy_name)
+    assert compat_fix.mentions(etcd_rendezvous.create_rdzv_handler, "timeout")
+    assert etcd_rendezvous._DEFAULT_TIMEOUT == compat_rendezvous.DEFAULT_JOIN_TIMEOUT_S
+    assert RendezvousTimeout().join == timedelta(seconds=compat_rendezvous.DEFAULT_JOIN_TIMEOUT_S)
+    assert parse_rendezvous_endpoint("etcd", default_port=2379) == ("etcd", 2379)
 
 
 # --- 7. torchrun's module functions ---
 
 def test_torchrun_functions_parse_and_configure_a_run(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # config_from_args sets it otherwise
-    targs = compat.get_args_parser().parse_args(
+    targs = get_args_parser().parse_args(
         ["--nproc-per-node", "3", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0",
          "--module", "elastic_runner", "train", "c.yaml"])
-    config, cmd, cmd_args = compat.config_from_args(targs)
+    config, cmd, cmd_args = config_from_args(targs)
     assert (config.nproc_per_node, config.min_nodes, config.max_nodes) == (3, 1, 1)
     assert cmd_args[-4:] == ["-m", "elastic_runner", "train", "c.yaml"], (cmd, cmd_args)
-    assert compat.determine_local_world_size("3") == 3
+    assert determine_local_world_size("3") == 3
 
 
 # --- 11. DCP internals of sharded checkpoints ---
@@ -383,7 +396,7 @@ def test_a_moved_dcp_internal_is_reported_and_fails_a_sharded_load_naming_it(mon
 
     monkeypatch.delattr(default_planner, "_EmptyStateDictLoadPlanner")
     monkeypatch.delenv("RANK", raising=False)
-    (warning,) = compat.check_torch("worker")
+    (warning,) = registry.check_torch("worker")
     assert ("sharded checkpoints' loading (DCP internals) is off (torch.distributed.checkpoint."
             "default_planner:_EmptyStateDictLoadPlanner is gone)") in warning
     path = tmp_path / "step-00000001"
@@ -404,7 +417,7 @@ def test_a_moved_dcp_fsspec_class_is_reported_and_fails_a_sharded_save_on_a_url(
 
     monkeypatch.delattr(_fsspec_filesystem, "FsspecWriter")
     monkeypatch.delenv("RANK", raising=False)
-    (warning,) = compat.check_torch("worker")
+    (warning,) = registry.check_torch("worker")
     assert "sharded checkpoints on object stores (DCP's fsspec reader and writer) is off " \
            "(AttributeError" in warning
     with pytest.raises(OSError, match=r"DCP's fsspec writer is not in this torch "
@@ -426,12 +439,12 @@ def test_a_ddp_reattached_to_a_new_group_reduces_over_it_as_the_same_object(grou
     old_reducer = ddp.reducer
     dist.destroy_process_group()
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    compat.ddp_reattach(ddp)
+    compat_ddp.ddp_reattach(ddp)
     assert ddp.reducer is not old_reducer
     assert ddp.process_group is dist.distributed_c10d._get_default_group()
     before = {k: v.clone() for k, v in ddp.module.state_dict().items()}
-    compat.ddp_construction_collectives(ddp, src_is_peer=True)  # received into a copy
-    compat.ddp_construction_collectives(ddp, src_is_peer=False)
+    compat_ddp.ddp_construction_collectives(ddp, src_is_peer=True)  # received into a copy
+    compat_ddp.ddp_construction_collectives(ddp, src_is_peer=False)
     assert all(torch.equal(before[k], v) for k, v in ddp.module.state_dict().items())
     ddp.module.zero_grad(set_to_none=True)
     ddp(torch.ones(4, 3)).sum().backward()
@@ -454,22 +467,22 @@ def test_an_fsdp2_model_reattached_to_a_new_group_gathers_over_it_as_the_same_ob
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
     fully_shard(model[0], mesh=init_device_mesh("cpu", (1,)))
     fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
-    assert compat.fsdp_reattach_refusal(model) is None
+    assert fsdp_recovery.fsdp_reattach_refusal(model) is None
     step(model)
     dist.destroy_process_group()
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     world = dist.distributed_c10d._get_default_group()
-    cached = {id(i.shard_process_group) for i in compat._fsdp_mesh_infos(model)}
+    cached = {id(i.shard_process_group) for i in fsdp_recovery.mesh_infos(model)}
     assert cached and id(world) not in cached  # the destroyed group, until re-attached
-    compat.fsdp_reattach(model)
-    assert {id(i.shard_process_group) for i in compat._fsdp_mesh_infos(model)} == {id(world)}
+    fsdp_recovery.fsdp_reattach(model)
+    assert {id(i.shard_process_group) for i in fsdp_recovery.mesh_infos(model)} == {id(world)}
     model.zero_grad(set_to_none=True)
     step(model)
     assert model[1].bias.grad.full_tensor().tolist() == [4.0, 4.0]
 
     two_d = torch.nn.Linear(3, 2)
     fully_shard(two_d, mesh=init_device_mesh("cpu", (1, 1), mesh_dim_names=("r", "s")))
-    assert "more than one dimension" in compat.fsdp_reattach_refusal(two_d)
+    assert "more than one dimension" in fsdp_recovery.fsdp_reattach_refusal(two_d)
 
 
 def test_an_fsdp2_backward_cut_short_leaves_nothing_to_the_redone_step(group):
@@ -508,14 +521,14 @@ def test_an_fsdp2_backward_cut_short_leaves_nothing_to_the_redone_step(group):
     fault.remove()
     for p in params:  # the loop drops the sharded gradients
         p.grad = None
-    compat.fsdp_reattach(model)
+    fsdp_recovery.fsdp_reattach(model)
     model(x).square().sum().backward()
     assert all(torch.equal(a, b) for a, b in zip(grads(want), grads(model), strict=True))
 
 
 # ------------------------------------------------------------ the registry of torch internals
 
-PACKAGE = Path(compat.__file__).parent
+PACKAGE = Path(registry.__file__).parents[1]
 # private names of other libraries the package uses (argparse, os, namedtuple, fsspec, abc)
 NOT_TORCH = {"_actions", "_exit", "_fields", "_parent", "_abc_impl"}
 
@@ -604,7 +617,7 @@ def _torch_overrides() -> dict[str, str]:
             mine = set(vars(cls)) | {n for f in vars(cls).values() if inspect.isfunction(f)
                                      for n in f.__code__.co_names}
             for name in filter(_private, mine):
-                if any(compat._resolves(f"{b.__module__}:{b.__qualname__}.{name}")
+                if any(compat_fix.resolves(f"{b.__module__}:{b.__qualname__}.{name}")
                        for b in bases):
                     out[name] = cls.__qualname__
     return out
@@ -612,17 +625,17 @@ def _torch_overrides() -> dict[str, str]:
 
 def test_every_private_torch_name_the_package_uses_is_in_the_registry():
     """A private torch name used anywhere in the package (outside the fixes' list in
-    compat.FIXES) fails here: a torch upgrade must not break it unchecked."""
+    registry.FIXES) fails here: a torch upgrade must not break it unchecked."""
     used, defined, strings = _scan()
-    registered = compat.private_torch_names()
+    registered = registry.private_torch_names()
     strays = {n: sorted(files) for n, files in used.items()
               if n not in defined and n not in NOT_TORCH and n not in registered}
-    assert not strays, f"private torch names outside compat.FIXES' internals: {strays}"
+    assert not strays, f"private torch names outside registry.FIXES' internals: {strays}"
     found = _torch_overrides()
     overrides = {n: c for n, c in found.items() if n not in registered and n not in NOT_TORCH}
     assert not overrides, f"torch internals overridden or read by subclasses, unregistered: " \
                           f"{overrides}"
-    leaves = {ref.replace(":", ".").rsplit(".", 1)[-1] for fix in compat.FIXES
+    leaves = {ref.replace(":", ".").rsplit(".", 1)[-1] for fix in registry.FIXES
               for ref in fix.internals}
     stale = {n for n in leaves if _private(n)} - set(used) - strings - set(found)
     assert not stale, f"registered but no longer used: {sorted(stale)}"
@@ -646,7 +659,7 @@ def test_the_registry_catches_a_stray_private_name(tmp_path, monkeypatch, code, 
     monkeypatch.setattr(sys.modules[__name__], "PACKAGE", stray.parent)
     used, defined, _ = _scan()
     assert name in used and name not in defined, (used, defined)
-    assert name not in compat.private_torch_names()
+    assert name not in registry.private_torch_names()
     assert "_own" in defined
 
 
@@ -654,27 +667,28 @@ def test_the_registry_catches_a_stray_private_name(tmp_path, monkeypatch, code, 
 # the fix's internals: the fix's name -> a Python expression, True when the fix is off. Every
 # fix with internals has one, or a reason in PASSIVE_FIXES.
 FIX_OFF_PROBES = {
-    compat.FIX_OUTAGE.name: "not compat.apply_rendezvous_fixes(type('H', (compat."
-                            "DynamicRendezvousHandler,), {}))",
-    compat.FIX_RESTART_BUDGET.name: "not apply_agent_fixes(type('A', (LocalElasticAgent,), {}))",
-    compat.FIX_INPLACE.name: "not agent_class_yields()",
-    compat.FIX_AGENT_STORE.name: "not compat.shares_agent_store({compat.AGENT_STORE_ENV: "
-                                 "'True'})",
-    compat.FIX_COMM_HOOK.name: "compat.registered_comm_hook(SimpleNamespace(_comm_hooks=[("
-                               "print, None)])) is None",
-    compat.FIX_LAGGED_VOTE.name: "not skips_on_device(torch.optim.Adam([torch.nn.Parameter("
-                                 "torch.ones(1))], fused=True))",
-    compat.FIX_DCP_LOAD.name: "raises(compat.dcp_internals, ImportError, AttributeError)",
-    compat.FIX_DCP_FSSPEC.name: "raises(lambda: dcp_format.writer('s3://b/step-00000001'), "
-                                "OSError)",
-    compat.FIX_MESH_RELEASE.name: "mesh_registry_kept()",
-    compat.FIX_DDP_REATTACH.name: "not compat.ddp_reattach_supported()",
-    compat.FIX_FSDP_REATTACH.name: "compat.fsdp_reattach_refusal(torch.nn.Linear(1, 1)) "
-                                   "is not None",
+    compat_rendezvous.FIX_OUTAGE.name:
+        "not rendezvous_outage.apply_rendezvous_fixes(type('H', (DynamicRendezvousHandler,), {}))",
+    compat_agent.FIX_RESTART_BUDGET.name:
+        "not apply_agent_fixes(type('A', (LocalElasticAgent,), {}))",
+    compat_agent.FIX_INPLACE.name: "not agent_class_yields()",
+    compat_agent.FIX_AGENT_STORE.name:
+        "not compat_agent.shares_agent_store({compat_agent.AGENT_STORE_ENV: 'True'})",
+    compat_ddp.FIX_COMM_HOOK.name:
+        "compat_ddp.registered_comm_hook(SimpleNamespace(_comm_hooks=[(print, None)])) is None",
+    compat_optimizers.FIX_LAGGED_VOTE.name:
+        "not skips_on_device(torch.optim.Adam([torch.nn.Parameter(torch.ones(1))], fused=True))",
+    compat_dcp.FIX_DCP_LOAD.name: "raises(compat_dcp.dcp_internals, ImportError, AttributeError)",
+    compat_dcp.FIX_DCP_FSSPEC.name: "raises(lambda: dcp_format.writer('s3://b/step-00000001'), "
+                                    "OSError)",
+    compat_fsdp.FIX_MESH_RELEASE.name: "mesh_registry_kept()",
+    compat_ddp.FIX_DDP_REATTACH.name: "not compat_ddp.ddp_reattach_supported()",
+    compat_fsdp.FIX_FSDP_REATTACH.name:
+        "fsdp_recovery.fsdp_reattach_refusal(torch.nn.Linear(1, 1)) is not None",
 }
 PASSIVE_FIXES = {  # nothing of the package's runs through them: off, they only stop helping
-    compat.FIX_AGENT_METRICS.name: "the agent monitor reads the metric names torch's agent "
-                                   "emits; renamed, its series stop changing",
+    compat_agent.FIX_AGENT_METRICS.name: "the agent monitor reads the metric names torch's "
+                                         "agent emits; renamed, its series stop changing",
 }
 
 # Takes torch internals away in this interpreter and asks the package what it does then.
@@ -683,7 +697,7 @@ PASSIVE_FIXES = {  # nothing of the package's runs through them: off, they only 
 # untouched torch first). Prints one JSON line.
 TAKE_AWAY = r'''
 import importlib, inspect, json, pkgutil, sys, types
-from elastic_runner import compat
+from elastic_runner.compat import fix as compat_fix, registry
 
 
 def renamed(code, name):
@@ -720,7 +734,7 @@ def take_away(ref):
         value = vars(holder)[name]
         delattr(holder, name)
         undo.append(lambda holder=holder, value=value: setattr(holder, name, value))
-    if isinstance(obj, type) and compat._resolves(ref):  # kept on instances: renamed
+    if isinstance(obj, type) and compat_fix.resolves(ref):  # kept on instances: renamed
         for klass in obj.__mro__:
             for value in list(vars(klass).values()):
                 fn = inspect.unwrap(value) if inspect.isfunction(value) else None
@@ -738,7 +752,7 @@ def take_away(ref):
 
 def warned(fix):
     return any(f"{fix.name} is off (" in w for role in fix.roles
-               for w in compat.check_torch(role))
+               for w in registry.check_torch(role))
 
 
 def import_all():
@@ -749,7 +763,7 @@ def import_all():
 
 
 def probe(fix):
-    compat.applies.cache_clear()
+    compat_fix.applies.cache_clear()
     return bool(eval(PROBES[fix.name])) if fix.name in PROBES else None
 
 
@@ -759,19 +773,24 @@ def answers():
 
 
 PROBES, mode = json.loads(sys.argv[1]), sys.argv[2]
-fixes = [fix for fix in compat.FIXES if fix.internals]
+fixes = [fix for fix in registry.FIXES if fix.internals]
 result = {}
 if mode == "all":
     for fix in fixes:
         for ref in fix.internals:
             take_away(ref)
-            if compat._resolves(ref):
+            if compat_fix.resolves(ref):
                 sys.exit(f"{ref} still resolves after it was taken away")
     import_all()  # private names are imported where needed, never at a module's top
 from types import SimpleNamespace
 import torch
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+from elastic_runner.agent import rendezvous_outage
 from elastic_runner.agent.restart_budget import apply_agent_fixes
+from elastic_runner.compat import agent as compat_agent, dcp as compat_dcp, ddp as compat_ddp
+from elastic_runner.compat import fsdp as compat_fsdp, rendezvous as compat_rendezvous
+from elastic_runner.recovery import fsdp_reattach as fsdp_recovery
 from elastic_runner.checkpoint import dcp_format
 from elastic_runner.train.consensus import skips_on_device
 
@@ -785,13 +804,13 @@ def raises(fn, *errors):
 
 
 def agent_class_yields():
-    with compat.agent_class(object) as applied:
+    with compat_agent.agent_class(object) as applied:
         return applied
 
 
 def mesh_registry_kept():
     mesh = SimpleNamespace(_pg_registry={"g": object()})
-    compat.release_mesh_groups(mesh)
+    compat_fsdp.release_mesh_groups(mesh)
     return bool(mesh._pg_registry)
 
 
@@ -803,14 +822,14 @@ else:
     for fix in fixes:
         for ref in fix.internals:
             undo = take_away(ref)
-            gone = not compat._resolves(ref)
+            gone = not compat_fix.resolves(ref)
             # keyed by fix and internal: an internal that several fixes list (seven of the
             # agent's) turns each of them off
             result[f"{fix.name} | {ref}"] = {"gone": gone, "warned": warned(fix),
                                              "off": probe(fix)}
             for step in reversed(undo):
                 step()
-            if not compat._resolves(ref):
+            if not compat_fix.resolves(ref):
                 sys.exit(f"{ref} could not be put back")
 print(json.dumps(result))
 '''
@@ -829,7 +848,7 @@ def test_every_fix_is_off_when_all_its_internals_are_gone():
     in :data:`TAKE_AWAY` says) before the package is imported: each of its modules still
     imports, the start-up check reports every fix off, and every fix is off: what it serves
     does what its ``without`` says (:data:`FIX_OFF_PROBES`)."""
-    with_internals = {fix.name for fix in compat.FIXES if fix.internals}
+    with_internals = {fix.name for fix in registry.FIXES if fix.internals}
     assert set(FIX_OFF_PROBES) | set(PASSIVE_FIXES) == with_internals
     result = _take_away("all")
     assert set(result) == with_internals
@@ -847,8 +866,8 @@ def test_each_internal_alone_turns_its_fix_off_and_back_on():
     untouched = result.pop("untouched")
     assert {name: (r["warned"], r["off"]) for name, r in untouched.items()} == {
         fix.name: (False, False if fix.name in FIX_OFF_PROBES else None)
-        for fix in compat.FIXES if fix.internals}
-    pairs = {f"{fix.name} | {ref}" for fix in compat.FIXES for ref in fix.internals}
+        for fix in registry.FIXES if fix.internals}
+    pairs = {f"{fix.name} | {ref}" for fix in registry.FIXES for ref in fix.internals}
     assert set(result) == pairs
     wrong = {ref: r for ref, r in result.items()
              if not (r["gone"] and r["warned"] and r["off"] in (True, None))}

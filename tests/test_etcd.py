@@ -27,10 +27,11 @@ from torch.distributed.elastic.rendezvous.etcd_rendezvous import (
 from torch.distributed.elastic.rendezvous.etcd_rendezvous_backend import create_backend
 from torch.distributed.run import config_from_args, get_args_parser
 
-from elastic_runner import compat
+from elastic_runner.agent import rendezvous_outage
 from elastic_runner.agent.etcd_check import EtcdCheckError, check_etcd, parse_conf
 from elastic_runner.agent.launch import torchrun_argv
 from elastic_runner.cli import build_parser
+from elastic_runner.compat import rendezvous as compat_rendezvous
 
 from .etcd import EtcdServer
 from .procs import CONFIGS, cli, free_port, wait_until
@@ -169,10 +170,10 @@ def patched_handler(monkeypatch):
     class Handler(DynamicRendezvousHandler):
         pass
 
-    assert compat.apply_rendezvous_fixes(Handler, Holder)
+    assert rendezvous_outage.apply_rendezvous_fixes(Handler, Holder)
     monkeypatch.setattr(dynamic_rendezvous, "_BackendRendezvousStateHolder", Holder)
-    monkeypatch.setattr(compat, "_RETRY_S", 0.2)
-    monkeypatch.setenv(compat.SHARE_STORE_SWITCH, "1")
+    monkeypatch.setattr(rendezvous_outage, "_RETRY_S", 0.2)
+    monkeypatch.setenv(compat_rendezvous.SHARE_STORE_SWITCH, "1")
     return Handler
 
 

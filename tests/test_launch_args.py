@@ -6,10 +6,11 @@ import os
 import pytest
 from torch.distributed.run import config_from_args, get_args_parser
 
-from elastic_runner import compat
 from elastic_runner.agent.launch import agent_environment, omp_threads, torchrun_argv
 from elastic_runner.cli import build_parser
-from elastic_runner.compat import SHARE_STORE_SWITCH, check_torch
+from elastic_runner.compat import agent as compat_agent
+from elastic_runner.compat.registry import check_torch
+from elastic_runner.compat.rendezvous import SHARE_STORE_SWITCH
 
 
 def torchrun_args(*cmd: str):
@@ -56,8 +57,8 @@ def test_a_torchrun_without_shutdown_timeout_is_not_given_one(monkeypatch):
         parser._option_string_actions.pop("--shutdown-timeout")
         return parser
 
-    monkeypatch.setattr(compat, "get_args_parser", older_parser)
-    compat.shutdown_timeout_supported.cache_clear()
+    monkeypatch.setattr(compat_agent, "get_args_parser", older_parser)
+    compat_agent.shutdown_timeout_supported.cache_clear()
     try:
         args = build_parser().parse_args(["run", "c.yaml"])
         args.shutdown_timeout = 75
@@ -69,7 +70,7 @@ def test_a_torchrun_without_shutdown_timeout_is_not_given_one(monkeypatch):
                    for w in warnings), warnings
     finally:
         monkeypatch.undo()
-        compat.shutdown_timeout_supported.cache_clear()
+        compat_agent.shutdown_timeout_supported.cache_clear()
     assert "--shutdown-timeout" in torchrun_argv(args)  # torch 2.13's parser has it
 
 

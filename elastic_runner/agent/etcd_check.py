@@ -11,7 +11,8 @@ The two backends also spell the same rendezvous options differently (``etcd-v2``
 ``ssl_cert``, ``ssl_cert_key``, ``join_timeout``; legacy ``etcd``: ``cacert``, ``cert``, ``key``,
 ``timeout``) and silently ignore the other spelling; :func:`with_aliases` adds the chosen
 backend's spelling of an option given only in the other one, so that either spelling works
-(the spellings are torch internals, kept and tested in :mod:`elastic_runner.compat`, item 6).
+(the spellings are torch internals, kept and tested in
+:mod:`elastic_runner.compat.rendezvous`, fix 6).
 
 Units: all times are seconds (``float``).
 """
@@ -29,7 +30,9 @@ import urllib.error
 import urllib.request
 from collections.abc import Mapping
 
-from ..compat import ETCD_OPTION_SPELLINGS, parse_rendezvous_endpoint
+from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+from ..compat.rendezvous import ETCD_OPTION_SPELLINGS
 
 log = logging.getLogger(__name__)
 

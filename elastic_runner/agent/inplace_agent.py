@@ -52,7 +52,7 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, W
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.api import SignalException, SubprocessContext
 
-from ..compat import leave_rendezvous_open
+from ..compat.rendezvous import leave_rendezvous_open
 from ..recovery.config import RecoveryConfig
 from ..recovery.membership import Policy
 from ..recovery.protocol import ENV, HEARTBEAT_ENV, MIN_NODES_ENV, SPARE_ENV
@@ -102,7 +102,7 @@ class InPlaceAgent(LocalElasticAgent):
         self._replacer = Replacer(self._attempt, self._spares, recovery.continue_shrunk, script,
                                   on_replacement or (lambda r: None))
         self._healthy = False  # the last look found the group healthy
-        self.left_the_job = False  # this node left in place: no restart (compat's budget)
+        self.left_the_job = False  # this node left in place: no restart (the restart budget's)
 
     # ------------------------------------------------------------ torch's agent hooks
 

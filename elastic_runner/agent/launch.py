@@ -13,11 +13,12 @@ other backend's spelling (``cacert`` for ``ca_cert``, ``join_timeout`` for ``tim
 checked before the agent starts, so that an unreachable or misconfigured etcd ends in one line,
 not a traceback. Rendezvous errors (closed, timed out) end in one line too.
 
-Before the agent starts, :func:`elastic_runner.compat.check_torch` verifies the torch internals
-the agent relies on (exit code 2 when a required one is gone) and the agent runs with torch's
-``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (a fresh workers' store every rendezvous round; see
-:mod:`elastic_runner.compat`) and, unless the user set it, ``OMP_NUM_THREADS`` = cores / workers
-(torchrun would otherwise set 1 and print a banner about it), both for this run only.
+Before the agent starts, :func:`elastic_runner.compat.registry.check_torch` verifies the torch
+internals the agent relies on (exit code 2 when a required one is gone) and the agent runs with
+torch's ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (a fresh workers' store every rendezvous round;
+see :mod:`elastic_runner.compat.rendezvous`, fix 1) and, unless the user set it,
+``OMP_NUM_THREADS`` = cores / workers (torchrun would otherwise set 1 and print a banner about
+it), both for this run only.
 """
 
 from __future__ import annotations
@@ -44,9 +45,16 @@ from torch.distributed.elastic.rendezvous import (
 )
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 from torch.distributed.launcher.api import elastic_launch
+from torch.distributed.run import config_from_args, determine_local_world_size, get_args_parser
 
-from .. import compat
-from ..compat import ETCD_BACKENDS, config_from_args, get_args_parser
+from ..compat.agent import agent_class, shutdown_timeout_supported
+from ..compat.registry import TorchCompatError, check_torch
+from ..compat.rendezvous import (
+    DEFAULT_JOIN_TIMEOUT_S,
+    ETCD_BACKENDS,
+    RDZV_SWITCHES,
+    names_this_machine,
+)
 from ..exit_codes import (
     EXIT_BAD_INPUT,
     EXIT_CRASH_LOOP,
@@ -68,6 +76,7 @@ from .etcd_check import (
     with_aliases,
 )
 from .inplace_agent import InPlaceAgent
+from .rendezvous_outage import apply_rendezvous_fixes
 from .restart_budget import apply_agent_fixes, cause_rank
 
 log = logging.getLogger(__name__)
@@ -93,14 +102,14 @@ def omp_threads(nproc_per_node: int, cores: int | None = None) -> int:
 def agent_environment(nproc_per_node: int, cores: int | None = None) -> Iterator[dict[str, str]]:
     """Set, for the ``with`` block (the agent and the workers it starts inherit them), the
     variables this run needs and the user did not set: torch's rendezvous switches
-    (:data:`~elastic_runner.compat.RDZV_SWITCHES`) and ``OMP_NUM_THREADS`` (see
+    (:data:`~elastic_runner.compat.rendezvous.RDZV_SWITCHES`) and ``OMP_NUM_THREADS`` (see
     :func:`omp_threads`; logged in one line). Yields what was set; restores the environment."""
     env: dict[str, str] = {}
     if "OMP_NUM_THREADS" not in os.environ:
         env["OMP_NUM_THREADS"] = str(omp_threads(nproc_per_node, cores))
         log.info("OMP_NUM_THREADS=%s for each of the %d workers on this node (cores / workers; "
                  "set OMP_NUM_THREADS to choose)", env["OMP_NUM_THREADS"], nproc_per_node)
-    for key, value in compat.RDZV_SWITCHES.items():
+    for key, value in RDZV_SWITCHES.items():
         if key not in os.environ:
             env[key] = value
         elif os.environ[key] != value:
@@ -161,7 +170,7 @@ def torchrun_argv(args: argparse.Namespace) -> list[str]:
     # in-place recovery: the agent notices a dead worker within a tenth of a second
     opt("--monitor-interval", args.monitor_interval, 0.1 if in_place(args) else 1.0)
     # SIGTERM -> SIGKILL gap when the agent stops its workers (eviction): preemption.grace_seconds
-    if compat.shutdown_timeout_supported():
+    if shutdown_timeout_supported():
         opt("--shutdown-timeout", getattr(args, "shutdown_timeout", None))
     # torch's error files of the workers (what the root-cause line reads): in a directory
     # this run removes when it ends (torch's default, a fresh torchelastic_* directory in the
@@ -216,7 +225,7 @@ def hosts_c10d_store(targs: argparse.Namespace) -> bool:
     if "is_host" in conf:
         return conf["is_host"].lower() in ("1", "true", "yes", "y")
     host, _ = parse_rendezvous_endpoint(targs.rdzv_endpoint, default_port=C10D_DEFAULT_PORT)
-    return compat.names_this_machine(host)
+    return names_this_machine(host)
 
 
 def multi_node(targs: argparse.Namespace) -> bool:
@@ -247,11 +256,11 @@ def launch(args: argparse.Namespace) -> int:
 def _launch(args: argparse.Namespace) -> int:
     targs = get_args_parser().parse_args(torchrun_argv(args))
     try:
-        compat.check_torch("agent")
-    except compat.TorchCompatError as e:
+        check_torch("agent")
+    except TorchCompatError as e:
         print(f"elastic-runner: error: {e}", file=sys.stderr, flush=True)
         return EXIT_BAD_INPUT
-    compat.apply_rendezvous_fixes()
+    apply_rendezvous_fixes()
     apply_agent_fixes(budget=getattr(args, "restarts", None))
     if targs.rdzv_backend in ETCD_BACKENDS:
         conf = parse_conf(targs.rdzv_conf)
@@ -269,7 +278,7 @@ def _launch(args: argparse.Namespace) -> int:
 
 def _local_world_size(nproc_per_node: str) -> int:
     try:
-        return compat.determine_local_world_size(nproc_per_node)
+        return determine_local_world_size(nproc_per_node)
     except ValueError:  # config_from_args says what is wrong with it
         return 1
 
@@ -300,7 +309,7 @@ def _launch_agent(args: argparse.Namespace, targs: argparse.Namespace) -> int:
             log.warning("recovery.continue_shrunk applies on one node only: across nodes the "
                         "survivors wait for the replacement")
         policy = Policy.for_batch(config.min_nodes, getattr(args, "batch", None))
-        agent = compat.agent_class(functools.partial(
+        agent = agent_class(functools.partial(
             InPlaceAgent, recovery=args.recovery, location=location, policy=policy,
             hosts_store=location is not None and hosts_c10d_store(targs),
             script=bool(getattr(args, "script", None)),
@@ -341,7 +350,7 @@ def _run_agent(targs: argparse.Namespace, config: Any, cmd: Any, cmd_args: list[
         return EXIT_FAILED
     except RendezvousTimeoutError:
         key = "timeout" if targs.rdzv_backend == "etcd" else "join_timeout"
-        limit = config.rdzv_configs.get(key, compat.DEFAULT_JOIN_TIMEOUT_S)
+        limit = config.rdzv_configs.get(key, DEFAULT_JOIN_TIMEOUT_S)
         print(f"elastic-runner: error: rendezvous {targs.rdzv_id!r} at {targs.rdzv_endpoint} "
               f"({targs.rdzv_backend}) timed out: fewer than {config.min_nodes} node(s) "
               f"(--nnodes {targs.nnodes}) joined within {limit} s ({key}); start the other "

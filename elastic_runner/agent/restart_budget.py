@@ -32,8 +32,8 @@ A refunded restart still counts in ``TORCHELASTIC_RESTART_COUNT``. What is left 
 not torch's fixed 30 s: a stopped or hung rank would otherwise hold up every restart.
 
 :func:`apply_agent_fixes` puts the budget into torch's ``LocalElasticAgent`` (its
-``_monitor_workers``); :mod:`elastic_runner.compat` (fix 8) lists and checks the torch internals
-that relies on.
+``_monitor_workers``); :mod:`elastic_runner.compat.agent` (fix 8) lists and checks the torch
+internals that relies on.
 """
 
 from __future__ import annotations
@@ -152,7 +152,7 @@ def failures_of(result: Any) -> dict[int, Failure]:
     return out
 
 
-# --- the patch of torch's agent (compat.py, fix 8, checks the internals it relies on) ---
+# --- the patch of torch's agent (compat/agent.py, fix 8, checks the internals it relies on) ---
 
 _MARK = "_elastic_runner_fix"
 _BUDGET = [RestartBudget()]  # the agent process's restart budget (apply_agent_fixes sets it)
@@ -166,18 +166,19 @@ def apply_agent_fixes(cls: type | None = None, budget: RestartBudget | None = No
     not spend ``--max-restarts``), and the rest of a failed group is SIGKILLed
     ``FAILED_STOP_SECONDS`` after its SIGTERM. Idempotent; a later call replaces the budget.
     Returns False, without patching, when the methods no longer look as expected
-    (:func:`~elastic_runner.compat.check_torch` has said so)."""
+    (:func:`~elastic_runner.compat.registry.check_torch` has said so)."""
     # imported here: the command line imports this module for RestartBudget, before torch's agent
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
-    from .. import compat
+    from ..compat.agent import FIX_RESTART_BUDGET
+    from ..compat.fix import applies
 
     cls = LocalElasticAgent if cls is None else cls
     if budget is not None:
         _BUDGET[0] = budget
     if getattr(cls.__dict__.get("_monitor_workers"), _MARK, False):
         return True
-    if not compat.applies(compat.FIX_RESTART_BUDGET):
+    if not applies(FIX_RESTART_BUDGET):
         return False
     cls._monitor_workers = _restart_budget_by_cause(cls._monitor_workers)  # type: ignore
     return True

@@ -17,7 +17,8 @@ import subprocess
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from .. import compat
+from ..compat.agent import FIX_INPLACE
+from ..compat.fix import applies
 from .fork_server import ForkedProcess, ForkServer
 
 Process = ForkedProcess | subprocess.Popen  # what ``proc`` holds: both have Popen's methods
@@ -95,7 +96,7 @@ def forking(enabled: bool = True) -> Iterator[ForkServer | None]:
     through one fork server (started at the first worker); yields it, or None (and changes
     nothing) when ``enabled`` is false or fix 9 does not apply. The fork server ends with the
     block; workers it forked go on until the agent stops them."""
-    if not enabled or not compat.applies(compat.FIX_INPLACE):
+    if not enabled or not applies(FIX_INPLACE):
         yield None
         return
     from torch.distributed.elastic.multiprocessing import api

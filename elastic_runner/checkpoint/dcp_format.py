@@ -15,7 +15,8 @@ non-tensor values (optimizer hyper-parameters) are loaded with ``torch.load(weig
 ``weights_only=True``.
 
 The torch internals this relies on (the offline whole-state load, where ``load_bytes`` puts a
-value) come from :func:`elastic_runner.compat.dcp_internals` (fix 11 there, checked at start-up).
+value) come from :func:`elastic_runner.compat.dcp.dcp_internals` (fix 11 there, checked at
+start-up).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from ..compat import dcp_fsspec, dcp_internals
+from ..compat.dcp import dcp_fsspec, dcp_internals
 from .dcp_names import METADATA, SHARD_FILE, SHARDED_KEYS  # noqa: F401  (re-exported)
 
 # what ``.metadata`` may name (as torch 2.13's DCP writes it): DCP's metadata dataclasses and

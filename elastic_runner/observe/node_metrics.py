@@ -11,7 +11,7 @@ rendezvous and restart. It serves
   (``torch.distributed.elastic.metrics``: the agent publishes ``<Class>._rendezvous.duration.ms``,
   ``workers.<role>.remaining_restarts``, ``workers.<role>.<state>`` ... through it; we install a
   handler for its ``torchelastic`` group; the names are torch internals, kept and checked in
-  :mod:`elastic_runner.compat`, fix 4):
+  :mod:`elastic_runner.compat.agent`, fix 4):
 
   - ``elastic_runner_restarts_total{reason}``: worker-group restarts, ``failure`` (a worker
     failed, counts against ``--max-restarts``) or ``membership`` (a node joined or left);
@@ -41,7 +41,7 @@ from prometheus_client.core import (
 from prometheus_client.metrics_core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 
-from .. import compat
+from ..compat import agent as torch_agent
 from .config import MetricsConfig
 from .health import MetricsServer
 from .metrics import AGENT_ENV, PREFIX, node_label
@@ -70,23 +70,23 @@ class AgentMonitor(te_metrics.MetricHandler):
     def emit(self, metric_data: te_metrics.MetricData) -> None:
         name, value = metric_data.name, metric_data.value
         with self._lock:
-            if name.endswith(compat.RENDEZVOUS_DURATION):
+            if name.endswith(torch_agent.RENDEZVOUS_DURATION):
                 self._observe_rendezvous(value / 1000.0)
                 # the restart timeline with millisecond stamps (torch's agent logs at WARNING)
                 log.info("rendezvous round %d took %.3f s", self.rendezvous, value / 1000.0)
-            elif name.endswith(compat.RENDEZVOUS_SUCCESS):
+            elif name.endswith(torch_agent.RENDEZVOUS_SUCCESS):
                 self.rendezvous += 1
                 self.state = "starting"
-            elif name.endswith(compat.WORKERS_STARTED):
+            elif name.endswith(torch_agent.WORKERS_STARTED):
                 self.state = "running"
                 log.info("workers started")
-            elif name.endswith(compat.WORKERS_STOPPED) and self.state == "running":
+            elif name.endswith(torch_agent.WORKERS_STOPPED) and self.state == "running":
                 self.restarts["membership"] += 1  # stopped while healthy: a node joined/left
                 self.state = "restarting"
                 log.info("workers stopped for a membership change")
-            elif name.endswith(compat.REMAINING_RESTARTS):
+            elif name.endswith(torch_agent.REMAINING_RESTARTS):
                 self._remaining_restarts = int(value)
-            elif name.startswith(compat.WORKER_GROUP) and value == 1:
+            elif name.startswith(torch_agent.WORKER_GROUP) and value == 1:
                 self._worker_group_state(name.rsplit(".", 1)[-1])
 
     def _worker_group_state(self, state: str) -> None:
@@ -217,7 +217,7 @@ class NodeEndpoint:
         except OSError:
             self._cleanup()
             raise
-        te_metrics.configure(self.monitor, group=compat.METRICS_GROUP)
+        te_metrics.configure(self.monitor, group=torch_agent.METRICS_GROUP)
 
     def close(self, final_state: str | None = None) -> None:
         """Record the job's end, keep serving ``metrics.linger_seconds`` (unless stopped by a
@@ -228,7 +228,7 @@ class NodeEndpoint:
             log.info("serving metrics for %.0f s more (metrics.linger_seconds)",
                      self.cfg.linger_seconds)
             threading.Event().wait(self.cfg.linger_seconds)
-        te_metrics.configure(te_metrics.NullMetricHandler(), group=compat.METRICS_GROUP)
+        te_metrics.configure(te_metrics.NullMetricHandler(), group=torch_agent.METRICS_GROUP)
         self.server.close()
         self._cleanup()
 

@@ -16,7 +16,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .. import compat
+from ..compat.ddp import ddp_construction_collectives, ddp_reattach, ddp_reattach_supported
+from ..recovery.fsdp_reattach import fsdp_reattach, fsdp_reattach_refusal
 from ..recovery.inplace import Regroup, StepRedo
 from ..recovery.recoverable import Recoverable
 from ..recovery.rejoin import RecoveryReport
@@ -190,7 +191,7 @@ class LoopRecovery:
         model, info = self._parts.model, self._parts.info
         checkpoints = self._loop.session.checkpoints
         if joining and isinstance(model, DDP) and info.rank not in joining:
-            compat.ddp_construction_collectives(model, src_is_peer=0 in joining)
+            ddp_construction_collectives(model, src_is_peer=0 in joining)
         if checkpoints.sharded:  # as a replacement's CheckpointManager makes it
             with self._recovery.sockets.forming(subgroups=True):
                 checkpoints.renew_group()
@@ -201,9 +202,9 @@ class LoopRecovery:
         gather and scatter over it; and the vote and the straggler exchange that go with it."""
         parts, session = self._parts, self._loop.session
         if isinstance(parts.model, DDP):
-            compat.ddp_reattach(parts.model)
+            ddp_reattach(parts.model)
         elif session.checkpoints.sharded:
-            compat.fsdp_reattach(parts.model)
+            fsdp_reattach(parts.model)
         renew_exchanges(session, parts.vote(), parts.info)
 
     # ------------------------------------------------------------ recovering
@@ -271,10 +272,10 @@ def in_place_process(model: nn.Module) -> ScriptProcess:
     if not isinstance(process, ScriptRecovery):
         return process
     if _sharded(model):
-        why = compat.fsdp_reattach_refusal(model)
+        why = fsdp_reattach_refusal(model)
         if why is None:
             return process
-    elif not compat.ddp_reattach_supported():
+    elif not ddp_reattach_supported():
         why = f"torch {torch.__version__} cannot move a DDP to a new group (compat fix 14)"
     else:
         return process

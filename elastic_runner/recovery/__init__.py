@@ -5,5 +5,6 @@ the worker's recovery composed (:mod:`.inplace`) from a generation's group (:mod
 the recovery after a failed collective (:mod:`.failure`), nodes that leave and join at a step
 boundary (:mod:`.node_changes`, with the store's records in :mod:`.membership`), the signals to
 the agents (:mod:`.signals`) and the watch for a newer generation (:mod:`.generation_watch`);
-cutting a broken group's connections (:mod:`.group_sockets`) and the heartbeat an agent watches
-(:mod:`.heartbeat`)."""
+cutting a broken group's connections (:mod:`.group_sockets`), the heartbeat an agent watches
+(:mod:`.heartbeat`) and a script's FSDP2 model moved to the re-formed group
+(:mod:`.fsdp_reattach`)."""

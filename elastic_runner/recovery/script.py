@@ -11,7 +11,7 @@ first call a script makes to the runner) is where the process joins the job, thr
   script's imports, so torch is loaded) tells its agent it is ready and blocks here until the agent
   hands it a failed worker's place; then it joins the running group as that rank, and the
   script goes on as it would: builds its model, wraps it in DDP (whose construction collectives
-  the survivors run with it: :func:`elastic_runner.compat.ddp_construction_collectives`), and
+  the survivors run with it: :func:`elastic_runner.compat.ddp.ddp_construction_collectives`), and
   :meth:`~elastic_runner.own_loop.FaultTolerantLoop.resume` receives the state of a survivor
   instead of reading a checkpoint.
 

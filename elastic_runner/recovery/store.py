@@ -46,7 +46,7 @@ from pathlib import Path
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
-from ..compat import ETCD_BACKENDS
+from ..compat.rendezvous import ETCD_BACKENDS
 
 C10D_DEFAULT_PORT = 29400  # torchrun's default c10d rendezvous port
 _PREFIX_KEY = "elastic_runner/recovery_prefix"

@@ -51,7 +51,9 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .. import compat
+from ..compat.ddp import registered_comm_hook
+from ..compat.fix import applies
+from ..compat.optimizers import FIX_LAGGED_VOTE
 
 log = logging.getLogger(__name__)
 
@@ -249,7 +251,7 @@ class CommHookConsensus(StepConsensus):
     def __init__(self, ddp: DDP, stop_requested: Callable[[], bool] = lambda: False,
                  comm_hook: CommHook | None = None, hook_state: Any = None) -> None:
         super().__init__(stop_requested)
-        if compat.registered_comm_hook(ddp) is not None:
+        if registered_comm_hook(ddp) is not None:
             raise RuntimeError("step consensus: a comm hook is already registered on this DDP "
                                "module; pass it as comm_hook= instead, so the vote can wrap it")
         self._hook, self._state = comm_hook, hook_state
@@ -415,7 +417,7 @@ class LaggedConsensus(StepConsensus):
 def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer.step()`` honours a ``found_inf`` tensor (torch's fused Adam, AdamW
     and SGD: ``_step_supports_amp_scaling``), which :class:`LaggedConsensus` relies on."""
-    return compat.applies(compat.FIX_LAGGED_VOTE) and bool(
+    return applies(FIX_LAGGED_VOTE) and bool(
         getattr(optimizer, "_step_supports_amp_scaling", False))
 
 
