@@ -72,7 +72,9 @@ def steps(trace) -> dict[int, tuple[set[int], int]]:
     sample trace."""
     out: dict[int, tuple[set[int], int]] = {}
     for path in trace.glob("rank-*.jsonl"):
-        for line in path.read_text().splitlines():
+        text = path.read_text()
+        # read while a rank appends: a last line without its newline is still being written
+        for line in text[:text.rfind("\n") + 1].splitlines():
             entry = json.loads(line)
             if "indices" in entry:
                 sizes, samples = out.get(entry["step"], (set(), 0))
