@@ -29,6 +29,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset, default_collate
 
+from .. import nested
 from ..config_base import ConfigError
 
 MetricSums = dict[str, tuple[float, float]]
@@ -37,20 +38,12 @@ Collate = Callable[[list[Any]], Any]
 
 def to_device(batch: Any, device: torch.device) -> Any:
     """``batch`` with every tensor moved to ``device`` (``non_blocking``), same nesting and
-    container types (a mapping type that cannot be rebuilt from a dict becomes a dict)."""
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, Mapping):
-        moved = {k: to_device(v, device) for k, v in batch.items()}
-        try:
-            return type(batch)(moved)
-        except TypeError:
-            return moved
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple
-        return type(batch)(*(to_device(v, device) for v in batch))
-    if isinstance(batch, list | tuple):
-        return type(batch)(to_device(v, device) for v in batch)
-    return batch
+    container types (mappings, lists, tuples, namedtuples; a mapping type that cannot be
+    rebuilt from a dict becomes a dict); any other value is kept."""
+    def move(_: nested.Path, v: Any) -> Any:
+        return v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+
+    return nested.map_leaves(move, batch, into=(Mapping, list, tuple))
 
 
 def _is_pair(batch: Any) -> bool:

@@ -20,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .. import compat
 from ..logs import setup_logging
+from ..nested import each_tensor
 from ..recovery.inplace import InPlaceRecovery, NoRecovery, Regroup, StepRedo
 from ..recovery.recoverable import Recoverable
 from ..recovery.rejoin import RecoveryReport, rejoin
@@ -27,7 +28,6 @@ from ..recovery.script import NoScriptRecovery, ScriptRecovery
 from ..recovery.script import current as current_process
 from ..train.session import TrainingFailed
 from ..train.straggler import StragglerMonitor
-from .nested import each_tensor
 from .parts import LoopParts
 from .script_collectives import NoScriptCollectives, ScriptCollectives
 
