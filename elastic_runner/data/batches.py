@@ -34,6 +34,7 @@ from ..config_base import ConfigError
 
 MetricSums = dict[str, tuple[float, float]]
 Collate = Callable[[list[Any]], Any]
+_CONTAINERS = (Mapping, list, tuple)  # what a batch nests: any mapping (a BatchEncoding too)
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
@@ -43,7 +44,7 @@ def to_device(batch: Any, device: torch.device) -> Any:
     def move(_: nested.Path, v: Any) -> Any:
         return v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
 
-    return nested.map_leaves(move, batch, into=(Mapping, list, tuple))
+    return nested.map_leaves(move, batch, into=_CONTAINERS)
 
 
 def _is_pair(batch: Any) -> bool:
@@ -93,12 +94,8 @@ def batch_loss(model: nn.Module, batch: Any, loss_fn: Callable[..., torch.Tensor
 
 def batch_size(batch: Any) -> int:
     """Samples in ``batch``: the length of dim 0 of its first tensor (0 when it has none)."""
-    if isinstance(batch, torch.Tensor):
-        return int(batch.shape[0]) if batch.dim() else 1
-    values = batch.values() if isinstance(batch, Mapping) else (
-        batch if isinstance(batch, list | tuple) else ())
-    for v in values:
-        n = batch_size(v)
+    for _, t in nested.tensors(batch, _CONTAINERS):
+        n = int(t.shape[0]) if t.dim() else 1
         if n:
             return n
     return 0
@@ -128,18 +125,9 @@ def describe(value: Any) -> str:
 
 def _non_tensor_leaf(batch: Any, path: str) -> tuple[str, Any] | None:
     """The first leaf of ``batch`` that is not a tensor, as (key path, value)."""
-    if isinstance(batch, torch.Tensor):
-        return None
-    if isinstance(batch, Mapping):
-        items = ((f"{path}[{k!r}]", v) for k, v in batch.items())
-    elif isinstance(batch, list | tuple):
-        items = ((f"{path}[{i}]", v) for i, v in enumerate(batch))
-    else:
-        return path, batch
-    for p, v in items:
-        found = _non_tensor_leaf(v, p)
-        if found:
-            return found
+    for keys, v in nested.leaves(batch, _CONTAINERS):
+        if not isinstance(v, torch.Tensor):
+            return path + "".join(f"[{k!r}]" for k in keys), v
     return None
 
 
