@@ -26,46 +26,44 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from .. import nested
+from ..host_buffers import HostBuffers
+
 
 class StagingBuffers:
-    """Host copies of a nested state's tensors, keyed by their path in the state; a buffer is
-    reallocated only when a tensor's shape or dtype changes."""
+    """Host copies of a nested state's tensors (dicts, lists, tuples; a DTensor's local shard),
+    keyed by their path in the state (:mod:`elastic_runner.host_buffers`); a buffer is
+    reallocated only when a tensor's shape, dtype or device type changes."""
 
     def __init__(self) -> None:
-        self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
-        self.bytes = 0  # total size of the buffers
+        self._pool = HostBuffers()
+
+    @property
+    def bytes(self) -> int:
+        """The buffers' total size."""
+        return self._pool.bytes
 
     def tensors(self) -> list[torch.Tensor]:
         """The host buffers (pinned where the state they stage lives on CUDA)."""
-        return list(self._buffers.values())
+        return self._pool.keyed()
 
     def stage(self, state: Any) -> Any:
-        """Return a copy of ``state`` whose tensors live in the reused buffers."""
-        staged = self._copy(state, ())
+        """Return a copy of ``state`` whose tensors live in the reused buffers, as plain dicts,
+        lists and tuples; every other value deep-copied."""
+        staged = nested.map_leaves(self._copy, state, rebuild=nested.Rebuild.PLAIN)
         if torch.cuda.is_available():
             torch.cuda.synchronize()  # non_blocking device-to-host copies must land first
         return staged
 
-    def _copy(self, obj: Any, path: tuple[Any, ...]) -> Any:
+    def _copy(self, path: nested.Path, obj: Any) -> Any:
         if isinstance(obj, DTensor):  # this rank's shard, the same mesh and placements
-            local = self._copy(obj.to_local(), (*path, "local"))
+            local = self._copy((*path, "local"), obj.to_local())
             return DTensor.from_local(local, obj.device_mesh, obj.placements, run_check=False,
                                       shape=obj.shape, stride=obj.stride())
         if isinstance(obj, torch.Tensor):
-            buf = self._buffers.get(path)
-            if buf is None or buf.shape != obj.shape or buf.dtype != obj.dtype:
-                old = 0 if buf is None else buf.numel() * buf.element_size()
-                buf = torch.empty(obj.shape, dtype=obj.dtype, device="cpu",
-                                  pin_memory=obj.is_cuda)
-                self._buffers[path] = buf
-                self.bytes += buf.numel() * buf.element_size() - old
+            buf = self._pool.at(path, obj.shape, obj.dtype, pinned=obj.is_cuda)
             buf.copy_(obj.detach(), non_blocking=obj.is_cuda)
             return buf
-        if isinstance(obj, dict):
-            return {k: self._copy(v, (*path, k)) for k, v in obj.items()}
-        if isinstance(obj, list | tuple):
-            items = [self._copy(v, (*path, i)) for i, v in enumerate(obj)]
-            return type(obj)(items) if isinstance(obj, tuple) else items
         return copy.deepcopy(obj)
 
 

@@ -43,6 +43,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from .. import nested
 from ..compat.dcp import dcp_fsspec, dcp_internals
 from .dcp_names import METADATA, SHARD_FILE, SHARDED_KEYS  # noqa: F401  (re-exported)
 
@@ -202,32 +203,55 @@ def load_shards(directory: str | Path, model: nn.Module,
 
 
 def local_shards(state: Any, to_cpu: bool = True) -> Any:
-    """``state`` (:func:`sharded_state`) with each DTensor replaced by this rank's local shard,
-    on the CPU (plain tensors too; ``to_cpu=False``: where they are, for a caller that copies
-    them itself): what an in-memory copy of this rank's part holds, picklable with
-    ``torch.save`` and loadable with ``weights_only=True``. A tensor already on the CPU is not
-    copied (it is the parameter's own storage): copy it before the model changes."""
-    if isinstance(state, DTensor):
-        state = state.to_local()
-    if isinstance(state, torch.Tensor):
-        return state.detach().cpu() if to_cpu else state.detach()
-    if isinstance(state, dict):
-        return {k: local_shards(v, to_cpu) for k, v in state.items()}
-    if isinstance(state, (list, tuple)):
-        return type(state)(local_shards(v, to_cpu) for v in state)
-    return state
+    """``state`` (:func:`sharded_state`: dicts, lists, tuples) with each DTensor replaced by
+    this rank's local shard, on the CPU (plain tensors too; ``to_cpu=False``: where they are,
+    for a caller that copies them itself), as plain dicts, lists and tuples: what an in-memory
+    copy of this rank's part holds, picklable with ``torch.save`` and loadable with
+    ``weights_only=True``. A tensor already on the CPU is not copied (it is the parameter's own
+    storage): copy it before the model changes."""
+    def local(_: nested.Path, t: Any) -> Any:
+        if isinstance(t, DTensor):
+            t = t.to_local()
+        if isinstance(t, torch.Tensor):
+            return t.detach().cpu() if to_cpu else t.detach()
+        return t
+
+    return nested.map_leaves(local, state, rebuild=nested.Rebuild.PLAIN)
 
 
 def from_local_shards(template: Any, saved: Any, where: str = "state") -> Any:
     """The inverse of :func:`local_shards` on the same mesh shape and rank: ``template``'s
-    structure (:func:`sharded_state` of the model to load into) with every DTensor rebuilt over
-    ``saved``'s local shard (``DTensor.from_local`` with the template's mesh, placements and
-    global shape) and every other value taken from ``saved``.
+    structure (:func:`sharded_state` of the model to load into; its dicts, as plain dicts) with
+    every DTensor rebuilt over ``saved``'s local shard (``DTensor.from_local`` with the
+    template's mesh, placements and global shape), every tensor as ``saved``'s on the
+    template's device, and every other value (lists and tuples whole) taken from ``saved``.
 
     Raises:
         ValueError: ``saved`` does not match ``template`` (another model, or another mesh
             shape): names the key path.
     """
+    def check(path: nested.Path, node: dict[Any, Any]) -> None:
+        got = _at(saved, path)  # its parents were checked first
+        missing = sorted(map(str, set(node) - set(got))) if isinstance(got, dict) else []
+        if not isinstance(got, dict) or missing:
+            raise ValueError(f"{nested.dotted(path, where)}: missing "
+                             f"{', '.join(missing) or 'a dict'}")
+
+    def fill(path: nested.Path, mine: Any) -> Any:
+        return _from_local(mine, _at(saved, path), nested.dotted(path, where))
+
+    return nested.map_leaves(fill, template, into=(dict,), rebuild=nested.Rebuild.PLAIN,
+                             enter=check)
+
+
+def _at(saved: Any, path: nested.Path) -> Any:
+    for k in path:
+        saved = saved[k]
+    return saved
+
+
+def _from_local(template: Any, saved: Any, where: str) -> Any:
+    """:func:`from_local_shards` of one leaf of the template."""
     if isinstance(template, DTensor):
         local = template.to_local()
         if not isinstance(saved, torch.Tensor) or saved.shape != local.shape:
@@ -241,11 +265,6 @@ def from_local_shards(template: Any, saved: Any, where: str = "state") -> Any:
             raise ValueError(f"{where}: {tuple(getattr(saved, 'shape', ()))} does not fit "
                              f"{tuple(template.shape)}")
         return saved.to(template.device)
-    if isinstance(template, dict):
-        missing = sorted(map(str, set(template) - set(saved))) if isinstance(saved, dict) else []
-        if not isinstance(saved, dict) or missing:
-            raise ValueError(f"{where}: missing {', '.join(missing) or 'a dict'}")
-        return {k: from_local_shards(v, saved[k], f"{where}.{k}") for k, v in template.items()}
     return saved
 
 

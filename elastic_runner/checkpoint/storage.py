@@ -59,6 +59,7 @@ import fsspec
 import torch
 from fsspec.implementations.local import LocalFileSystem
 
+from .. import nested
 from . import dcp_names
 from .fencing import Fence, FencedOut, NoFence
 
@@ -743,23 +744,19 @@ def _load_state_file(path: str | Path, map_location: str | torch.device) -> dict
 
 def _owned(obj: Any, copies: dict[tuple[Any, ...], torch.Tensor]) -> Any:
     """``obj`` (a loaded state: dicts, lists, tuples, tensors) with each CPU tensor copied into
-    memory of its own (dicts and lists changed in place); exact aliases (tied weights) stay
-    one tensor."""
-    if isinstance(obj, torch.Tensor):
-        if obj.device.type != "cpu":
-            return obj
-        key = (obj.untyped_storage().data_ptr(), obj.storage_offset(), tuple(obj.shape),
-               obj.stride(), obj.dtype)
+    memory of its own (dicts and lists changed in place: a state_dict's class and _metadata
+    stay); exact aliases (tied weights) stay one tensor."""
+    def own(_: Any, t: Any) -> Any:
+        if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
+            return t
+        key = nested.alias_key(t)
+        if key is None:
+            return t.clone()
         if key not in copies:
-            copies[key] = obj.clone()
+            copies[key] = t.clone()
         return copies[key]
-    if isinstance(obj, dict | list):  # in place: a state_dict's class and _metadata stay
-        for k, v in (obj.items() if isinstance(obj, dict) else enumerate(obj)):
-            obj[k] = _owned(v, copies)
-        return obj
-    if isinstance(obj, tuple):
-        return tuple(_owned(v, copies) for v in obj)
-    return obj
+
+    return nested.map_leaves(own, obj, rebuild=nested.Rebuild.IN_PLACE)
 
 
 def _load_problem(e: Exception) -> str:

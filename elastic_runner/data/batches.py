@@ -29,28 +29,22 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset, default_collate
 
+from .. import nested
 from ..config_base import ConfigError
 
 MetricSums = dict[str, tuple[float, float]]
 Collate = Callable[[list[Any]], Any]
+_CONTAINERS = (Mapping, list, tuple)  # what a batch nests: any mapping (a BatchEncoding too)
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
     """``batch`` with every tensor moved to ``device`` (``non_blocking``), same nesting and
-    container types (a mapping type that cannot be rebuilt from a dict becomes a dict)."""
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, Mapping):
-        moved = {k: to_device(v, device) for k, v in batch.items()}
-        try:
-            return type(batch)(moved)
-        except TypeError:
-            return moved
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple
-        return type(batch)(*(to_device(v, device) for v in batch))
-    if isinstance(batch, list | tuple):
-        return type(batch)(to_device(v, device) for v in batch)
-    return batch
+    container types (mappings, lists, tuples, namedtuples; a mapping type that cannot be
+    rebuilt from a dict becomes a dict); any other value is kept."""
+    def move(_: nested.Path, v: Any) -> Any:
+        return v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+
+    return nested.map_leaves(move, batch, into=_CONTAINERS)
 
 
 def _is_pair(batch: Any) -> bool:
@@ -100,12 +94,8 @@ def batch_loss(model: nn.Module, batch: Any, loss_fn: Callable[..., torch.Tensor
 
 def batch_size(batch: Any) -> int:
     """Samples in ``batch``: the length of dim 0 of its first tensor (0 when it has none)."""
-    if isinstance(batch, torch.Tensor):
-        return int(batch.shape[0]) if batch.dim() else 1
-    values = batch.values() if isinstance(batch, Mapping) else (
-        batch if isinstance(batch, list | tuple) else ())
-    for v in values:
-        n = batch_size(v)
+    for _, t in nested.tensors(batch, _CONTAINERS):
+        n = int(t.shape[0]) if t.dim() else 1
         if n:
             return n
     return 0
@@ -135,18 +125,9 @@ def describe(value: Any) -> str:
 
 def _non_tensor_leaf(batch: Any, path: str) -> tuple[str, Any] | None:
     """The first leaf of ``batch`` that is not a tensor, as (key path, value)."""
-    if isinstance(batch, torch.Tensor):
-        return None
-    if isinstance(batch, Mapping):
-        items = ((f"{path}[{k!r}]", v) for k, v in batch.items())
-    elif isinstance(batch, list | tuple):
-        items = ((f"{path}[{i}]", v) for i, v in enumerate(batch))
-    else:
-        return path, batch
-    for p, v in items:
-        found = _non_tensor_leaf(v, p)
-        if found:
-            return found
+    for keys, v in nested.leaves(batch, _CONTAINERS):
+        if not isinstance(v, torch.Tensor):
+            return path + "".join(f"[{k!r}]" for k in keys), v
     return None
 
 

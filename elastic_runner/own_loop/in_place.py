@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..compat.ddp import ddp_construction_collectives, ddp_reattach, ddp_reattach_supported
+from ..nested import each_tensor
 from ..recovery.fsdp_reattach import fsdp_reattach, fsdp_reattach_refusal
 from ..recovery.inplace import Regroup, StepRedo
 from ..recovery.recoverable import Recoverable
@@ -25,7 +26,6 @@ from ..recovery.runtime import RecoveryService, RecoveryTail, renew_exchanges
 from ..recovery.script import NoScriptRecovery, ScriptProcess, ScriptRecovery
 from ..recovery.script import current as current_process
 from ..train.session import TrainingFailed
-from .nested import each_tensor
 from .parts import LoopParts
 from .script_collectives import Guards, NoScriptCollectives
 

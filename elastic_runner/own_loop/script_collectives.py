@@ -38,7 +38,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from .nested import each_tensor, tensor_bytes
+from ..nested import each_tensor, tensor_bytes
 
 log = logging.getLogger("elastic_runner.own_loop")
 

@@ -45,7 +45,7 @@ import torch
 from torch.distributed.checkpoint.stateful import Stateful
 
 from ..dist import all_gather_object, broadcast_object
-from .nested import holds_tensor
+from ..nested import holds_tensor
 
 log = logging.getLogger("elastic_runner.own_loop")
 

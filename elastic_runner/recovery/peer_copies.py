@@ -36,6 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..host_buffers import HostBuffers, host_buffer
 from .group_sockets import NO_SOCKETS, Sockets
 from .state_transfer import Manifest, TensorMeta, flatten, rebuild, recv_manifest, send_manifest
 
@@ -56,11 +57,6 @@ def offsets(metas: tuple[TensorMeta, ...]) -> tuple[list[int], int]:
         out.append(end)
         end += -(-m.nbytes // ALIGN) * ALIGN
     return out, end
-
-
-def host_buffer(size: int, pinned: bool = False) -> torch.Tensor:
-    """A new flat host buffer of ``size`` bytes (``uint8``), page-locked when ``pinned``."""
-    return torch.empty(size, dtype=torch.uint8, pin_memory=pinned)
 
 
 @dataclass
@@ -166,7 +162,7 @@ class PeerCopies:
         self._group: Any = None
         self._epoch = -1
         self._in_flight: _InFlight | None = None
-        self._spare: list[torch.Tensor] = []  # buffers of a pair replaced or dropped
+        self._buffers = HostBuffers()  # holds the buffers of a pair replaced or dropped
         self._dropped: str | None = None  # why the pair was dropped (:meth:`drop`)
 
     def due(self, step: int) -> bool:
@@ -187,14 +183,14 @@ class PeerCopies:
                 size it declares."""
         t0 = time.perf_counter()
         self.settle()
-        own = Copy.of(state, step, world_size, self._spare_of)
+        own = Copy.of(state, step, world_size, self._buffers.take)
         if world_size == 1:
             self._in_flight = _InFlight(own, None)
         else:
             group = self._side_group()
             succ, pred = (rank + 1) % world_size, (rank - 1) % world_size
             manifest, size = _swap_manifests(own, succ, pred, group, torch.device("cpu"))
-            held = Copy(step, world_size, manifest, self._spare_of(size, False))
+            held = Copy(step, world_size, manifest, self._buffers.take(size, False))
             self._in_flight = _InFlight(own, held, [dist.isend(own.data, succ, group=group),
                                                     dist.irecv(held.data, pred, group=group)])
         self.seconds = time.perf_counter() - t0
@@ -213,9 +209,9 @@ class PeerCopies:
             log.warning("the peer copies of step %d did not reach their peers (%s); the copies "
                         "of step %s stay", flight.own.step, str(e).splitlines()[0] if str(e)
                         else type(e).__name__, self.own.step if self.own else None)
-            self._spare += [c.data for c in (flight.own, flight.held) if c is not None]
+            self._buffers.give_back(c.data for c in (flight.own, flight.held) if c is not None)
             return
-        self._spare += [c.data for c in (self.own, self.held) if c is not None]
+        self._buffers.give_back(c.data for c in (self.own, self.held) if c is not None)
         self.own, self.held, self._dropped = flight.own, flight.held, None
 
     def drop(self, reason: str) -> None:
@@ -223,7 +219,7 @@ class PeerCopies:
         checkpoint supersedes it, and a group re-formed at the pair's world size would roll
         back to it instead."""
         self.settle()
-        self._spare += [c.data for c in (self.own, self.held) if c is not None]
+        self._buffers.give_back(c.data for c in (self.own, self.held) if c is not None)
         self.own, self.held, self._dropped = None, None, reason
 
     def adopt(self, copy: Copy) -> None:
@@ -246,14 +242,6 @@ class PeerCopies:
                 "held": self.held.step if self.held else None,
                 "world_size": self.own.world_size if self.own else 0,
                 "dropped": self._dropped}
-
-    def _spare_of(self, size: int, pinned: bool) -> torch.Tensor:
-        """A spare buffer of ``size`` bytes (pinned if asked), else a new one."""
-        for i, buf in enumerate(self._spare):
-            if buf.numel() == size and buf.is_pinned() == pinned:
-                return self._spare.pop(i)
-        self._spare = self._spare[-2:]  # of another size: no longer of use
-        return host_buffer(size, pinned)
 
     def _side_group(self) -> Any:
         """The copies' own gloo group over the current default group's ranks, made once per

@@ -32,13 +32,14 @@ from __future__ import annotations
 
 import hashlib
 import io
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from .. import nested
 from ..checkpoint.storage import CheckpointError
 
 DIRECT_BYTES = 1 << 20  # a tensor this large travels from its own storage, in a unit of its own
@@ -133,7 +134,7 @@ def _meta(i: int, path: list[Any], shape: list[Any], dtype: str, device_type: st
 
 def _key(path: Path) -> str:
     """A key path as a dotted name (``model.fc.weight``, ``optimizer.state.0.exp_avg``)."""
-    return ".".join(map(str, path))
+    return nested.dotted(path)
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -143,48 +144,36 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-def _walk(node: Any, path: Path) -> Iterator[tuple[Path, torch.Tensor]]:
-    if isinstance(node, torch.Tensor):
-        yield path, node
-    elif isinstance(node, dict):
-        for k, v in node.items():
-            yield from _walk(v, (*path, k))
-    elif isinstance(node, list | tuple):
-        for i, v in enumerate(node):
-            yield from _walk(v, (*path, i))
-
-
-def _replace(node: Any, path: Path, tensors: dict[Path, Any]) -> Any:
-    if path in tensors:
-        return tensors[path]
-    if isinstance(node, dict):
-        return {k: _replace(v, (*path, k), tensors) for k, v in node.items()}
-    if isinstance(node, list | tuple):
-        out = [_replace(v, (*path, i), tensors) for i, v in enumerate(node)]
-        return out if isinstance(node, list) else tuple(out)
-    return node
-
-
 def flatten(state: Any) -> tuple[Manifest, list[torch.Tensor]]:
     """``state`` (nested dicts, lists, tuples; tensors at the leaves) as its manifest and its
-    tensors in manifest order. Dict keys on a tensor's path must be ``str`` or ``int``."""
-    found = list(_walk(state, ()))
-    skeleton = _replace(state, (), {p: None for p, _ in found})
+    tensors in manifest order, in one walk; the skeleton's containers are plain dicts, lists
+    and tuples (a peer reads them with ``weights_only=True``). Dict keys on a tensor's path
+    must be ``str`` or ``int``."""
+    found: list[tuple[Path, torch.Tensor]] = []
+
+    def take(path: Path, leaf: Any) -> Any:
+        if not isinstance(leaf, torch.Tensor):
+            return leaf
+        found.append((path, leaf))
+        return None
+
+    skeleton = nested.map_leaves(take, state, rebuild=nested.Rebuild.PLAIN)
     first: dict[tuple[Any, ...], int] = {}
     metas = []
     for i, (p, t) in enumerate(found):
-        key = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
-               t.stride(), t.dtype)
-        alias = first.setdefault(key, i) if t.numel() else i
+        key = nested.alias_key(t)
+        alias = i if key is None else first.setdefault(key, i)
         metas.append(TensorMeta(p, tuple(t.shape), t.dtype, t.device.type,
                                 -1 if alias == i else alias))
     return Manifest(skeleton, tuple(metas)), [t for _, t in found]
 
 
 def rebuild(manifest: Manifest, tensors: list[torch.Tensor]) -> Any:
-    """The state :func:`flatten` took apart: the skeleton with ``tensors`` put back."""
-    return _replace(manifest.skeleton, (),
-                    {m.path: t for m, t in zip(manifest.metas, tensors, strict=True)})
+    """The state :func:`flatten` took apart: the skeleton with ``tensors`` put back (plain
+    dicts, lists and tuples)."""
+    at = {m.path: t for m, t in zip(manifest.metas, tensors, strict=True)}
+    return nested.map_leaves(lambda p, v: at.get(p, v), manifest.skeleton,
+                             rebuild=nested.Rebuild.PLAIN)
 
 
 def units(metas: tuple[TensorMeta, ...], sources: int) -> list[Unit]:
@@ -296,7 +285,7 @@ def recv_state(template: Any, sources: list[int], wire: torch.device,
     manifest, _ = recv_manifest(sources[0], wire)
     if check is not None:
         check(manifest)
-    live = dict(_walk(template, ()))
+    live = dict(nested.tensors(template))
     out: list[torch.Tensor] = []
     for m in manifest.metas:
         out.append(out[m.alias] if m.alias >= 0 else _destination(
