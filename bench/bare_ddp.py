@@ -57,8 +57,9 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
-from elastic_runner.config import Config, load_config, task_builder
+from elastic_runner.config import Config, load_config
 from elastic_runner.parallel.fsdp import find_blocks
+from elastic_runner.task_registry import task_builder
 
 
 def lr_lambda(cfg: Config, total_steps: int) -> Callable[[int], float]:

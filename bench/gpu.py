@@ -199,7 +199,8 @@ def overhead(repeats: int, steps: int, workdir: Path) -> dict[str, Any]:
 
 def _gpt2_small(device: torch.device) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """The task's model at GPT-2-small size with a few AdamW steps (moments allocated)."""
-    from elastic_runner.config import load_config, task_builder
+    from elastic_runner.config import load_config
+    from elastic_runner.task_registry import task_builder
 
     cfg = load_config(CONFIG, [*GPT2_SMALL, "logging.tensorboard_dir=null"])
     bundle = task_builder(cfg.task)(cfg)

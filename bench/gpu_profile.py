@@ -25,8 +25,9 @@ import time
 import torch
 from torch.utils.data import DataLoader, default_collate
 
-from elastic_runner.config import load_config, task_builder
+from elastic_runner.config import load_config
 from elastic_runner.dist import init_distributed
+from elastic_runner.task_registry import task_builder
 from elastic_runner.train.callbacks import Callback
 from elastic_runner.trainer.build import build_trainer
 

@@ -84,7 +84,7 @@ from typing import Any
 import psutil
 
 from elastic_runner.data.audit import read_entries
-from elastic_runner.observe.metrics import GOODPUT_CAUSES
+from elastic_runner.observe.rank_series import GOODPUT_CAUSES
 from tests.procs import CONFIGS, REPO, Job, cli, wait_until
 
 from .common import etcd_server, free_port, log_time, spread

@@ -52,7 +52,8 @@ def finished_metrics(log: str) -> dict[str, Any]:
 
 def baselines(task: str, config: str) -> dict[str, Any]:
     """The task's reference points on the same split (module docstring)."""
-    from elastic_runner.config import load_config, task_builder
+    from elastic_runner.config import load_config
+    from elastic_runner.task_registry import task_builder
 
     cfg = load_config(str(REPO / config))
     if task == "text_classification":

@@ -8,7 +8,7 @@ import inspect
 import pytest
 import torch
 
-from elastic_runner.checkpoint.manager import CheckpointEvent
+from elastic_runner.checkpoint.events import CheckpointEvent
 from elastic_runner.checkpoint.storage import CheckpointInfo
 from elastic_runner.recovery.rejoin import RecoveryReport
 from elastic_runner.train.callbacks import Callback, Callbacks, LogEvent, StepEnd

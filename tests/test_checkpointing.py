@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 from elastic_runner.checkpoint import storage as ckpt
-from elastic_runner.checkpoint.manager import CheckpointEvent, CheckpointManager
+from elastic_runner.checkpoint.events import CheckpointEvent
+from elastic_runner.checkpoint.manager import CheckpointManager
 from elastic_runner.data.sampler import ElasticSampler
 from elastic_runner.train.state import TrainState
 

@@ -16,13 +16,12 @@ from elastic_runner.cli import main
 from elastic_runner.config import (
     ConfigError,
     DataConfig,
-    available_tasks,
     dump_yaml,
     fingerprint,
     from_dict,
     load_config,
-    task_target,
 )
+from elastic_runner.task_registry import available_tasks, task_target
 
 from .needs import HF_EXTRA, require_modules
 from .procs import CONFIGS, REPO, run_cli

@@ -25,13 +25,8 @@ import pytest
 import torch
 
 from elastic_runner.checkpoint import storage as ckpt
-from elastic_runner.config import (
-    MAX_ALIAS_NODES,
-    MAX_FILE_BYTES,
-    MAX_STRING_CHARS,
-    ConfigError,
-    load_config,
-)
+from elastic_runner.config import ConfigError, load_config
+from elastic_runner.config_yaml import MAX_ALIAS_NODES, MAX_FILE_BYTES, MAX_STRING_CHARS
 from elastic_runner.tasks.export import resolve_checkpoint
 
 from .procs import CONFIGS, run_cli

@@ -22,7 +22,9 @@ A *folder* is a subpackage (``train/``, ``trainer/``, ...) or a top-level module
    restart budget and its patch of torch's agent); it starts the workers as processes and
    imports no loop, no task and no config schema;
 6. a run: ``config`` (the config file's schema, composing each folder's own section, the
-   agent's too) and ``tasks/`` (the task interface and the built-in tasks);
+   agent's too; its hardened YAML loader ``config_yaml`` and pydantic's errors as one-line
+   messages ``config_errors``), ``task_registry`` (a task's name to its module, its build
+   function and its sections) and ``tasks/`` (the task interface and the built-in tasks);
 7. the loops: ``trainer/`` (the built-in trainer: its step engine, its loop, its assembly from a
    config), ``worker`` (one rank's process under ``elastic-runner run``) and ``own_loop/`` (a user's
    own loop made fault-tolerant);
@@ -145,7 +147,7 @@ FLOORS: tuple[tuple[str, ...], ...] = (  # bottom up; see the module docstring
     ("train",),
     ("observe", "recovery", "rank_session"),
     ("agent",),
-    ("config", "tasks"),
+    ("config", "config_yaml", "config_errors", "task_registry", "tasks"),
     ("trainer", "worker", "own_loop"),
     ("cli", "__main__"),
 )

@@ -10,7 +10,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from elastic_runner.config import ConfigError, from_dict, load_config, task_builder
+from elastic_runner.config import ConfigError, from_dict, load_config
+from elastic_runner.task_registry import task_builder
 from elastic_runner.tasks import char_lm, digits
 from elastic_runner.tasks.base import TaskBundle
 

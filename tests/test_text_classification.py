@@ -22,8 +22,9 @@ require_modules("transformers", "tokenizers", install_hint=HF_EXTRA)
 
 from torch.utils.data import DataLoader  # noqa: E402
 
-from elastic_runner.config import ConfigError, from_dict, load_config, task_target  # noqa: E402
+from elastic_runner.config import ConfigError, from_dict, load_config  # noqa: E402
 from elastic_runner.data.batches import check_samples  # noqa: E402
+from elastic_runner.task_registry import task_target  # noqa: E402
 from elastic_runner.tasks import text_classification as tc  # noqa: E402
 from elastic_runner.tasks.base import TaskBundle, metric_sums  # noqa: E402
 

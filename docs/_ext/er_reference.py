@@ -139,6 +139,7 @@ def field_rows(model: type[BaseModel], prefix: str) -> list[list[str]]:
 
 def config_markdown() -> str:
     from elastic_runner import config as c
+    from elastic_runner import task_registry as tasks
 
     out = []
     top = [[f"`{n}`", type_name(i.annotation), default(i), constraint(i), i.description or ""]
@@ -160,9 +161,9 @@ def config_markdown() -> str:
                "task without a `model` model takes the `model` section as a plain mapping.\n")
     out.append(_table(["key", "type", "default", "constraint", "description"],
                       field_rows(c.DataConfig, "data.")))
-    for task in sorted(c.BUILTIN_TASKS):
-        module = c.load_task_module(task)
-        data_cls, model_cls = c.section_types(module)
+    for task in sorted(tasks.BUILTIN_TASKS):
+        module = tasks.load_task_module(task)
+        data_cls, model_cls = tasks.section_types(module)
         rows = [r for r in field_rows(data_cls, "data.")
                 if r[0].strip("`").split(".", 1)[1] not in c.DataConfig.model_fields]
         if model_cls is not None:

@@ -112,14 +112,32 @@ def check_etcd(endpoint: str | None, conf: Mapping[str, str],
         raise EtcdCheckError(f"--rdzv-conf protocol={protocol}: expected http or https")
     context = _tls_context(conf, backend) if protocol == "https" else None
     base = f"{protocol}://{host if ':' not in host else f'[{host}]'}:{port}"
+    status, body = _first_answer(base, context, host, port, protocol, wait_s)
+    if status == 400 and protocol == "http" and _speaks_tls(host, port):
+        raise EtcdCheckError(f"etcd at {where} expects HTTPS: add {_TLS_HINT}")
+    version = _etcd_version(status, body)
+    if version is None:
+        raise EtcdCheckError(
+            f"{base} is not an etcd server (HTTP {status} on /version): check --rdzv-endpoint "
+            "(the etcd client port, usually 2379)")
+    _check_v2(base, context, where, version)
+    return version
 
+
+def _first_answer(base: str, context: ssl.SSLContext | None, host: str, port: int,
+                  protocol: str, wait_s: float) -> tuple[int, bytes]:
+    """``/version``'s status and body, retrying connection failures for ``wait_s`` seconds.
+
+    Raises:
+        EtcdCheckError: no answer within ``wait_s``, or a failure not worth retrying.
+    """
+    where = f"{host}:{port}"
     started = time.monotonic()
     deadline = started + wait_s
     while True:
         timeout = min(_ATTEMPT_TIMEOUT_S, max(deadline - time.monotonic(), 1.0))
         try:
-            status, body = _get(base + "/version", context, timeout)
-            break
+            return _get(base + "/version", context, timeout)
         except EtcdCheckError:
             if protocol == "http" and _speaks_tls(host, port):
                 raise EtcdCheckError(f"etcd at {where} expects HTTPS: add {_TLS_HINT}") from None
@@ -136,14 +154,13 @@ def check_etcd(endpoint: str | None, conf: Mapping[str, str],
                 log.warning("etcd at %s: %s; retrying for up to %.0f s", where, e, wait_s)
             time.sleep(min(_RETRY_S, left))
 
-    if status == 400 and protocol == "http" and _speaks_tls(host, port):
-        raise EtcdCheckError(f"etcd at {where} expects HTTPS: add {_TLS_HINT}")
-    version = _etcd_version(status, body)
-    if version is None:
-        raise EtcdCheckError(
-            f"{base} is not an etcd server (HTTP {status} on /version): check --rdzv-endpoint "
-            "(the etcd client port, usually 2379)")
 
+def _check_v2(base: str, context: ssl.SSLContext | None, where: str, version: str) -> None:
+    """That etcd ``version`` at ``base`` serves the v2 API on its client port.
+
+    Raises:
+        EtcdCheckError: it stopped answering, it is a peer port, or v2 is off or refused.
+    """
     try:
         status, body = _get(base + "/v2/keys/", context, _ATTEMPT_TIMEOUT_S)
     except _Unreachable as e:
@@ -161,7 +178,6 @@ def check_etcd(endpoint: str | None, conf: Mapping[str, str],
         first = body.decode(errors="replace").strip().splitlines()[:1]
         raise EtcdCheckError(f"etcd {version} at {where} answered HTTP {status} on /v2/keys"
                              f"{': ' + first[0][:200] if first else ''}")
-    return version
 
 
 class _Unreachable(Exception):

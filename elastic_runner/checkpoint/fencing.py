@@ -45,7 +45,7 @@ import os
 import socket
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
@@ -59,6 +59,24 @@ _LOCK = ".lock"
 class FencedOut(RuntimeError):
     """A newer group claimed the checkpoint directory: this writer's group is stale and must
     stop without committing."""
+
+
+class CommitFence(Protocol):
+    """What a commit holds its publish under: :class:`Fence` (a claimed token) or
+    :class:`NoFence` (not fenced, token 0)."""
+
+    token: int
+
+    def guard(self, what: str) -> contextlib.AbstractContextManager[None]:
+        """Held around the atomic publish of ``what``.
+
+        Raises:
+            FencedOut: a newer token exists."""
+        ...
+
+    def check(self, what: str) -> None:
+        """Raises :class:`FencedOut` when a newer token exists (before publishing ``what``)."""
+        ...
 
 
 class Fence:

@@ -61,7 +61,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from .. import nested
 from . import dcp_names
-from .fencing import Fence, FencedOut, NoFence
+from .fencing import CommitFence, FencedOut, NoFence
 
 log = logging.getLogger(__name__)
 
@@ -281,7 +281,7 @@ def _manifest(meta: dict[str, Any], files: dict[str, Any]) -> bytes:
 
 
 def write_checkpoint(directory: str | Path, names: str | list[str], state: dict[str, Any],
-                     meta: dict[str, Any], fence: Fence | NoFence = UNFENCED) -> list[str]:
+                     meta: dict[str, Any], fence: CommitFence = UNFENCED) -> list[str]:
     """Write ``state`` once and commit it under each of ``names`` (e.g. a step and a best
     checkpoint of the same step; later names hard-link, or copy, the first one's file).
 
@@ -304,7 +304,7 @@ def write_checkpoint(directory: str | Path, names: str | list[str], state: dict[
 
 
 def _write_local(directory: Path, names: list[str], state: dict[str, Any],
-                 meta: dict[str, Any], fence: Fence | NoFence) -> list[Path]:
+                 meta: dict[str, Any], fence: CommitFence) -> list[Path]:
     directory.mkdir(parents=True, exist_ok=True)
     try:
         staged = _stage_local(directory, names, state, meta)
@@ -317,7 +317,7 @@ def _write_local(directory: Path, names: list[str], state: dict[str, Any],
 
 
 def _publish_local(directory: Path, staged: list[Path], names: list[str],
-                   fence: Fence | NoFence) -> list[Path]:
+                   fence: CommitFence) -> list[Path]:
     """Rename each complete staging directory to its name, under the fence."""
     finals = []
     try:
@@ -338,7 +338,7 @@ def _publish_local(directory: Path, staged: list[Path], names: list[str],
     return finals
 
 
-def staging_dir(directory: str | Path, names: list[str], fence: Fence | NoFence = UNFENCED
+def staging_dir(directory: str | Path, names: list[str], fence: CommitFence = UNFENCED
                 ) -> str:
     """Where every rank writes its DCP files of a sharded checkpoint of ``names``: in a local
     ``directory`` a fresh, empty staging directory (this process's pid in its name: a prune by
@@ -362,7 +362,7 @@ def staging_dir(directory: str | Path, names: list[str], fence: Fence | NoFence 
     return str(tmp)
 
 
-def _set_aside(fs: fsspec.AbstractFileSystem, path: str, fence: Fence | NoFence) -> str | None:
+def _set_aside(fs: fsspec.AbstractFileSystem, path: str, fence: CommitFence) -> str | None:
     """Before ``fence``'s commit takes the name of the checkpoint at ``path``: set it aside
     when another token wrote it (module docstring). Returns where it went; None when there is
     nothing to keep (no checkpoint there: no manifest; or one of ``fence``'s own token).
@@ -415,7 +415,7 @@ def hash_files(directory: str | Path, names: list[str]) -> dict[str, Any]:
 
 def commit_sharded(directory: str | Path, names: list[str], staging: str | Path,
                    shard_files: dict[str, Any], state: dict[str, Any], meta: dict[str, Any],
-                   fence: Fence | NoFence = UNFENCED) -> list[str]:
+                   fence: CommitFence = UNFENCED) -> list[str]:
     """Complete and publish a sharded checkpoint whose DCP files every rank wrote into
     ``staging`` (:func:`staging_dir`) and hashed (``shard_files``): write ``state`` (the
     replicated rest) as ``state.pt``, then the manifest, and publish under each of ``names``
@@ -463,7 +463,7 @@ def commit_sharded(directory: str | Path, names: list[str], staging: str | Path,
 
 def _commit_sharded_object_store(fs: fsspec.AbstractFileSystem, final: str, names: list[str],
                                  shard_files: dict[str, Any], state: dict[str, Any],
-                                 meta: dict[str, Any], fence: Fence | NoFence) -> list[str]:
+                                 meta: dict[str, Any], fence: CommitFence) -> list[str]:
     """Object store: the DCP files are in the first name's prefix already; write ``state.pt``,
     copy the files to the other names' prefixes, then each manifest last, under the fence."""
     with fs.open(f"{final}/{STATE_FILE}", "wb") as f:
@@ -522,7 +522,7 @@ def _link_or_copy(src: Path, dst: Path) -> None:
 
 def _write_object_store(fs: fsspec.AbstractFileSystem, root: str, names: list[str],
                         state: dict[str, Any], meta: dict[str, Any],
-                        fence: Fence | NoFence) -> list[str]:
+                        fence: CommitFence) -> list[str]:
     finals = [f"{root}/{name}" for name in names]
     fence.check(", ".join(names))  # fail early: a stale writer overwrites nothing
     for final in finals:  # invalidate before overwriting: no manifest, no trust

@@ -72,7 +72,7 @@ from typing import Any
 import psutil
 
 from ..train.callbacks import Callback, StepEnd
-from .metrics import GOODPUT_CAUSES
+from .rank_series import GOODPUT_CAUSES
 
 log = logging.getLogger(__name__)
 

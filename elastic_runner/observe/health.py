@@ -34,7 +34,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.metrics_core import Metric
 
-from .metrics import PREFIX
+from .rank_series import PREFIX
 
 log = logging.getLogger(__name__)
 

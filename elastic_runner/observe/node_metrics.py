@@ -44,7 +44,8 @@ from prometheus_client.multiprocess import MultiProcessCollector, mark_process_d
 from ..compat import agent as torch_agent
 from .config import MetricsConfig
 from .health import MetricsServer
-from .metrics import AGENT_ENV, PREFIX, node_label
+from .metrics import AGENT_ENV, node_label
+from .rank_series import PREFIX
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from ..checkpoint.manager import CheckpointEvent
+from ..checkpoint.events import CheckpointEvent
 from ..checkpoint.storage import CheckpointInfo
 from ..data import audit
 from ..dist import barrier

@@ -23,7 +23,8 @@ import yaml
 from safetensors.torch import load_model, save_model
 
 from ..checkpoint import storage as ckpt
-from ..config import Config, from_dict, task_builder
+from ..config import Config, from_dict
+from ..task_registry import task_builder
 from . import hf
 from .base import TaskBundle, check_same_build, metric_sums, task_fingerprint
 

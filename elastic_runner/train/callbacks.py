@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ..checkpoint.manager import CheckpointEvent
+from ..checkpoint.events import CheckpointEvent
 from ..checkpoint.storage import CheckpointInfo
 from .stop import StopReason
 

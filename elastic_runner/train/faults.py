@@ -50,6 +50,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -67,7 +68,7 @@ class FaultInjector:
 
     def __init__(self, cfg: FaultConfig, rank: int, restart_count: int) -> None:
         # (index in cfg.inject, spec): the index names the fault identically on every node
-        self.trigger: TriggerFile | NoTrigger = (
+        self.trigger: Trigger = (
             TriggerFile(Path(cfg.trigger_file), rank) if cfg.trigger_file else NoTrigger())
         self.specs = [(i, f) for i, f in enumerate(cfg.inject)
                       if f.rank == rank and restart_count < f.attempts]
@@ -180,6 +181,17 @@ class Requests:
 
 
 NO_REQUESTS = Requests()
+
+
+class Trigger(Protocol):
+    """Where a rank's runtime fault requests come from: :class:`TriggerFile`, or
+    :class:`NoTrigger` without one."""
+
+    path: Path | None
+
+    def poll(self) -> Requests:
+        """The requests standing now for this rank."""
+        ...
 
 
 class NoTrigger:

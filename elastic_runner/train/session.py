@@ -18,6 +18,10 @@ and the loss's at logging steps; with a :class:`~elastic_runner.train.consensus.
 fused optimizer, :meth:`optimizer_step` has none: the decision is applied on the device and read
 one step later, and :meth:`settle` reads it where every rank must know it (evaluation, a
 checkpoint by steps, the limits, an epoch's end).
+
+Its parts of one job each: the step's report (:mod:`.step_report`), the non-finite count
+(:mod:`.bad_steps`), applying the update (:mod:`.updates`), the preemption stop
+(:mod:`.preemption`).
 """
 
 from __future__ import annotations
@@ -32,13 +36,15 @@ import torch
 
 from ..checkpoint.manager import CheckpointManager
 from ..data.sampler import ElasticSampler, step_seed
-from ..dist import all_reduce_sums, barrier
-from ..preempt import Preempted
-from .callbacks import Callbacks, LogEvent, StepEnd
+from .bad_steps import count_bad, warn_if_global_batch_changed
+from .callbacks import Callbacks
 from .consensus import StepConsensus, StepDecision, Verdict, skips_on_device
+from .preemption import stop_for_preemption
 from .state import TrainState, seed_step
+from .step_report import StepReport, global_mean
 from .stop import StopPolicy, StopReason
 from .straggler import StragglerMonitor
+from .updates import apply_update, lagged_update
 
 log = logging.getLogger(__name__)
 
@@ -92,14 +98,14 @@ class TrainingSession:
     # then); returns when all stop
     leave: Callable[[], None] = lambda: None
     steps_this_attempt: int = 0
-    _t0: float = 0.0
+    _t0: float = 0.0  # perf_counter seconds: the step's begin, its data ready, its vote sent
     _t_data: float = 0.0
     _t_sync: float = 0.0
-    _cursor: int = 0
+    _cursor: int = 0  # the step's place in the data (backward)
     _epoch: int = 0
     _decision: StepDecision | None = None
     _verdicts: list[Verdict] = field(default_factory=list)  # lagged: collected, not yet acted on
-    _log: tuple[int, int, float, float] | None = None  # a logging step awaiting its collective
+    _report: StepReport = field(default_factory=StepReport)
     _poison: bool = False
 
     # ------------------------------------------------------------ start
@@ -110,13 +116,9 @@ class TrainingSession:
         raw = self.checkpoints.load_latest(self.device)
         if raw is None:
             return False
-        old_batch = raw.get("sampler", {}).get("global_batch_size",
-                                               self.sampler.global_batch_size)
-        if old_batch != self.sampler.global_batch_size:
-            log.warning("global batch changed from %d to %d samples (world size now %d); the "
-                        "learning rate is not rescaled. Set batch.keep_global_batch: true (or "
-                        "batch.global_batch_size) to keep the global batch constant.", old_batch,
-                        self.sampler.global_batch_size, self.world_size)
+        gbs = self.sampler.global_batch_size
+        warn_if_global_batch_changed(raw.get("sampler", {}).get("global_batch_size", gbs), gbs,
+                                     self.world_size)
         log.info("resumed from %s: step %d, epoch %d, %d samples into the epoch",
                  self.checkpoints.resumed_from, self.state.step, self.sampler.epoch,
                  self.sampler.cursor)
@@ -191,21 +193,14 @@ class TrainingSession:
         overflow_ok = scaler is not None
         if not (self.consensus.lagged and skips_on_device(optimizer)):
             if self.should_commit(grad_norm, overflow_ok):
-                _apply(optimizer, scaler)
+                apply_update(optimizer, scaler)
             elif scaler is not None:
                 scaler.update()
             return not self.discarding
         self._verdicts += self.consensus.collect()
-        if any(v.stop for v in self._verdicts):  # the previous step carried a stop
-            self.consensus.reset()
-            if scaler is not None:  # unscale_ ran: end the scaler's step, its scale unchanged
-                scaler.update(scaler.get_scale())
-            self._decision = StepDecision(commit=False, stop=True)
-            return False
-        found_inf = self.consensus.launch(self.state.step + 1, grad_norm, overflow_ok)
-        _apply(optimizer, scaler, found_inf)
-        self._decision = StepDecision(commit=True, stop=False, final=False)
-        return True
+        self._decision = lagged_update(self.consensus, self._verdicts, optimizer, grad_norm,
+                                       scaler, self.state.step + 1)
+        return self._decision.commit
 
     def settle(self) -> None:
         """Act now on a vote the lagged consensus has not read yet; called at boundaries every
@@ -227,7 +222,7 @@ class TrainingSession:
         """A collective of the step in flight failed (a peer died): forget the step's vote and
         the pending logging collective; the step is redone after the group is re-formed, with
         the first step's watchdog budget."""
-        self._decision, self._log, self._verdicts = None, None, []
+        self._decision, self._report.pending, self._verdicts = None, None, []
         if self.fetched is not None:
             self.fetched()  # its micro-batches were not trained on: forget them
         self.consensus.reset()
@@ -265,72 +260,31 @@ class TrainingSession:
         step = self.state.step = self.state.step + 1
         self.state.samples += self.sampler.global_batch_size
         self.steps_this_attempt += 1
-        self.callbacks.on_step_end(self._step_event(loss, step, epoch, cursor, decision.commit,
-                                                    fetched))
+        self.callbacks.on_step_end(self._report.event(
+            loss=loss, step=step, epoch=epoch, cursor=cursor, committed=decision.commit,
+            fetched=fetched, t0=self._t0, t_data=self._t_data, sampler=self.sampler,
+            callbacks=self.callbacks, straggler=self.straggler, world_size=self.world_size,
+            log_every_steps=self.options.log_every_steps, lr=self.lr, device=self.device))
         if decision.final:  # a provisional one is counted when its verdict is read
             self._count_bad(decision.commit, step)
         return step
 
-    def _step_event(self, loss: torch.Tensor, step: int, epoch: int, cursor: int,
-                    committed: bool, fetched: list[list[int]] | None) -> StepEnd:
-        """The step's event; its indices are ``fetched`` (the loader's record of the step's
-        micro-batches) or, without one, the sampler's plan of the step at ``cursor``."""
-        log_due = step % self.options.log_every_steps == 0
-        seconds = time.perf_counter() - self._t0
-        gbs, lr = self.sampler.global_batch_size, self.lr()
-
-        def event(mean_loss: float | None, log: bool) -> StepEnd:
-            return StepEnd(
-                step=step, epoch=epoch, seconds=seconds, data_seconds=self._t_data - self._t0,
-                samples=gbs // self.world_size, global_samples=gbs, loss=loss,
-                mean_loss=mean_loss, lr=lr, committed=committed, log_due=log,
-                indices=lambda: [i for mb in (self.sampler.step_indices(cursor, epoch)
-                                              if fetched is None else fetched) for i in mb],
-                indices_fetched=fetched is not None)
-
-        try:
-            mean_loss = self.global_mean(loss) if self.callbacks.needs_mean_loss else None
-        except RuntimeError:
-            # the step is committed (applied and counted) when its loss collective fails (a
-            # peer died after the gradient all-reduce): its entry goes out with this rank's
-            # own loss before the recovery, which then repairs only the dead ranks' entries
-            self.callbacks.on_step_end(event(float(loss.item()), False))
-            raise
-        if log_due:  # one asynchronous collective carries the loss and the straggler times
-            self.straggler.start(loss)
-            self._log = (step, epoch, lr, gbs / max(seconds, 1e-9))
-        return event(mean_loss, log_due)
-
     def flush_log(self) -> None:
         """Report the pending logging step (all ranks, at the same point: it completes a
         collective). Called at the next step's end, before checkpoints and at the end."""
-        if self._log is None:
-            return
-        (step, epoch, lr, rate), self._log = self._log, None
-        mean_loss, ratio = self.straggler.result()
-        self.callbacks.on_log(LogEvent(step, epoch, mean_loss, ratio, lr, rate))
+        self._report.flush(self.callbacks, self.straggler)
 
     def global_mean(self, loss: torch.Tensor) -> float:
         """``loss`` averaged over ranks (a collective; reads the device)."""
-        total, count = all_reduce_sums({"loss": (loss.item(), 1.0)}, self.device)["loss"]
-        return total / count
+        return global_mean(loss, self.device)
 
     # ------------------------------------------------------------ guards
 
     def _count_bad(self, committed: bool, step: int, may_raise: bool = True) -> None:
         """NaN/Inf guard: skipped updates in a row trigger one rollback, then a failure
         (``may_raise`` False: count only, a stop is being handled)."""
-        s = self.state
-        if committed:
-            s.bad_in_row = 0
-            return
-        s.bad_in_row += 1
-        s.bad_steps += 1
-        limit = self.options.max_bad_steps
-        self.callbacks.on_skipped_step(step, s.bad_in_row, limit)
-        log.warning("step %d: non-finite loss or gradient on at least one rank: update skipped "
-                    "on all ranks (%d in a row, limit %d)", step, s.bad_in_row, limit)
-        if s.bad_in_row < limit or not may_raise:
+        s, limit = self.state, self.options.max_bad_steps
+        if not count_bad(s, self.callbacks, committed, step, limit) or not may_raise:
             return
         if s.rollbacks >= 1:
             self.finish(StopReason.FAILED, f"failed: {limit} non-finite steps in a row at step "
@@ -359,26 +313,14 @@ class TrainingSession:
         self.callbacks.on_rollback(self.state.step)
 
     def _stop_for_preemption(self, discarded: bool = True) -> None:
-        """All ranks: discard the step in flight (``discarded``), commit a checkpoint of the
-        last applied step, then leave with 143. Across nodes, when only some nodes were asked
-        to stop, those leave and the others go on without them (:attr:`leave`).
+        """All ranks: :func:`~.preemption.stop_for_preemption` at the current step.
 
         Raises:
             Preempted: this rank stops (or leaves; the others go on).
             inplace.Regroup: this rank goes on in a smaller group.
         """
-        self.leave()
-        step = self.state.step
-        log.warning("preemption: checkpointing step %d, then stopping (SIGTERM or SIGINT on at "
-                    "least one rank; %s)", step, f"step {step + 1} discarded, redone after the "
-                    "restart" if discarded else "no step in flight")
-        self.callbacks.on_phase("checkpointing", "preemption checkpoint", True)
-        self.callbacks.on_finish(StopReason.PREEMPTED, "preempted")
-        self.checkpoint()
-        self.checkpoints.wait()
-        barrier()  # rank 0 has committed before any rank exits
-        raise Preempted(f"preempted by signal after step {step}; checkpoint "
-                        f"step-{step:08d} committed")
+        stop_for_preemption(self.state, discarded, self.leave, self.callbacks,
+                            self.checkpoint, self.checkpoints.wait)
 
     # ------------------------------------------------------------ checkpoints and the end
 
@@ -429,20 +371,3 @@ class TrainingSession:
             for obj in extra:
                 obj.close()
 
-
-def _apply(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None,
-           found_inf: torch.Tensor | None = None) -> None:
-    """``optimizer.step()`` (through ``scaler`` when given, which then owns the overflow
-    check); ``found_inf`` (a fused optimizer without a scaler): skip the update on the device
-    where it is 1, as GradScaler has a fused optimizer do."""
-    if scaler is not None:
-        scaler.step(optimizer)
-        scaler.update()
-    elif found_inf is None:
-        optimizer.step()
-    else:
-        optimizer.grad_scale, optimizer.found_inf = None, found_inf  # type: ignore[attr-defined]
-        try:
-            optimizer.step()
-        finally:
-            del optimizer.grad_scale, optimizer.found_inf  # type: ignore[attr-defined]
