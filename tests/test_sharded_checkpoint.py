@@ -19,7 +19,8 @@ from torch import nn
 from elastic_runner.checkpoint import dcp_format
 from elastic_runner.checkpoint import storage as ckpt
 from elastic_runner.checkpoint.fencing import Fence, FencedOut
-from elastic_runner.checkpoint.manager import CheckpointManager, is_sharded
+from elastic_runner.checkpoint.layout import is_sharded
+from elastic_runner.checkpoint.manager import CheckpointManager
 from elastic_runner.config import Config, ConfigError, from_dict
 from elastic_runner.parallel.base import total_norm
 from elastic_runner.parallel.choose import make_parallelism

@@ -44,8 +44,7 @@ from .layout import is_sharded, whole_state
 from .peer_state import PeerState
 from .resume import Resumer
 
-# is_sharded: trainer/loop.py and the tests import it from here
-__all__ = ["CheckpointManager", "is_sharded"]
+__all__ = ["CheckpointManager"]
 
 
 class CheckpointManager:

@@ -21,7 +21,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Subset
 
-from ..checkpoint.manager import CheckpointManager, is_sharded
+from ..checkpoint.layout import is_sharded
+from ..checkpoint.manager import CheckpointManager
 from ..config import Config
 from ..config_base import ConfigError
 from ..data.loader import ElasticDataLoader
