@@ -20,7 +20,6 @@ import hashlib
 import importlib
 import importlib.metadata
 import json
-import os
 import types
 import typing
 from pathlib import Path
@@ -47,8 +46,8 @@ from .config_base import ConfigError, Hint, Section, invalid
 from .data.config import AuditConfig, DataConfig
 from .observe.config import LoggingConfig, MetricsConfig, WatchdogConfig
 from .parallel.config import DDPConfig, FSDPConfig
+from .protocol import env as runner_env
 from .recovery.config import RecoveryConfig
-from .script_env import FAULTS_ENV
 from .train.config import (
     BatchConfig,
     DistributedConfig,
@@ -447,8 +446,9 @@ def _check_bounds(value: Any, path: str, depth: int = 0) -> None:
 
 
 def _env_faults() -> list[str]:
-    """``ELASTIC_RUNNER_FAULTS`` as an override appending to ``faults.inject`` (for drills)."""
-    text = os.environ.get(FAULTS_ENV)
+    """:data:`~elastic_runner.protocol.env.FAULTS_ENV` as an override appending to
+    ``faults.inject`` (for drills)."""
+    text = runner_env.faults()
     return [f"faults.inject+={text}"] if text else []
 
 

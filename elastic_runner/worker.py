@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import os
 import threading
 import time
 
@@ -27,10 +26,11 @@ from .logs import first_line, setup_logging
 from .observe.config import MetricsConfig
 from .observe.goodput import process_start_time
 from .observe.health import MetricsServer
-from .observe.metrics import AGENT_ENV, RankMetrics
+from .observe.metrics import RankMetrics
+from .protocol import env
+from .protocol.torchrun_env import TorchrunEnv, set_rank, take_place
 from .recovery.heartbeat import Heartbeat
 from .recovery.inplace import InPlaceRecovery, JobFinished, NoRecovery, Regroup
-from .recovery.protocol import SPARE_ENV
 from .recovery.rejoin import rejoin
 from .tasks.base import TaskBundle
 from .train.callbacks import JOINING
@@ -47,7 +47,7 @@ def main(config_path: str, overrides: list[str], resume: bool = True, verbose: b
     preempted, 3 fenced out: a newer group claimed the checkpoint directory, 4 a peer died or
     hung: see ``agent/restart_budget.py``)."""
     entered = time.time()
-    setup_logging(int(os.environ.get("RANK", 0)), verbose)
+    setup_logging(TorchrunEnv.read().rank, verbose)
     try:
         return _train(config_path, overrides, resume, entered, verbose)
     except Exception as e:
@@ -68,9 +68,9 @@ def _train(config_path: str, overrides: list[str], resume: bool, entered: float,
     # --no-resume: nothing stored is reused, neither checkpoints nor task artifacts
     cfg = load_config(config_path, [*overrides, *([] if resume else ["checkpoint.resume=false"])])
     recovery = InPlaceRecovery.from_env(cfg.recovery)
-    spare = os.environ.get(SPARE_ENV) if recovery.active else None
+    spare = env.spare_name() if recovery.active else None
     if spare and spare.endswith("."):  # a joining node's worker: named by its local rank
-        spare += os.environ.get("LOCAL_RANK", "0")
+        spare += str(TorchrunEnv.read().local_rank)
     task = stand_by(cfg, recovery, spare, verbose) if spare else None
     heartbeat = Heartbeat.from_env(cfg.recovery.heartbeat_timeout_seconds
                                    if recovery.active else None)
@@ -82,7 +82,7 @@ def _train(config_path: str, overrides: list[str], resume: bool, entered: float,
     linger = 0.0
     try:
         marks = [process_start_time(), entered]
-        open_device(int(os.environ.get("LOCAL_RANK", 0)))
+        open_device(TorchrunEnv.read().local_rank)
         marks.append(time.time())
         try:
             store = recovery.group_store() if recovery.active else None
@@ -172,7 +172,7 @@ def regroup(cfg: Config, old: Trainer, recovery: InPlaceRecovery | NoRecovery,
     t0 = time.perf_counter()
     recovery.form_group(r.rank, r.world_size, r.generation)
     t1 = time.perf_counter()
-    os.environ.update(RANK=str(r.rank), WORLD_SIZE=str(r.world_size))
+    set_rank(r.rank, r.world_size)
     if r.rank != old.info.rank:  # renumbered: a new rank 0 logs what rank 0 logs
         setup_logging(r.rank)
     info = dataclasses.replace(old.info, rank=r.rank, world_size=r.world_size)
@@ -219,11 +219,10 @@ def stand_by(cfg: Config, recovery: InPlaceRecovery, spare: str, verbose: bool
     # imported now, not while the survivors wait
     build_optimizer(cfg, task[0].model, task[0])
     t0 = time.time()
-    env = recovery.wait_assignment(spare)
-    os.environ.update(env)
-    setup_logging(int(env["RANK"]), verbose)
+    place = take_place(recovery.wait_assignment(spare))
+    setup_logging(place.rank, verbose)
     log.warning("spare %s replaces rank %s (local_rank %s) in generation %d, after standing by "
-                "%.1f s", spare, env["RANK"], env["LOCAL_RANK"], recovery.generation,
+                "%.1f s", spare, place.rank, place.local_rank, recovery.generation,
                 time.time() - t0)
     return task
 
@@ -249,10 +248,11 @@ def worker_metrics(m: MetricsConfig) -> tuple[RankMetrics, MetricsServer | None]
     Raises:
         ConfigError: the port cannot be bound.
     """
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    metrics = RankMetrics(m, int(os.environ.get("RANK", 0)), local_rank,
+    here = TorchrunEnv.read()
+    local_rank = here.local_rank
+    metrics = RankMetrics(m, here.rank, local_rank,
                           cuda=torch.cuda.is_available())
-    if not (m.enabled and m.port) or os.environ.get(AGENT_ENV):
+    if not (m.enabled and m.port) or env.metrics_agent():
         return metrics, None
     try:
         server = MetricsServer(metrics.registry, m.address, m.port + local_rank,

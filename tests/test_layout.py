@@ -7,7 +7,9 @@ A *folder* is a subpackage (``train/``, ``trainer/``, ...) or a top-level module
 (``config.py``, ``worker.py``, ...). The folders stand on floors, from the bottom up:
 
 1. the base: ``config_base``, ``dist``, ``exit_codes``, ``logs``, ``preempt``,
-   ``script_env`` and ``compat`` (every reliance on torch internals); they know no training;
+   ``script_env``, ``compat`` (every reliance on torch internals) and ``protocol/`` (what
+   agents and workers say through the recovery store and the environment); they know no
+   training;
 2. the parts a step holds: ``checkpoint/``, ``data/`` (the sampler, the loader, a position's
    seed), ``parallel/`` (DDP and FSDP2);
 3. the step protocol any loop follows: ``train/`` (the session, the vote, the stop policy, the
@@ -137,7 +139,7 @@ def test_the_public_api_resolves_lazily():
 
 
 FLOORS: tuple[tuple[str, ...], ...] = (  # bottom up; see the module docstring
-    ("config_base", "dist", "exit_codes", "logs", "preempt", "script_env", "compat"),
+    ("config_base", "dist", "exit_codes", "logs", "preempt", "script_env", "compat", "protocol"),
     ("checkpoint", "data", "parallel"),
     ("train",),
     ("observe", "recovery", "rank_session"),

@@ -21,7 +21,6 @@ With ``metrics.enabled: false`` nothing is recorded; every method returns at onc
 
 from __future__ import annotations
 
-import os
 import socket
 import time
 from typing import Any
@@ -30,6 +29,8 @@ import psutil
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from ..protocol.env import METRICS_AGENT_ENV
+from ..protocol.torchrun_env import TorchrunEnv
 from .config import MetricsConfig
 
 PREFIX = "elastic_runner_"
@@ -42,7 +43,7 @@ MEMBERSHIP_REASONS = ("preempted", "lost", "joined")  # recovery/membership.py: 
 GOODPUT_CAUSES = ("productive", "startup", "recovery", "redone", "checkpoint", "evaluation",
                   "other")
 # set by elastic-runner run for its workers: the agent serves the node's endpoint
-AGENT_ENV = "ELASTIC_RUNNER_METRICS_AGENT"
+AGENT_ENV = METRICS_AGENT_ENV
 
 _STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _WAIT_BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 60)
@@ -52,7 +53,7 @@ _CKPT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 
 def job_label(cfg: MetricsConfig) -> str:
     """``metrics.job``, else the rendezvous id torchrun gives the workers, else
     ``elastic-runner``."""
-    return cfg.job or os.environ.get("TORCHELASTIC_RUN_ID") or "elastic-runner"
+    return cfg.job or TorchrunEnv.read().run_id or "elastic-runner"
 
 
 def node_label(cfg: MetricsConfig) -> str:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .. import compat
 from ..logs import setup_logging
+from ..protocol.torchrun_env import set_rank
 from ..recovery.inplace import InPlaceRecovery, NoRecovery, Regroup, StepRedo
 from ..recovery.recoverable import Recoverable
 from ..recovery.rejoin import RecoveryReport, rejoin
@@ -277,7 +277,7 @@ class LoopRecovery:
         parts, session = self._parts, self._loop.session
         if rank != parts.info.rank and parts.own_logging:
             setup_logging(rank)
-        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size))
+        set_rank(rank, world_size)
         parts.info = dataclasses.replace(parts.info, rank=rank, world_size=world_size)
         sampler = session.sampler  # its committed geometry stays the old group's until a step
         sampler.rank, sampler.world_size = rank, world_size

@@ -6,7 +6,7 @@ to the runner) is where the process joins the job:
 
 * a worker of the job's start joins generation 0 of the recovery store
   (:mod:`elastic_runner.recovery.inplace`) instead of a group of its own;
-* a **spare** (the agent set :data:`~elastic_runner.recovery.protocol.SPARE_ENV`; it has run the
+* a **spare** (the agent set :data:`~elastic_runner.protocol.env.SPARE_ENV`; it has run the
   script's imports, so torch is loaded) tells its agent it is ready and blocks here until the agent
   hands it a failed worker's place; then it joins the running group as that rank, and the
   script goes on as it would: builds its model, wraps it in DDP (whose construction collectives
@@ -27,7 +27,6 @@ import atexit
 import importlib
 import logging
 import multiprocessing
-import os
 
 import torch.distributed as dist
 import yaml
@@ -37,11 +36,12 @@ from ..config_base import ConfigError
 from ..dist import DistInfo
 from ..dist import init_distributed as init_group
 from ..logs import first_line, setup_logging
-from ..script_env import RECOVERY_ENV
+from ..protocol import env
+from ..protocol.env import RECOVERY_ENV
+from ..protocol.torchrun_env import TorchrunEnv, take_place
 from .config import RecoveryConfig
 from .heartbeat import Heartbeat, NoHeartbeat
 from .inplace import GenerationWatch, InPlaceRecovery, JobFinished, NoRecovery, NoWatch
-from .protocol import SPARE_ENV
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ def script_recovery_config(mode: str | None = None) -> RecoveryConfig:
     Raises:
         ConfigError: the variable is not a mapping of valid ``recovery`` keys (named).
     """
-    text = os.environ.get(RECOVERY_ENV, "")
+    text = env.recovery_settings()
     try:
         values = yaml.safe_load(text) if text.strip() else {}
     except yaml.YAMLError as e:
@@ -132,21 +132,21 @@ def init_distributed(backend: str = "auto", timeout_s: float = 600.0) -> DistInf
             ``torch.multiprocessing.spawn`` without torchrun's environment.
         TimeoutError: the group did not form within ``recovery.join_timeout_seconds``.
     """
-    if "WORLD_SIZE" not in os.environ:
+    if not TorchrunEnv.read().launched:
         return _alone(backend, timeout_s)
     cfg = script_recovery_config()
     recovery = InPlaceRecovery.from_env(cfg)
     if not isinstance(recovery, InPlaceRecovery):
         return init_group(backend, timeout_s)
-    spare = os.environ.get(SPARE_ENV)
+    spare = env.spare_name()
     if spare is not None:
         if spare.endswith("."):  # a joining node's worker: named by its local rank
-            spare += os.environ.get("LOCAL_RANK", "0")
+            spare += str(TorchrunEnv.read().local_rank)
         _warm_up()
-        os.environ.update(recovery.wait_assignment(spare))
-        setup_logging(int(os.environ["RANK"]))
+        place = take_place(recovery.wait_assignment(spare))
+        setup_logging(place.rank)
         log.warning("spare %s replaces rank %s (local_rank %s) in generation %d", spare,
-                    os.environ["RANK"], os.environ["LOCAL_RANK"], recovery.generation)
+                    place.rank, place.local_rank, recovery.generation)
     process = ScriptRecovery(recovery, spare is not None,
                              Heartbeat.from_env(cfg.heartbeat_timeout_seconds), recovery.watch())
     atexit.register(process.close)
