@@ -24,7 +24,8 @@ posts a join request (:func:`request_join`); the running ranks stop at their nex
 (:func:`announce_join`), and the group re-forms at the larger world size, the joiners getting
 the state from a live peer.
 
-Keys, under the attempt's prefix in the recovery store:
+Keys, under the attempt's prefix in the recovery store (built and read only by
+:class:`~elastic_runner.protocol.keys.MembershipKeys`, which the functions here take):
 
 ``node/<n>/ranks``
     node rank ``n``'s workers' global ranks at the attempt's start, by local rank (its agent
@@ -54,8 +55,8 @@ Keys, under the attempt's prefix in the recovery store:
 ``joins_admitted``
     the last join request answered (taken in, or refused: ``join/<i>/refused`` says why).
 
-The generation announcement itself (``gen/<g>``) is :mod:`elastic_runner.recovery.inplace`'s, with
-``departed`` or ``joined``, ``members`` (the old global ranks that stay, in their new order: new
+The generation announcement itself (``gen/<g>``) is an
+:class:`~elastic_runner.protocol.announcement.Announcement`, with ``departed`` or ``joined``, ``members`` (the old global ranks that stay, in their new order: new
 rank = index; a joined node's ranks follow them) and ``world_size`` added, and ``store`` (the
 new host's ``host:port``) when the recovery store moved with it.
 
