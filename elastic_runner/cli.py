@@ -238,8 +238,9 @@ def _run_script(args: argparse.Namespace) -> int:
     from .agent.config import PreemptionConfig
     from .agent.launch import launch
     from .observe.config import MetricsConfig
+    from .protocol.env import CHECKPOINT_DIR_FILE_ENV, NO_RESUME_ENV, TRACE_DIR_ENV
+    from .protocol.scoped_env import environment
     from .recovery.script import script_recovery_config
-    from .script_env import CHECKPOINT_DIR_FILE_ENV, NO_RESUME_ENV, TRACE_DIR_ENV
 
     if not Path(args.config).is_file():
         raise ConfigError(f"training script {args.config} not found")
@@ -259,12 +260,9 @@ def _run_script(args: argparse.Namespace) -> int:
     # the script's fault_tolerant loop names in a file of ours (by the failures alone without)
     with tempfile.TemporaryDirectory(prefix="elastic-runner-") as ours:
         named_in = os.path.join(ours, "checkpoint_dir")
-        os.environ[CHECKPOINT_DIR_FILE_ENV] = named_in
         args.restarts = RestartBudget(progress=newest_checkpoint_step_named_in(named_in))
-        try:
+        with environment({CHECKPOINT_DIR_FILE_ENV: named_in}):
             return launch(args)
-        finally:
-            del os.environ[CHECKPOINT_DIR_FILE_ENV]
 
 
 def cmd_train(args: argparse.Namespace) -> int:

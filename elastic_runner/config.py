@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import types
 from pathlib import Path
 from typing import Any
@@ -46,8 +45,8 @@ from .config_yaml import MAX_STRING_CHARS, check_bounds, clip, clip_path, parse_
 from .data.config import AuditConfig, DataConfig
 from .observe.config import LoggingConfig, MetricsConfig, WatchdogConfig
 from .parallel.config import DDPConfig, FSDPConfig
+from .protocol import env as runner_env
 from .recovery.config import RecoveryConfig
-from .script_env import FAULTS_ENV
 from .task_registry import (
     available_tasks,
     load_task_module,
@@ -206,8 +205,9 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
 
 
 def _env_faults() -> list[str]:
-    """``ELASTIC_RUNNER_FAULTS`` as an override appending to ``faults.inject`` (for drills)."""
-    text = os.environ.get(FAULTS_ENV)
+    """:data:`~elastic_runner.protocol.env.FAULTS_ENV` as an override appending to
+    ``faults.inject`` (for drills)."""
+    text = runner_env.faults()
     return [f"faults.inject+={text}"] if text else []
 
 

@@ -24,7 +24,6 @@ new store per attempt and the handshake is skipped; it still runs under plain to
 from __future__ import annotations
 
 import logging
-import os
 import time
 import uuid
 from dataclasses import dataclass
@@ -36,10 +35,11 @@ import torch.distributed as dist
 
 from .compat.agent import agent_store, shares_agent_store
 from .compat.fsdp import release_mesh_groups
+from .protocol.keys import HandshakeKeys
+from .protocol.torchrun_env import TorchrunEnv
 
 log = logging.getLogger(__name__)
 
-_NS = "elastic_runner/attempt"
 _HELLO_PERIOD_S = 1.0  # a non-zero rank re-announces itself this often until rank 0 answers
 _POLL_S = 0.01
 
@@ -66,8 +66,20 @@ class DistInfo:
         return dist.is_available() and dist.is_initialized()
 
 
-def _env_int(name: str, default: int) -> int:
-    return int(os.environ.get(name, default))
+def dist_info(device: torch.device, backend: str, env: TorchrunEnv | None = None, *,
+              rank: int | None = None, world_size: int | None = None) -> DistInfo:
+    """This process's :class:`DistInfo` from torchrun's environment ``env`` (None: read it
+    now), on ``device`` with ``backend``; ``rank``/``world_size``: the process group's where
+    they differ from the environment's (a script's loop renumbered in place).
+
+    Raises:
+        ValueError: a variable of torchrun's that is not an integer.
+    """
+    env = TorchrunEnv.read() if env is None else env
+    return DistInfo(rank=env.rank if rank is None else rank, local_rank=env.local_rank,
+                    world_size=env.world_size if world_size is None else world_size,
+                    local_world_size=env.local_world_size, node_rank=env.node_rank,
+                    restart_count=env.restart_count, device=device, backend=backend)
 
 
 def select_device(local_rank: int) -> torch.device:
@@ -115,17 +127,17 @@ def attempt_namespace(store: dist.Store, rank: int, world_size: int, timeout_s: 
     """
     deadline = time.monotonic() + timeout_s
     if rank == 0:
-        t0 = store.add(f"{_NS}/clock", 1)
+        t0 = store.add(HandshakeKeys.CLOCK, 1)
         namespace = f"{t0}-{uuid.uuid4().hex}"
         pending = set(range(1, world_size))
         while pending:
             for r in sorted(pending):
-                key = f"{_NS}/hello/{r}"
+                key = HandshakeKeys.hello(r)
                 if not store.check([key]):
                     continue
                 t_r = int(store.get(key))
                 if t_r > t0:
-                    store.set(f"{_NS}/ack/{r}/{t_r}", namespace)
+                    store.set(HandshakeKeys.ack(r, t_r), namespace)
                     pending.discard(r)
             if pending:
                 _check_deadline(deadline, timeout_s, f"ranks {sorted(pending)} to join")
@@ -135,14 +147,14 @@ def attempt_namespace(store: dist.Store, rank: int, world_size: int, timeout_s: 
     next_hello = 0.0
     while True:
         for t in announced:
-            key = f"{_NS}/ack/{rank}/{t}"
+            key = HandshakeKeys.ack(rank, t)
             if store.check([key]):
                 return store.get(key).decode()
         now = time.monotonic()
         if now >= next_hello:
-            t_r = store.add(f"{_NS}/clock", 1)
+            t_r = store.add(HandshakeKeys.CLOCK, 1)
             announced.append(t_r)
-            store.set(f"{_NS}/hello/{rank}", str(t_r))
+            store.set(HandshakeKeys.hello(rank), str(t_r))
             next_hello = now + _HELLO_PERIOD_S
         _check_deadline(deadline, timeout_s, "rank 0 to answer")
         time.sleep(_POLL_S)
@@ -163,22 +175,12 @@ def init_distributed(backend: str = "auto", timeout_s: float = 600.0,
     is namespaced per attempt (see module docstring). ``eager_init``: on CUDA, pass the device
     as ``device_id`` (NCCL connects here, not at the first collective).
     """
-    rank = _env_int("RANK", 0)
-    local_rank = _env_int("LOCAL_RANK", 0)
-    world_size = _env_int("WORLD_SIZE", 1)
-    device = select_device(local_rank)
+    env = TorchrunEnv.read()
+    rank, world_size = env.rank, env.world_size
+    device = select_device(env.local_rank)
     backend = resolve_backend(backend, device)
-    info = DistInfo(
-        rank=rank,
-        local_rank=local_rank,
-        world_size=world_size,
-        local_world_size=_env_int("LOCAL_WORLD_SIZE", 1),
-        node_rank=_env_int("GROUP_RANK", 0),
-        restart_count=_env_int("TORCHELASTIC_RESTART_COUNT", 0),
-        device=device,
-        backend=backend,
-    )
-    if "WORLD_SIZE" not in os.environ:
+    info = dist_info(device, backend, env)
+    if not env.launched:
         return info
     timeout = timedelta(seconds=timeout_s)
     kwargs: dict[str, Any] = {"backend": backend, "timeout": timeout}
@@ -190,7 +192,7 @@ def init_distributed(backend: str = "auto", timeout_s: float = 600.0,
         store = agent_store(timeout)
         namespace = attempt_namespace(store, rank, world_size, timeout_s)
         log.debug("rank %d: process-group namespace %s", rank, namespace)
-        kwargs.update(store=dist.PrefixStore(f"elastic_runner/pg/{namespace}/", store))
+        kwargs.update(store=dist.PrefixStore(HandshakeKeys.group_prefix(namespace), store))
         kwargs.update(rank=rank, world_size=world_size)
     dist.init_process_group(**kwargs)
     return info

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import os
 import threading
 import time
 
@@ -27,7 +26,9 @@ from .logs import first_line, setup_logging
 from .observe.config import MetricsConfig
 from .observe.goodput import process_start_time
 from .observe.health import MetricsServer
-from .observe.metrics import AGENT_ENV, RankMetrics
+from .observe.metrics import RankMetrics
+from .protocol import env
+from .protocol.torchrun_env import TorchrunEnv
 from .recovery.heartbeat import Heartbeat
 from .recovery.inplace import InPlaceRecovery, JobFinished, Regroup
 from .recovery.rejoin import rejoin
@@ -47,7 +48,7 @@ def main(config_path: str, overrides: list[str], resume: bool = True, verbose: b
     preempted, 3 fenced out: a newer group claimed the checkpoint directory, 4 a peer died or
     hung: see ``agent/restart_budget.py``)."""
     entered = time.time()
-    setup_logging(int(os.environ.get("RANK", 0)), verbose)
+    setup_logging(TorchrunEnv.read().rank, verbose)
     try:
         return _train(config_path, overrides, resume, entered, verbose)
     except Exception as e:
@@ -80,7 +81,7 @@ def _train(config_path: str, overrides: list[str], resume: bool, entered: float,
     linger = 0.0
     try:
         marks = [process_start_time(), entered]
-        open_device(int(os.environ.get("LOCAL_RANK", 0)))
+        open_device(TorchrunEnv.read().local_rank)
         marks.append(time.time())
         try:
             info = join_group(recovery, cfg.distributed.backend, cfg.distributed.timeout_seconds,
@@ -246,10 +247,11 @@ def worker_metrics(m: MetricsConfig) -> tuple[RankMetrics, MetricsServer | None]
     Raises:
         ConfigError: the port cannot be bound.
     """
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    metrics = RankMetrics(m, int(os.environ.get("RANK", 0)), local_rank,
+    here = TorchrunEnv.read()
+    local_rank = here.local_rank
+    metrics = RankMetrics(m, here.rank, local_rank,
                           cuda=torch.cuda.is_available())
-    if not (m.enabled and m.port) or os.environ.get(AGENT_ENV):
+    if not (m.enabled and m.port) or env.metrics_agent():
         return metrics, None
     try:
         server = MetricsServer(metrics.registry, m.address, m.port + local_rank,

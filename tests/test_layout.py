@@ -8,7 +8,8 @@ A *folder* is a subpackage (``train/``, ``trainer/``, ...) or a top-level module
 
 1. the base: ``config_base``, ``dist``, ``exit_codes``, ``logs``, ``preempt``,
    ``script_env``, ``compat`` (every reliance on torch internals), ``nested`` (the one walk
-   over nested state) and ``host_buffers`` (the one pool of host buffers); they know no
+   over nested state), ``host_buffers`` (the one pool of host buffers) and ``protocol/`` (what
+   agents and workers say through the recovery store and the environment); they know no
    training;
 2. the parts a step holds: ``checkpoint/``, ``data/`` (the sampler, the loader, a position's
    seed), ``parallel/`` (DDP and FSDP2);
@@ -142,7 +143,7 @@ def test_the_public_api_resolves_lazily():
 
 FLOORS: tuple[tuple[str, ...], ...] = (  # bottom up; see the module docstring
     ("config_base", "dist", "exit_codes", "logs", "preempt", "script_env", "compat", "nested",
-     "host_buffers"),
+     "host_buffers", "protocol"),
     ("checkpoint", "data", "parallel"),
     ("train",),
     ("observe", "recovery", "rank_session"),

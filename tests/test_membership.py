@@ -10,6 +10,7 @@ import pytest
 import torch.distributed as dist
 
 from elastic_runner.config import BatchConfig, ConfigError, load_config
+from elastic_runner.protocol.keys import AttemptKeys
 from elastic_runner.recovery.membership import (
     NodeBeat,
     NodeWatch,
@@ -39,6 +40,11 @@ def key(*parts: object) -> str:
     return "/".join(["job/attempt", *map(str, parts)])
 
 
+def at(store: dist.Store) -> AttemptKeys:
+    """The attempt's keys (:func:`key`) in ``store``."""
+    return AttemptKeys(store, key)
+
+
 def test_without_renumbers_the_remaining_nodes_contiguously() -> None:
     view = View(0, {0: [0, 1], 1: [2, 3], 2: [4, 5]}, store_node=0)
     new, members = view.without([1], 7)
@@ -51,23 +57,23 @@ def test_without_renumbers_the_remaining_nodes_contiguously() -> None:
 
 
 def test_read_view_assembles_the_registrations(store: dist.TCPStore) -> None:
-    register(store, key, 1, [2, 3], hosts_store=False, nnodes=2)
-    register(store, key, 0, [0, 1], hosts_store=True, nnodes=2)
-    view = read_view(store, key)
+    register(at(store), 1, [2, 3], hosts_store=False, nnodes=2)
+    register(at(store), 0, [0, 1], hosts_store=True, nnodes=2)
+    view = read_view(at(store))
     assert view == View(0, {0: [0, 1], 1: [2, 3]}, store_node=0)
 
 
 def test_departure_is_announced_once_with_the_new_ranks(store: dist.TCPStore) -> None:
     view = View(0, {0: [0, 1], 1: [2, 3], 2: [4, 5]}, store_node=0)
     store.add(key("generations"), 3)  # replacements before
-    generation, new, members = announce_departure(store, key, view, [2], "lost")
+    generation, new, members = announce_departure(at(store), view, [2], "lost")
     assert generation == 4 and members == [0, 1, 2, 3]
     announced = json.loads(store.get(key("gen", 4)))
     assert announced == {"departed": [2], "failed": [4, 5], "members": [0, 1, 2, 3],
                          "world_size": 4, "reason": "lost"}
-    assert read_view(store, key) == new
+    assert read_view(at(store)) == new
     # a second agent that saw the same silence claims nothing and announces nothing
-    assert announce_departure(store, key, view, [2], "lost") is None
+    assert announce_departure(at(store), view, [2], "lost") is None
     assert store.add(key("generations"), 0) == 4
 
 
@@ -79,10 +85,10 @@ def test_the_store_moves_with_its_departing_host_seeded_for_the_survivors(
     successor = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                               timeout=timedelta(seconds=5))
     endpoints = {0: f"127.0.0.1:{store.port}", 1: f"127.0.0.1:{successor.port}", 2: "x:1"}
-    register(store, key, 0, [0, 1], hosts_store=True, nnodes=3, own_store=endpoints[0])
-    register(store, key, 1, [2, 3], hosts_store=False, nnodes=3, own_store=endpoints[1])
-    register(store, key, 2, [4, 5], hosts_store=False, nnodes=3, own_store=endpoints[2])
-    view = read_view(store, key)
+    register(at(store), 0, [0, 1], hosts_store=True, nnodes=3, own_store=endpoints[0])
+    register(at(store), 1, [2, 3], hosts_store=False, nnodes=3, own_store=endpoints[1])
+    register(at(store), 2, [4, 5], hosts_store=False, nnodes=3, own_store=endpoints[2])
+    view = read_view(at(store))
     assert view.stores == endpoints and view.store_node == 0
     store.add(key("generations"), 5)
     reached = []
@@ -92,12 +98,12 @@ def test_the_store_moves_with_its_departing_host_seeded_for_the_survivors(
         assert not store.check([key("gen", 6)])  # seeded before the announcement
         return successor
 
-    generation, new, members = announce_departure(store, key, view, [0], "preempted",
+    generation, new, members = announce_departure(at(store), view, [0], "preempted",
                                                   connect)
     assert (generation, members, reached) == (6, [2, 3, 4, 5], [endpoints[1]])
     assert new.store_node == 1 and new.nodes == {1: [0, 1], 2: [2, 3]}
     assert json.loads(store.get(key("gen", 6)))["store"] == endpoints[1]
-    assert read_view(successor, key) == new == read_view(store, key)
+    assert read_view(at(successor)) == new == read_view(at(store))
     assert successor.add(key("generations"), 1) == 7  # the next announcement there
     assert successor.get(key("departed", 0)) == store.get(key("departed", 0))
 
@@ -131,23 +137,23 @@ def test_a_joining_node_gets_a_fresh_id_and_ranks_after_the_members(store: dist.
     view = View(3, {0: [0, 1]}, departed=(1,), store_node=0)
     store.set(key("view"), view.to_json())
     store.add(key("generations"), 3)
-    assert claim_node_id(store, key, view) == 2
-    assert claim_node_id(store, key, view) == 3  # 2 is claimed now
-    assert pending_joins(store, key, 0) == {}
-    assert request_join(store, key, 3, 2) == 1
-    assert request_join(store, key, 2, 1) == 2
-    assert pending_joins(store, key, 0) == {1: {"node": 3, "nproc": 2, "store": ""},
+    assert claim_node_id(at(store), view) == 2
+    assert claim_node_id(at(store), view) == 3  # 2 is claimed now
+    assert pending_joins(at(store), 0) == {}
+    assert request_join(at(store), 3, 2) == 1
+    assert request_join(at(store), 2, 1) == 2
+    assert pending_joins(at(store), 0) == {1: {"node": 3, "nproc": 2, "store": ""},
                                             2: {"node": 2, "nproc": 1, "store": ""}}
-    assert pending_joins(store, key, 1) == {2: {"node": 2, "nproc": 1, "store": ""}}
-    generation, new = announce_join(store, key, view, {3: 2, 2: 1}, admitted=2)
+    assert pending_joins(at(store), 1) == {2: {"node": 2, "nproc": 1, "store": ""}}
+    generation, new = announce_join(at(store), view, {3: 2, 2: 1}, admitted=2)
     assert generation == 4 and new.nodes == {0: [0, 1], 2: [2], 3: [3, 4]}
-    assert read_view(store, key) == new and new.world_size == 5
+    assert read_view(at(store)) == new and new.world_size == 5
     assert json.loads(store.get(key("gen", 4))) == {
         "joined": [2, 3], "failed": [], "members": [0, 1], "world_size": 5, "admitted": 2,
         "reason": "joined"}
     assert json.loads(store.get(key("admitted", 3))) == {"generation": 4, "ranks": [3, 4],
                                                          "world_size": 5}
-    assert pending_joins(store, key, 2) == {}
+    assert pending_joins(at(store), 2) == {}
     assert int(store.get(key("joins_admitted"))) == 2
 
 
@@ -176,19 +182,19 @@ def test_policy_refuses_below_min_nodes_the_store_host_and_a_batch_too_small() -
 
 def test_rank_0_records_the_global_batch_the_agents_and_joiners_read(store: dist.TCPStore
                                                                       ) -> None:
-    assert read_global_batch(store, key) is None
-    record_global_batch(store, key, 64)
-    assert read_global_batch(store, key) == 64
-    record_global_batch(store, key, None)  # batch.keep_global_batch: false: none is kept
-    assert read_global_batch(store, key) is None
+    assert read_global_batch(at(store)) is None
+    record_global_batch(at(store), 64)
+    assert read_global_batch(at(store)) == 64
+    record_global_batch(at(store), None)  # batch.keep_global_batch: false: none is kept
+    assert read_global_batch(at(store)) is None
 
 
 def test_node_watch_counts_silence_on_its_own_clock(store: dist.TCPStore,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     now = [100.0]
     monkeypatch.setattr("elastic_runner.recovery.membership.time.monotonic", lambda: now[0])
-    me = NodeWatch(store, key, 0, timeout_s=5)
-    other = NodeBeat(store, key, 1)
+    me = NodeWatch(at(store), 0, timeout_s=5)
+    other = NodeBeat(at(store), 1)
     other.beat()
     assert me.lost([0, 1, 2]) == {}  # first sight: the silence counts from now
     now[0] += 2
@@ -210,8 +216,8 @@ def test_a_watch_that_did_not_look_counts_every_silence_afresh(
     etcd): it cannot tell a silent node from its own absence."""
     now = [100.0]
     monkeypatch.setattr("elastic_runner.recovery.membership.time.monotonic", lambda: now[0])
-    me = NodeWatch(store, key, 0, timeout_s=5)
-    NodeBeat(store, key, 1).beat()
+    me = NodeWatch(at(store), 0, timeout_s=5)
+    NodeBeat(at(store), 1).beat()
     assert me.lost([1]) == {}
     now[0] += 7  # no look for 7 s, node 1 silent as well
     assert me.lost([1]) == {}
@@ -227,7 +233,7 @@ def test_a_watch_that_did_not_look_counts_every_silence_afresh(
 
 
 def test_the_beat_thread_beats_until_closed(store: dist.TCPStore) -> None:
-    beat = NodeBeat(store, key, 3, interval_s=0.01).start()
+    beat = NodeBeat(at(store), 3, interval_s=0.01).start()
     counter = key("node", 3, "beat")
     deadline = time.monotonic() + 10
     while store.add(counter, 0) < 5:

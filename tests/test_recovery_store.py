@@ -26,6 +26,10 @@ from elastic_runner.agent.spares import REFILL_NICE, Spares, WarmSpares
 from elastic_runner.agent.store import AgentStore
 from elastic_runner.checkpoint.fencing import FencedOut
 from elastic_runner.preempt import Preempted
+from elastic_runner.protocol.announcement import RESTART, Announcement
+from elastic_runner.protocol.env import HEARTBEAT_ENV, MIN_NODES_ENV, SPARE_ENV
+from elastic_runner.protocol.env import INPLACE_ENV as ENV
+from elastic_runner.protocol.keys import AttemptKeys
 from elastic_runner.recovery.group_sockets import GroupSockets, NoSockets
 from elastic_runner.recovery.heartbeat import Heartbeat, NoHeartbeat
 from elastic_runner.recovery.inplace import GenerationWatch, InPlaceRecovery
@@ -34,13 +38,6 @@ from elastic_runner.recovery.membership import (
     announce_departure,
     read_view,
     register,
-)
-from elastic_runner.recovery.protocol import (
-    ENV,
-    HEARTBEAT_ENV,
-    MIN_NODES_ENV,
-    SPARE_ENV,
-    AttemptKeys,
 )
 from elastic_runner.recovery.store import Attempt, StoreLocation, agree_attempt, connect
 
@@ -121,13 +118,13 @@ def test_a_leaving_host_waits_for_every_agent_to_follow_its_store():
     host.prefix = "job/attempt"
     endpoints = {0: host.own, 1: successor.own, 2: "127.0.0.1:2"}
     for node in (0, 1, 2):
-        register(host.hosted, host.key, node, [node], node == 0, 3, endpoints[node])
+        register(host.keys_in(host.hosted), node, [node], node == 0, 3, endpoints[node])
     t0 = time.monotonic()
     host.wait_for_followers(0, 30)  # still the store's host: nothing to wait for
     assert time.monotonic() - t0 < 5
-    announce_departure(host.hosted, host.key, read_view(host.hosted, host.key), [0],
+    announce_departure(host.keys_in(host.hosted), read_view(host.keys_in(host.hosted)), [0],
                        "preempted", host.client)
-    assert read_view(host.hosted, host.key).store_node == 1
+    assert read_view(host.keys_in(host.hosted)).store_node == 1
     acks = threading.Timer(0.5, lambda: [host.hosted.set(host.key("moved", n), endpoints[1])
                                          for n in (1, 2)])
     acks.start()
@@ -145,9 +142,9 @@ def test_a_restart_asked_for_ends_the_wait_for_a_generation():
                              "p", 0, detect_timeout_s=0.2, join_timeout_s=5)
     assert worker.formation.wait_generation(1, 0.2) is None  # nothing announced: times out
     server.set("p/gen/1", json.dumps({"failed": [1]}))
-    assert worker.formation.wait_generation(1, 5) == {"failed": [1]}
+    assert worker.formation.wait_generation(1, 5) == Announcement(failed=(1,))
     worker.ask_restart()
-    assert worker.formation.wait_generation(2, 5) == {"restart": True}
+    assert worker.formation.wait_generation(2, 5) == RESTART
 
 
 def test_cut_sockets_make_the_peer_read_end_of_file_and_leave_others_alone():
@@ -311,8 +308,8 @@ def test_a_rank_of_a_departed_node_leaves_as_its_node_did(reason, raised, says):
     recovery = InPlaceRecovery(store, "attempt", 4, detect_timeout_s=1, join_timeout_s=5,
                                location=StoreLocation("node0", "127.0.0.1:1", "attempt"),
                                node=1, nnodes=2)
-    announced = {"departed": [1], "reason": reason, "world_size": 2, "failed": [2, 3],
-                 "members": [0, 1]}
+    announced = Announcement(departed=(1,), reason=reason, world_size=2, failed=(2, 3),
+                             members=(0, 1))
     loop = SimpleNamespace(session=SimpleNamespace(state=SimpleNamespace(step=7)))
     with pytest.raises(raised, match=re.escape(says)):
         recovery.nodes.follow_departure(announced, loop, time.perf_counter())

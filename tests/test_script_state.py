@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from elastic_runner.own_loop.script_state import KEPT_VERSIONS, ScriptState
-from elastic_runner.recovery.protocol import AttemptKeys
+from elastic_runner.protocol.keys import AttemptKeys
 
 
 class Counter:

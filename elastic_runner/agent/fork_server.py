@@ -59,6 +59,9 @@ from typing import Any
 
 import setproctitle
 
+from ..protocol.torchrun_env import PER_WORKER_NAMES, RANK
+from ..protocol.torchrun_env import PER_WORKER_PREFIXES as TORCHRUN_PER_WORKER_PREFIXES
+
 log = logging.getLogger(__name__)
 
 # what a fork server of the runner's workers imports before it forks (its command line's
@@ -70,10 +73,8 @@ PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "torch.nn.parallel",
 # per attempt (and every name with one of PER_WORKER_PREFIXES); read when the worker runs, not
 # when it imports, so a fork server started with other values serves them
 PER_WORKER = frozenset({
-    "LOCAL_RANK", "RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WORLD_SIZE",
-    "WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-    "TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING"})
-PER_WORKER_PREFIXES = ("TORCHELASTIC_", "ELASTIC_RUNNER_")
+    *PER_WORKER_NAMES, "TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING"})
+PER_WORKER_PREFIXES = TORCHRUN_PER_WORKER_PREFIXES
 
 MODULE = "elastic_runner.agent.fork_server"  # (as __main__ in the fork server: not __name__)
 UNKNOWN_EXIT = 1  # a forked worker's exit code when the fork server died before it
@@ -235,7 +236,7 @@ def _become(request: dict[str, Any], fds: list[int], sock: socket.socket) -> Non
 def title(argv: Sequence[str], env: Mapping[str, str]) -> str:
     """A forked worker's process title (``ps``, ``/proc/PID/cmdline``): its command line, and
     its rank (its ``/proc/PID/environ`` is the fork server's), or ``(spare)``."""
-    rank = env.get("RANK", "-1")
+    rank = env.get(RANK, "-1")
     return " ".join(argv) + (" (spare)" if rank == "-1" else f" (rank {rank})")
 
 

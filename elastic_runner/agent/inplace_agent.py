@@ -5,13 +5,13 @@ elastic's agent API, not forked) with these changes, used by ``elastic-runner ru
 ``recovery.mode: in_place``, on one node or on each node of a multi-node job:
 
 * it names the attempt's **recovery store** to the workers in
-  :data:`~elastic_runner.recovery.protocol.ENV` (one node: a ``TCPStore`` it hosts on ``127.0.0.1``;
+  :data:`~elastic_runner.protocol.env.INPLACE_ENV` (one node: a ``TCPStore`` it hosts on ``127.0.0.1``;
   several nodes: the rendezvous backend's store that every node reaches, see
   :mod:`elastic_runner.recovery.store`); the workers' process groups live in it, one namespace
   per generation (:mod:`elastic_runner.recovery.inplace`), and any node's agent announces generations
   through one counter in it;
 * once the workers have built the task it starts a **spare**: the worker command with
-  :data:`~elastic_runner.recovery.protocol.SPARE_ENV` set, which imports torch, builds the task's data and
+  :data:`~elastic_runner.protocol.env.SPARE_ENV` set, which imports torch, builds the task's data and
   model and waits;
 * when a worker exits with a failure (not 0, not 2 = bad input, not 143 = preempted) while
   others of the node still run, :meth:`_monitor_workers` hands the dead worker's environment
@@ -53,9 +53,11 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.multiprocessing.api import SignalException, SubprocessContext
 
 from ..compat.rendezvous import leave_rendezvous_open
+from ..protocol.env import SPARE_ENV
+from ..protocol.keys import single_node_prefix
+from ..protocol.scoped_env import environment
 from ..recovery.config import RecoveryConfig
 from ..recovery.membership import Policy
-from ..recovery.protocol import ENV, HEARTBEAT_ENV, MIN_NODES_ENV, SPARE_ENV
 from ..recovery.store import StoreLocation
 from .hang_watch import hang_watch
 from .joins import Joins
@@ -109,7 +111,7 @@ class InPlaceAgent(LocalElasticAgent):
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         rs, joining = self._attempt.rs, False
         if not rs.multi_node:
-            rs.prefix = f"attempt-{uuid.uuid4().hex[:12]}"
+            rs.prefix = single_node_prefix(uuid.uuid4().hex[:12])
         else:  # the same prefix on every node, new every rendezvous round (unless running)
             joining = rs.agree(worker_group.store, worker_group.group_rank or 0,
                                worker_group.group_world_size or 1)
@@ -119,22 +121,15 @@ class InPlaceAgent(LocalElasticAgent):
         for part in (self._replacer, self._spares, self._joins):
             part.begin()
         self._clear_heartbeats()
-        saved = {name: os.environ.get(name)
-                 for name in (ENV, HEARTBEAT_ENV, MIN_NODES_ENV, SPARE_ENV)}
-        os.environ.update(self._attempt.worker_variables())
-        try:
+        # SPARE_ENV: restored too (a joining node's stand_by sets it for its workers)
+        with environment({SPARE_ENV: os.environ.get(SPARE_ENV),
+                          **self._attempt.worker_variables()}):
             rs.attempt.restart_asked()  # connect before the workers
             if joining:
                 self._joins.stand_by(worker_group)
             else:
                 self._membership.register(worker_group)
             return super()._start_workers(worker_group)
-        finally:
-            for name, value in saved.items():
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
 
     def _exit_barrier(self) -> None:
         """torch's barrier of every node's agent at the end waits for the nodes of the

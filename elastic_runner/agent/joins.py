@@ -21,8 +21,9 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.elastic.agent.server.api import WorkerGroup
 
+from ..protocol.env import SPARE_ENV
+from ..protocol.torchrun_env import assignment
 from ..recovery.membership import admission, claim_node_id, refusal, request_join
-from ..recovery.protocol import GENERATION_ENV, SPARE_ENV
 from .node_attempt import AGENT_LOG as log
 from .node_attempt import NodeAttempt
 from .node_membership import NodeMembership
@@ -39,7 +40,7 @@ class _Join:
 
     @property
     def spares(self) -> str:
-        """The workers' :data:`~elastic_runner.recovery.protocol.SPARE_ENV`: each appends its local
+        """The workers' :data:`~elastic_runner.protocol.env.SPARE_ENV`: each appends its local
         rank."""
         return f"{self.node}.join."
 
@@ -107,8 +108,7 @@ class Joins:
         (started next, from ``os.environ``) start as spares that build the task and wait for
         the group to take them in."""
         attempt = self._attempt
-        self._joining = _Join(claim_node_id(attempt.rs.store, attempt.rs.key,
-                                            attempt.current_view()))
+        self._joining = _Join(claim_node_id(attempt.rs.attempt, attempt.current_view()))
         attempt.node = worker_group.group_rank = self._joining.node
         os.environ[SPARE_ENV] = self._joining.spares
         log.warning("membership: joining the running job as node %d: its %d worker(s) build "
@@ -127,17 +127,17 @@ class Joins:
         assert join is not None
         if not join.request:
             if all(rs.attempt.is_spare_ready(join.spare(lr)) for lr in pc.subprocess_handlers):
-                join.request = request_join(rs.store, rs.key, join.node,
-                                            len(pc.subprocess_handlers), rs.own)
+                join.request = request_join(rs.attempt, join.node, len(pc.subprocess_handlers),
+                                            rs.own)
                 log.info("membership: node %d ready to join (request %d)", join.node,
                          join.request)
             return True
-        refused = refusal(rs.store, rs.key, join.request)
+        refused = refusal(rs.attempt, join.request)
         if refused is not None:
             log.error("membership: the running job did not take this node in: %s", refused)
             _kill_all(pc)
             return False
-        admitted = admission(rs.store, rs.key, join.node)
+        admitted = admission(rs.attempt, join.node)
         if admitted is not None:
             self._take_places(worker_group, pc, join, admitted)
         return True
@@ -147,8 +147,8 @@ class Joins:
         """Admitted: assign each standing-by worker its rank in the announced generation."""
         generation, world_size = admitted["generation"], admitted["world_size"]
         for local_rank, rank in enumerate(admitted["ranks"]):
-            env = {**pc.envs[local_rank], "RANK": str(rank), "WORLD_SIZE": str(world_size),
-                   "GROUP_RANK": str(join.node), GENERATION_ENV: str(generation)}
+            env = assignment(pc.envs[local_rank], generation, rank=rank,
+                             world_size=world_size, node_rank=join.node)
             worker_group.workers[local_rank].global_rank = rank
             worker_group.workers[local_rank].world_size = world_size
             self._attempt.rs.attempt.assign(join.spare(local_rank), env)

@@ -65,6 +65,8 @@ from ..exit_codes import (
 )
 from ..logs import first_line
 from ..observe.node_metrics import NodeEndpoint
+from ..protocol.scoped_env import environment
+from ..protocol.torchrun_env import PetEnv
 from ..recovery.membership import Policy
 from ..recovery.store import C10D_DEFAULT_PORT, StoreLocation
 from . import worker_start
@@ -115,16 +117,8 @@ def agent_environment(nproc_per_node: int, cores: int | None = None) -> Iterator
         elif os.environ[key] != value:
             log.warning("%s=%s (not %s): a node whose rank changes between rendezvous rounds "
                         "may hang the restarted group", key, os.environ[key], value)
-    saved = {key: os.environ.get(key) for key in env}
-    os.environ.update(env)
-    try:
+    with environment(env):
         yield env
-    finally:
-        for key, old in saved.items():
-            if old is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = old
 
 
 def torchrun_argv(args: argparse.Namespace) -> list[str]:
@@ -134,35 +128,34 @@ def torchrun_argv(args: argparse.Namespace) -> list[str]:
     ``PET_*`` variable (as set by the Kubeflow operator) and falls back to our default otherwise.
     """
     argv: list[str] = []
+    pet = PetEnv.read()
 
     def opt(flag: str, value: object, default: object = None) -> None:
-        env = "PET_" + flag.lstrip("-").upper().replace("-", "_")
-        if value is None and env not in os.environ:
+        if value is None and not pet.sets(flag):
             value = default
         if value is not None:
             argv.extend([flag, str(value)])
 
     # some training-operator releases inject PET_N_PROC_PER_NODE, which torchrun does not read
     nproc = args.nproc_per_node
-    if nproc is None and "PET_NPROC_PER_NODE" not in os.environ:
-        nproc = os.environ.get("PET_N_PROC_PER_NODE")
+    if nproc is None and not pet.sets("--nproc-per-node"):
+        nproc = pet.n_proc_per_node
     opt("--nproc-per-node", nproc, default_nproc_per_node())
     opt("--nnodes", args.nnodes)
     endpoint, run_id = args.rdzv_endpoint, args.rdzv_id
     conf = ",".join(args.rdzv_conf) if args.rdzv_conf else None
     if (args.rdzv_backend in (None, "c10d") and not endpoint
-            and "PET_RDZV_ENDPOINT" not in os.environ):
-        if "PET_MASTER_ADDR" in os.environ and os.environ.get("PET_RDZV_BACKEND") in (
-                None, "c10d"):  # Kubeflow Trainer v2: c10d at node 0's agent
+            and not pet.sets("--rdzv-endpoint")):
+        if pet.master_addr is not None and pet.rdzv_backend in (None, "c10d"):  # Kubeflow Trainer v2: c10d at node 0's agent
             endpoint, conf = trainer_rendezvous(conf)
         else:  # what torchrun --standalone does (in torchrun's run(), which we bypass)
             endpoint, run_id = "127.0.0.1:0", run_id or str(uuid.uuid4())
     opt("--rdzv-backend", args.rdzv_backend, "c10d")
     opt("--rdzv-endpoint", endpoint)
     opt("--rdzv-id", run_id)
-    backend = args.rdzv_backend or os.environ.get("PET_RDZV_BACKEND")
+    backend = args.rdzv_backend or pet.rdzv_backend
     if backend in ETCD_BACKENDS:  # either backend's spelling of TLS files and join timeout
-        conf = conf if conf is not None else os.environ.get("PET_RDZV_CONF")
+        conf = conf if conf is not None else pet.rdzv_conf
         conf = ",".join(f"{k}={v}" for k, v in with_aliases(parse_conf(conf), backend).items())
         conf = conf or None
     opt("--rdzv-conf", conf)
@@ -175,7 +168,7 @@ def torchrun_argv(args: argparse.Namespace) -> list[str]:
     # torch's error files of the workers (what the root-cause line reads): in a directory
     # this run removes when it ends (torch's default, a fresh torchelastic_* directory in the
     # temp directory per run, was never removed); PET_LOG_DIR, if set, is kept
-    opt("--log-dir", None if "PET_LOG_DIR" in os.environ else getattr(args, "log_dir", None))
+    opt("--log-dir", None if pet.sets("--log-dir") else getattr(args, "log_dir", None))
     if getattr(args, "script", None):  # a user's own training script and its arguments
         return [*argv, str(args.script), *args.script_args]
     argv += ["--module", "elastic_runner", "train", str(args.config), *args.overrides]
@@ -196,10 +189,11 @@ def trainer_rendezvous(conf: str | None) -> tuple[str, str | None]:
     node's role depends on how the pod's host name resolves). ``conf`` (``k=v,...``, the
     user's ``--rdzv-conf`` or ``PET_RDZV_CONF``) wins where it sets ``is_host`` itself.
     """
-    port = os.environ.get("PET_MASTER_PORT") or TRAINER_PORT
-    endpoint = f"{os.environ['PET_MASTER_ADDR']}:{port}"
-    conf = conf if conf is not None else os.environ.get("PET_RDZV_CONF")
-    node_rank = os.environ.get("PET_NODE_RANK")
+    pet = PetEnv.read()
+    port = pet.master_port or TRAINER_PORT
+    endpoint = f"{pet.master_addr}:{port}"
+    conf = conf if conf is not None else pet.rdzv_conf
+    node_rank = pet.node_rank
     if node_rank is not None and "is_host" not in parse_conf(conf):
         conf = ",".join(filter(None, [conf, f"is_host={str(node_rank == '0').lower()}"]))
     log.info("rendezvous: c10d at %s (PET_MASTER_ADDR/PET_MASTER_PORT, Kubeflow Trainer), "

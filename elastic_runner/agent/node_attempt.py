@@ -16,8 +16,8 @@ from pathlib import Path
 import torch.distributed as dist
 
 from ..logs import first_line
+from ..protocol.env import HEARTBEAT_ENV, INPLACE_ENV, MIN_NODES_ENV
 from ..recovery.membership import Policy, View, read_view
-from ..recovery.protocol import ENV, HEARTBEAT_ENV, MIN_NODES_ENV
 from .store import AgentStore
 
 # the in-place agent logs under one name whichever of its parts speaks: its lines are read by
@@ -58,7 +58,7 @@ class NodeAttempt:
         Raises:
             RuntimeError, torch.distributed.DistError: the store does not answer.
         """
-        self.view = read_view(self.rs.store, self.rs.key)
+        self.view = read_view(self.rs.attempt)
         return self.view
 
     def restart_asked(self) -> bool:
@@ -75,5 +75,5 @@ class NodeAttempt:
         """What every worker and spare of this agent reads: the recovery store, the heartbeat
         directory and ``--nnodes`` MIN (a spare without it took a worker's SIGTERM for a
         departure the job allows: the 2:2 soak, a replaced rank preempted)."""
-        return {ENV: self.rs.for_workers().to_json(), HEARTBEAT_ENV: str(self.heartbeats),
+        return {INPLACE_ENV: self.rs.for_workers().to_json(), HEARTBEAT_ENV: str(self.heartbeats),
                 MIN_NODES_ENV: str(self.policy.min_nodes)}

@@ -60,14 +60,14 @@ class NodeMembership:
         # node took (each etcd agent hosts a store, only that one is used)
         hosts = node == 0 if rs.location.kind == "node0" else self._hosts_store
         ranks = [w.global_rank for w in worker_group.workers]
-        register(rs.store, rs.key, node, ranks, hosts,
+        register(rs.attempt, node, ranks, hosts,
                  None if joined else worker_group.group_world_size or 1, rs.own)
         log.info("membership: node %d registered with rank(s) %s%s", node, ranks,
                  f"; it hosts the recovery store ({rs.location.describe()})" if hosts else "")
         if self._timeout_s is not None:
-            self._watch = NodeWatch(rs.store, rs.key, node, self._timeout_s)
-            self._beat = NodeBeat(connect(rs.location, THREAD_STORE_TIMEOUT_S),
-                                  rs.key, node).start()
+            self._watch = NodeWatch(rs.attempt, node, self._timeout_s)
+            self._beat = NodeBeat(rs.keys_in(connect(rs.location, THREAD_STORE_TIMEOUT_S)),
+                                  node).start()
 
     def follow(self, store: dist.Store) -> None:
         """The recovery store moved (``store``: a client of the new one): beat and watch
@@ -75,9 +75,9 @@ class NodeMembership:
         rs, node = self._attempt.rs, self._attempt.node
         self._beat.close()
         if self._watch is not None:
-            self._watch = NodeWatch(store, rs.key, node, self._watch.timeout_s)
-            self._beat = NodeBeat(connect(rs.location, THREAD_STORE_TIMEOUT_S),
-                                  rs.key, node).start()
+            self._watch = NodeWatch(rs.keys_in(store), node, self._watch.timeout_s)
+            self._beat = NodeBeat(rs.keys_in(connect(rs.location, THREAD_STORE_TIMEOUT_S)),
+                                  node).start()
 
     def close(self) -> None:
         """Stop beating (silence after that reads as this node gone)."""
@@ -89,7 +89,7 @@ class NodeMembership:
         if self._watch is None:
             return None
         try:
-            return departure_of(self._attempt.rs.store, self._attempt.rs.key, self._attempt.node)
+            return departure_of(self._attempt.rs.attempt, self._attempt.node)
         except (RuntimeError, dist.DistError):
             return None
 
@@ -121,7 +121,7 @@ class NodeMembership:
         """Announce the generation without the ``lost`` nodes (node -> seconds silent), or
         ask for torch's restart path when the policy refuses."""
         rs, silent = self._attempt.rs, max(lost.values())
-        policy = self._attempt.policy.keeping(read_global_batch(rs.store, rs.key))
+        policy = self._attempt.policy.keeping(read_global_batch(rs.attempt))
         why = policy.refuses(view, lost)
         if why is not None:
             log.error("membership: node(s) %s lost (no heartbeat for %.1f s) and the rest may "
@@ -129,7 +129,7 @@ class NodeMembership:
                       silent, why)
             rs.attempt.ask_restart()
             return
-        done = announce_departure(rs.store, rs.key, view, sorted(lost), "lost", rs.client)
+        done = announce_departure(rs.attempt, view, sorted(lost), "lost", rs.client)
         if done is not None:
             generation, new, _ = done
             log.warning("membership: node(s) %s lost: no heartbeat for %.1f s "

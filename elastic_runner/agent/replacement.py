@@ -19,8 +19,9 @@ from typing import Any
 from torch.distributed.elastic.agent.server.api import WorkerGroup
 
 from ..exit_codes import EXIT_BAD_INPUT, EXIT_FENCED, EXIT_HANG, EXIT_PREEMPTED
+from ..protocol.announcement import Announcement
+from ..protocol.torchrun_env import assignment
 from ..recovery.membership import View
-from ..recovery.protocol import ENV, GENERATION_ENV
 from .node_attempt import AGENT_LOG as log
 from .node_attempt import NodeAttempt
 from .spares import Spare, Spares
@@ -117,13 +118,14 @@ class Replacer:
             ranks.append(worker_group.workers[local_rank].global_rank)
             pids.append(spare.proc.pid)
             spares.append(spare)
-        news: dict[str, Any] = {"failed": ranks, "exitcodes": list(failed.values())}
+        members: tuple[int, ...] | None = None
         if shrink:
-            members = sorted(w.global_rank for w in worker_group.workers
-                             if w.global_rank not in ranks)  # one node: every rank is here
-            news.update(members=members, world_size=len(members))
+            members = tuple(sorted(w.global_rank for w in worker_group.workers
+                                   if w.global_rank not in ranks))  # one node: every rank is here
             self._grow = (attempt.generation, spares)
-        rs.attempt.announce(announce, news)
+        rs.attempt.announce(announce, Announcement(
+            failed=tuple(ranks), exitcodes=tuple(failed.values()), members=members,
+            world_size=None if members is None else len(members)))
         replacement = Replacement(announce, tuple(ranks), tuple(failed.values()), warm,
                                   time.perf_counter() - t0)
         cold = [s for s in spares if not s.ready]
@@ -144,13 +146,13 @@ class Replacer:
         spare = self._spares.take(pc)
         # the replacement is the rank's next attempt: restarts used so far, as torch counts them
         # GROUP_RANK: this node's id, which a node that joined claimed after its start
-        env = {**pc.envs[local_rank], GENERATION_ENV: str(attempt.generation),
-               "TORCHELASTIC_RESTART_COUNT": str(worker_group.spec.max_restarts - restarts_left),
-               "GROUP_RANK": str(attempt.node), ENV: rs.for_workers().to_json()}
+        env = assignment(pc.envs[local_rank], attempt.generation,
+                         restart_count=worker_group.spec.max_restarts - restarts_left,
+                         node_rank=attempt.node, store=rs.for_workers().to_json())
         worker = worker_group.workers[local_rank]
         if view is not None:  # ranks renumbered since the start (a node left)
             rank = view.nodes[attempt.node][local_rank]
-            env.update(RANK=str(rank), WORLD_SIZE=str(view.world_size))
+            env = assignment(env, attempt.generation, rank=rank, world_size=view.world_size)
             worker.global_rank, worker.world_size = rank, view.world_size
         # the dead worker's file goes before the spare can start beating into it
         (attempt.heartbeats / str(local_rank)).unlink(missing_ok=True)
@@ -170,7 +172,7 @@ class Replacer:
             return
         generation, spares = self._grow
         if all(self._attempt.rs.attempt.is_spare_ready(s.name) for s in spares):
-            self._attempt.rs.attempt.announce(generation, {"grow": True})
+            self._attempt.rs.attempt.announce(generation, Announcement(grow=True))
             self._grow = None
             log.info("replacement(s) ready: generation %d brings the group back to full size",
                      generation)

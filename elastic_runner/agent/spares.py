@@ -1,9 +1,9 @@
 """Spares: worker processes started ahead of a failure to take a dead worker's place.
 
-A spare is the worker command with :data:`~elastic_runner.recovery.protocol.SPARE_ENV` set: it
+A spare is the worker command with :data:`~elastic_runner.protocol.env.SPARE_ENV` set: it
 imports torch, builds the task's data and model and waits in the recovery store until the
 agent assigns it a dead worker's rank (:meth:`AttemptKeys.assign
-<elastic_runner.recovery.protocol.AttemptKeys.assign>`). With ``recovery.spare``,
+<elastic_runner.protocol.keys.AttemptKeys.assign>`). With ``recovery.spare``,
 ``recovery.spares`` are kept warm (:class:`WarmSpares`); without, one starts cold at the
 failure (:class:`Spares`). Each replacement's log line says whether it was warm, and if not,
 why.
@@ -18,7 +18,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from ..recovery.protocol import SPARE_ENV, SPARE_NICE_ENV
+from ..protocol.env import SPARE_ENV, SPARE_NICE_ENV
+from ..protocol.torchrun_env import PLACE_NAMES, RANK
 from . import worker_start
 from .node_attempt import AGENT_LOG as log
 from .node_attempt import NodeAttempt
@@ -29,7 +30,7 @@ from .node_attempt import NodeAttempt
 RECOVERY_WAIT_S = 30.0
 
 # a dead worker's place, not a spare's: the agent hands these over at the replacement
-_RANK_VARIABLES = ("RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_ERROR_FILE")
+_RANK_VARIABLES = PLACE_NAMES
 
 
 @dataclass
@@ -88,7 +89,7 @@ class Spares:
         env = {**os.environ, **pc.envs[0]}
         for variable in _RANK_VARIABLES:
             env.pop(variable, None)
-        env.update({**self._attempt.worker_variables(), SPARE_ENV: name, "RANK": "-1"})
+        env.update({**self._attempt.worker_variables(), SPARE_ENV: name, RANK: "-1"})
         base = os.getpriority(os.PRIO_PROCESS, 0)
         if nice:
             env[SPARE_NICE_ENV] = str(base)

@@ -16,14 +16,14 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from ..protocol.client import AttemptClient
 from ..recovery.membership import read_view
-from ..recovery.protocol import AttemptKeys
 from ..recovery.store import StoreLocation, agree_attempt, connect
 
 log = logging.getLogger(__name__)
 
 
-class AgentStore:
+class AgentStore(AttemptClient):
     """The attempt's recovery store as one agent holds it.
 
     Args:
@@ -77,17 +77,8 @@ class AgentStore:
             self._client = connect(self.location, self.timeout_s)
         return self._client
 
-    def key(self, *parts: object) -> str:
-        """The attempt's key ``<prefix>/<part>/...``."""
-        return "/".join([self.prefix, *map(str, parts)])
-
-    @property
-    def attempt(self) -> AttemptKeys:
-        """The attempt's keys in the store in use (``recovery/protocol.py``)."""
-        return AttemptKeys(self.store, self.key)
-
     def for_workers(self) -> StoreLocation:
-        """The location the workers and spares get (:data:`~elastic_runner.recovery.protocol.ENV`)."""
+        """The location the workers and spares get (:data:`~elastic_runner.protocol.env.INPLACE_ENV`)."""
         return self.location.at(self.location.endpoint, self.prefix)
 
     def client(self, endpoint: str) -> dist.Store:
@@ -124,12 +115,12 @@ class AgentStore:
         if self.hosted is None or self.location.endpoint != self.own:
             return
         try:
-            view = read_view(self.hosted, self.key)
+            view = read_view(self.keys_in(self.hosted))
         except (RuntimeError, dist.DistError):
             return
         if view.store_node == node:
             return
-        hosted, nodes = AttemptKeys(self.hosted, self.key), list(view.nodes)
+        hosted, nodes = self.keys_in(self.hosted), list(view.nodes)
         deadline = time.monotonic() + timeout_s
         while not hosted.moves_acknowledged(nodes) and time.monotonic() < deadline:
             time.sleep(0.05)

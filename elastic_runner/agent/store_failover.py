@@ -69,7 +69,7 @@ class StoreFailover:
         with contextlib.suppress(RuntimeError, dist.DistError):
             rs.attempt.acknowledge_move(attempt.node, endpoint)
         store = rs.client(endpoint)
-        seed(store, rs.key, view, max(attempt.generation, view.generation))
+        seed(rs.keys_in(store), view, max(attempt.generation, view.generation))
         rs.use(endpoint, store)
         attempt.view = view
         tell_workers(attempt.heartbeats, rs.for_workers())

@@ -50,6 +50,8 @@ from typing import Any, Protocol
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from ..protocol.torchrun_env import TorchrunEnv
+
 log = logging.getLogger(__name__)
 
 FENCE_DIR = "fence"
@@ -101,11 +103,12 @@ class Fence:
                 newer token since (module docstring).
             OSError: the directory cannot be written.
         """
-        run_id = os.environ.get("TORCHELASTIC_RUN_ID") if run_id is None else run_id
+        torchrun = TorchrunEnv.read()
+        run_id = torchrun.run_id if run_id is None else run_id
         fence = cls(directory, 0)
         fence._fs.makedirs(fence._root, exist_ok=True)
         owner = {"host": socket.gethostname(), "pid": os.getpid(), "run_id": run_id,
-                 "restart": os.environ.get("TORCHELASTIC_RESTART_COUNT"), "time": time.time()}
+                 "restart": torchrun.restart_count_text, "time": time.time()}
         with fence._lock():
             while True:
                 newest = fence.newest()

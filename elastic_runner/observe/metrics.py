@@ -22,7 +22,6 @@ themselves, grouped by what they measure, are declared in :mod:`.rank_series`.
 
 from __future__ import annotations
 
-import os
 import socket
 import time
 from typing import Any
@@ -31,6 +30,8 @@ import psutil
 import torch
 from prometheus_client import CollectorRegistry
 
+from ..protocol.env import METRICS_AGENT_ENV
+from ..protocol.torchrun_env import TorchrunEnv
 from .config import MetricsConfig
 from .rank_series import (
     CheckpointSeries,
@@ -42,13 +43,13 @@ from .rank_series import (
 )
 
 # set by elastic-runner run for its workers: the agent serves the node's endpoint
-AGENT_ENV = "ELASTIC_RUNNER_METRICS_AGENT"
+AGENT_ENV = METRICS_AGENT_ENV
 
 
 def job_label(cfg: MetricsConfig) -> str:
     """``metrics.job``, else the rendezvous id torchrun gives the workers, else
     ``elastic-runner``."""
-    return cfg.job or os.environ.get("TORCHELASTIC_RUN_ID") or "elastic-runner"
+    return cfg.job or TorchrunEnv.read().run_id or "elastic-runner"
 
 
 def node_label(cfg: MetricsConfig) -> str:

@@ -50,16 +50,18 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..data.loader import ElasticDataLoader
 from ..data.sampler import ElasticSampler
-from ..dist import DistInfo, current_rank
+from ..dist import DistInfo, current_rank, dist_info
 from ..logs import setup_logging
 from ..observe.config import MetricsConfig
 from ..observe.metrics import RankMetrics
 from ..observe.reporting import Budgets, FaultInjection
 from ..preempt import PreemptionFlag
+from ..protocol import env
+from ..protocol.env import CHECKPOINT_DIR_FILE_ENV
+from ..protocol.torchrun_env import TorchrunEnv
 from ..rank_session import CheckpointSpec, ReportingSpec, SessionSpec, assemble_session
 from ..recovery.recoverable import RecoveryProfile
 from ..recovery.script import ScriptProcess
-from ..script_env import CHECKPOINT_DIR_FILE_ENV, FAULTS_ENV, FAULTS_TRIGGER_ENV, TRACE_DIR_ENV
 from ..train.callbacks import Callback
 from ..train.config import FaultConfig, FaultSpec
 from ..train.consensus import CommHook, StepConsensus, make_consensus
@@ -168,7 +170,7 @@ def _assemble(q: _Request) -> FaultTolerantLoop:
     rank_metrics, closing = _metrics(q.metrics)
     reporting = ReportingSpec(rank_metrics, Budgets(q.hang_timeout_seconds,
                                                     q.long_op_timeout_seconds),
-                              os.environ.get(TRACE_DIR_ENV) or q.trace_dir)
+                              env.trace_dir() or q.trace_dir)
     process = in_place_process(model)
     fingerprint = model_fingerprint(inner, sampler)
     closing_flag = [False]  # the manifest's "finished": the checkpoint of close()
@@ -224,8 +226,8 @@ def _tell_the_agent(checkpoint_dir: str) -> None:
     """Under ``run script.py``: write ``checkpoint_dir`` into the agent's file
     (``CHECKPOINT_DIR_FILE_ENV``), from each node's local rank 0, whole or not at all; a
     failure to write it is a warning, not an error."""
-    named_in = os.environ.get(CHECKPOINT_DIR_FILE_ENV)
-    if not named_in or os.environ.get("LOCAL_RANK", "0") != "0":
+    named_in = env.checkpoint_dir_file()
+    if not named_in or TorchrunEnv.read().local_rank != 0:
         return
     where = checkpoint_dir if "://" in checkpoint_dir else os.path.abspath(checkpoint_dir)
     try:
@@ -237,13 +239,8 @@ def _tell_the_agent(checkpoint_dir: str) -> None:
 
 
 def _dist_info(rank: int, world_size: int, device: torch.device) -> DistInfo:
-    return DistInfo(rank=rank, local_rank=int(os.environ.get("LOCAL_RANK", 0)),
-                    world_size=world_size,
-                    local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
-                    node_rank=int(os.environ.get("GROUP_RANK", 0)),
-                    restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
-                    device=device,
-                    backend=dist.get_backend() if dist.is_initialized() else "")
+    return dist_info(device, dist.get_backend() if dist.is_initialized() else "",
+                     rank=rank, world_size=world_size)
 
 
 def model_fingerprint(model: nn.Module, sampler: ElasticSampler) -> str:
@@ -272,11 +269,10 @@ def _no_pause(name: str, step: int) -> None:
 def _faults(rank: int) -> FaultInjection | None:
     """Fault drills through ``ELASTIC_RUNNER_FAULTS`` (a YAML list of fault specs) and
     ``ELASTIC_RUNNER_FAULTS_TRIGGER`` (a trigger file: ``faults.trigger_file``)."""
-    text = os.environ.get(FAULTS_ENV)
-    trigger = os.environ.get(FAULTS_TRIGGER_ENV) or None
+    text, trigger = env.faults(), env.faults_trigger()
     if not text and not trigger:
         return None
     specs = [FaultSpec(**spec) for spec in yaml.safe_load(text or "[]")]
-    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    restart = TorchrunEnv.read().restart_count
     return FaultInjection(FaultInjector(FaultConfig(inject=specs, trigger_file=trigger), rank,
                                         restart))

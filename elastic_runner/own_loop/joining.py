@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
-import os
 
 import torch
 import torch.distributed as dist
@@ -17,6 +16,7 @@ import torch.distributed as dist
 from ..config_base import ConfigError
 from ..dist import DistInfo
 from ..dist import init_distributed as init_group
+from ..protocol.torchrun_env import TorchrunEnv
 from ..recovery.inplace import InPlaceRecovery, JobFinished
 from ..recovery.runtime import join_group, spare_name, take_place
 from ..recovery.script import script_recovery_config, start
@@ -44,7 +44,7 @@ def init_distributed(backend: str = "auto", timeout_s: float = 600.0) -> DistInf
             ``torch.multiprocessing.spawn`` without torchrun's environment.
         TimeoutError: the group did not form within ``recovery.join_timeout_seconds``.
     """
-    if "WORLD_SIZE" not in os.environ:
+    if not TorchrunEnv.read().launched:
         return _alone(backend, timeout_s)
     cfg = script_recovery_config()
     recovery = InPlaceRecovery.from_env(cfg)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -24,10 +23,11 @@ from ..dist import DistInfo, release_groups_of
 from ..exit_codes import EXIT_PREEMPTED
 from ..parallel.base import total_norm
 from ..preempt import Preempted
+from ..protocol import env
+from ..protocol.torchrun_env import TorchrunEnv
 from ..recovery.rejoin import rejoin
 from ..recovery.runtime import RecoveryService
 from ..recovery.script import ScriptRecovery
-from ..script_env import NO_RESUME_ENV
 from ..train.callbacks import JOINING
 from ..train.endings import expected_exit
 from ..train.session import RollbackRequested, TrainingFailed, TrainingSession
@@ -359,6 +359,6 @@ class FaultTolerantLoop:
 
 
 def _fresh_start() -> bool:
-    """``--no-resume``, in the job's first attempt (:data:`NO_RESUME_ENV`)."""
-    return (os.environ.get(NO_RESUME_ENV) == "1"
-            and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) == 0)
+    """``--no-resume``, in the job's first attempt
+    (:data:`~elastic_runner.protocol.env.NO_RESUME_ENV`)."""
+    return env.no_resume() and TorchrunEnv.read().restart_count == 0

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, NoReturn
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
 
 from ..dist import is_peer_failure, release_groups_of
 from ..logs import first_line
+from ..protocol.announcement import Announcement
 from .group_formation import GroupFormation
 from .group_sockets import GroupSockets
 from .node_changes import NodeChanges, commit_before_regroup
@@ -79,26 +80,26 @@ class FailureRecovery:
                       self.formation.detect_timeout_s, first_line(error))
             self.signals.ask_restart()
             return None
-        if announced.get("restart"):  # an agent restarts every worker
+        if announced.restart:  # an agent restarts every worker
             return None
-        if "departed" in announced:  # a node left: the group goes on without it
+        if announced.is_departure:  # a node left: the group goes on without it
             self.nodes.follow_departure(announced, loop, t0)
-        if "joined" in announced:  # a node joined (this rank's vote was cut short)
+        if announced.is_join:  # a node joined (this rank's vote was cut short)
             self.nodes.follow_join(announced, loop, t0)
         return self._replace_failed(error, announced, loop, t0)
 
-    def _replace_failed(self, error: BaseException, announced: dict[str, Any],
+    def _replace_failed(self, error: BaseException, announced: Announcement,
                         loop: Recoverable, t0: float) -> RecoveryReport:
-        """Rank(s) ``announced["failed"]`` died: leave the failed group and form the announced
+        """Rank(s) ``announced.failed`` died: leave the failed group and form the announced
         one (the replacements join it), or regroup.
 
         Raises:
             Regroup: continue shrunk, or sharded state.
         """
-        report = RecoveryReport(self.formation.generation + 1, announced["failed"],
+        report = RecoveryReport(self.formation.generation + 1, announced.failed_ranks,
                                 loop.session.state.step)
         log.warning("in-place recovery: rank(s) %s died (%s); generation %d, the rest keep "
-                    "their process", announced["failed"], first_line(error),
+                    "their process", announced.failed_ranks, first_line(error),
                     report.generation)
         loop.session.callbacks.on_phase("recovering", "in-place recovery", True)
         t1 = time.perf_counter()
@@ -106,14 +107,14 @@ class FailureRecovery:
         self._leave_group(loop)
         t2 = time.perf_counter()
         report.phases["teardown"] = t2 - t1
-        members = announced.get("members")
+        members = None if announced.members is None else list(announced.members)
         if members is not None:  # continue shrunk: no warm spare, go on without it
             self._shrink(loop, members, report)
         if loop.session.checkpoints.sharded:  # FSDP2 cannot move a module's shards
             raise Regroup(loop.info.rank, loop.info.world_size, report.generation, report)
         self.formation.form_group(loop.info.rank, loop.info.world_size, report.generation)
         report.generation = self.formation.generation  # a later one if the replacement died too
-        loop.group_formed(list(announced["failed"]))
+        loop.group_formed(announced.failed_ranks)
         t3 = time.perf_counter()
         report.phases["group"] = t3 - t2
         try:

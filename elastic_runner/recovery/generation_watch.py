@@ -14,7 +14,6 @@ import torch.distributed as dist
 from .group_formation import GroupFormation
 from .membership import THREAD_STORE_TIMEOUT_S, joins_waiting
 from .node_changes import NodeChanges
-from .protocol import AttemptKeys
 from .store import connect
 from .store_client import StoreClient
 
@@ -62,7 +61,7 @@ class GenerationWatch:
                     endpoint = self.client.location.endpoint
                     self._store, broken = self._connect(), False
                 announced = self._must_leave_collective(self.formation.generation + 1)
-                self.nodes.join_waiting = joins_waiting(self._store, self.client.key)
+                self.nodes.join_waiting = joins_waiting(self.client.keys_in(self._store))
             except (RuntimeError, dist.DistError):  # store unreachable (partitioned): wait
                 broken = True
                 continue
@@ -80,11 +79,11 @@ class GenerationWatch:
         Raises:
             RuntimeError: the store is unreachable.
         """
-        keys = AttemptKeys(self._store, self.client.key)
+        keys = self.client.keys_in(self._store)
         if keys.restart_asked():
             return True
         announced = keys.announcement(generation)
-        return announced is not None and announced.get("reason") not in ("preempted", "joined")
+        return announced is not None and announced.cuts_collectives
 
     def _connect(self) -> dist.Store:
         """A client of the recovery store for this thread; its socket is never taken for a

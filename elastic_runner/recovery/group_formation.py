@@ -15,9 +15,10 @@ from typing import Any
 import torch.distributed as dist
 
 from ..logs import first_line
+from ..protocol import env as runner_env
+from ..protocol.torchrun_env import TorchrunEnv
 from .group_sockets import GroupSockets
 from .outcomes import JobFinished
-from .protocol import GENERATION_ENV, SPARE_NICE_ENV
 from .store_client import StoreClient
 
 # the worker's recovery log lines keep the logger name they always had (bench and operators
@@ -61,7 +62,8 @@ class GroupFormation:
             JobFinished: the job's training ended meanwhile (rank 0 announced it finished).
         """
         if rank is None:
-            rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            here = TorchrunEnv.read()
+            rank, world_size = here.rank, here.world_size
         assert world_size is not None
         deadline = time.monotonic() + self.join_timeout_s
         while True:
@@ -165,7 +167,7 @@ class GroupFormation:
         """A spare (after building the task) tells the agent it is ready and blocks until the
         agent hands it a failed worker's place; joins that worker's generation and returns its
         environment (RANK, LOCAL_RANK, ... and
-        :data:`~elastic_runner.recovery.protocol.GENERATION_ENV`).
+        :data:`~elastic_runner.protocol.env.GENERATION_ENV`).
 
         Raises:
             RuntimeError: the store is gone (its agent died, or the store moved on).
@@ -174,16 +176,16 @@ class GroupFormation:
         attempt.spare_ready(spare)
         # a store that is gone (its agent died, or the store moved on) raises here: leave
         env = attempt.wait_assignment(spare, _SPARE_POLL_S)
-        self.generation = int(env[GENERATION_ENV])
+        self.generation = runner_env.generation_of(env)
         restore_priority()
         return env
 
 
 def restore_priority() -> None:
-    """A spare started at a lower CPU priority (:data:`SPARE_NICE_ENV`) that takes a worker's
+    """A spare started at a lower CPU priority (:data:`~elastic_runner.protocol.env.SPARE_NICE_ENV`) that takes a worker's
     place: every thread of this process back to the agent's nice value. A thread that cannot
     be changed (no CAP_SYS_NICE: the agent then starts none lower) is logged."""
-    target = os.environ.pop(SPARE_NICE_ENV, None)
+    target = runner_env.pop_spare_nice()
     if target is None:
         return
     for tid in os.listdir("/proc/self/task"):

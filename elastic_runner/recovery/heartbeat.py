@@ -15,12 +15,13 @@ heartbeat never leaves the node and costs no store traffic (etcd keeps every wri
 
 from __future__ import annotations
 
-import os
 import threading
 from pathlib import Path
 
+from ..protocol import env
+from ..protocol.env import HEARTBEAT_ENV
+from ..protocol.torchrun_env import TorchrunEnv
 from .background import Stoppable
-from .protocol import HEARTBEAT_ENV
 
 __all__ = ["HEARTBEAT_ENV", "Heartbeat", "NoHeartbeat"]
 
@@ -39,10 +40,10 @@ class Heartbeat:
     def from_env(cls, timeout_s: float | None) -> Stoppable:
         """This worker's heartbeat (four beats per ``timeout_s``, the agent's limit), or a
         :class:`NoHeartbeat` without the agent's directory or with the check off."""
-        directory = os.environ.get(HEARTBEAT_ENV)
+        directory = env.heartbeat_dir()
         if not directory or timeout_s is None:
             return NoHeartbeat()
-        return cls(Path(directory) / os.environ.get("LOCAL_RANK", "0"), timeout_s / 4)
+        return cls(Path(directory) / str(TorchrunEnv.read().local_rank), timeout_s / 4)
 
     def _run(self) -> None:
         while not self._closed.wait(self.interval_s):

@@ -1,7 +1,7 @@
 """In-place recovery, the workers' side: survivors keep their process when a peer dies.
 
 Under ``elastic-runner run`` (``recovery.mode: in_place``) every agent
-(:mod:`elastic_runner.agent.inplace_agent`) names the job's **recovery store** in :data:`~elastic_runner.recovery.protocol.ENV`: a
+(:mod:`elastic_runner.agent.inplace_agent`) names the job's **recovery store** in :data:`~elastic_runner.protocol.env.INPLACE_ENV`: a
 TCPStore in the agent on one node; across nodes the c10d rendezvous store, or with etcd a
 TCPStore in an agent that moves when its node leaves (:mod:`elastic_runner.recovery.store`). The process group of *generation* ``g`` lives under
 ``<prefix>/pg/<g>/`` of that store (a ``PrefixStore``, as
@@ -41,18 +41,20 @@ module cannot move to a new group. Each survivor leaves through :class:`Regroup`
 shards a new module on the new group, and the members roll back to the peer copies (or take a
 surviving HSDP replica's live state): :mod:`elastic_runner.recovery.rejoin`.
 
-A process started without :data:`~elastic_runner.recovery.protocol.ENV` (plain torchrun, ``recovery.mode: restart``, a user's own
+A process started without :data:`~elastic_runner.protocol.env.INPLACE_ENV` (plain torchrun, ``recovery.mode: restart``, a user's own
 script) gets :class:`NoRecovery`: errors propagate and torchrun restarts everyone.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 import torch.distributed as dist
 
+from ..protocol import env
+from ..protocol.keys import AttemptKeys
+from ..protocol.torchrun_env import TorchrunEnv, node_rank_of
 from .background import Stoppable
 from .failure import OWN_ERROR_GRACE_S, FailureRecovery
 from .generation_watch import GenerationWatch, NoWatch
@@ -62,7 +64,6 @@ from .membership import Policy
 from .node_changes import NodeChanges
 from .outcomes import JobFinished, Regroup, StepRedo
 from .peer_copies import NoCopies, PeerCopies
-from .protocol import ENV, GENERATION_ENV, MIN_NODES_ENV, AttemptKeys
 from .recoverable import Copies, Live, Recoverable
 from .rejoin import RecoveryReport, wire_device
 from .signals import AgentSignals
@@ -185,7 +186,7 @@ class InPlaceRecovery:
 
     @classmethod
     def from_env(cls, cfg: Any) -> InPlaceRecovery | NoRecovery:
-        """From the agent's :data:`~elastic_runner.recovery.protocol.ENV` (``cfg``: the
+        """From the agent's :data:`~elastic_runner.protocol.env.INPLACE_ENV` (``cfg``: the
         ``recovery`` config section), else :class:`NoRecovery`. Set :attr:`backend` once the
         group exists.
 
@@ -193,16 +194,14 @@ class InPlaceRecovery:
             RuntimeError: the recovery store does not answer within
                 ``recovery.join_timeout_seconds``.
         """
-        address = os.environ.get(ENV)
+        address, torchrun = env.inplace_store(), TorchrunEnv.read()
         if not address or cfg.mode != "in_place":
             return NoRecovery()
         location = StoreLocation.from_json(address)
         store = connect(location, cfg.join_timeout_seconds)
-        return cls(store, location.prefix, int(os.environ.get(GENERATION_ENV, 0)),
+        return cls(store, location.prefix, env.generation(),
                    cfg.detect_timeout_seconds, cfg.join_timeout_seconds, location=location,
-                   node=int(os.environ.get("GROUP_RANK", 0)),
-                   nnodes=int(os.environ.get("GROUP_WORLD_SIZE", 1)),
-                   min_nodes=int(os.environ.get(MIN_NODES_ENV, 1)),
+                   node=torchrun.node_rank, nnodes=torchrun.nnodes, min_nodes=env.min_nodes(),
                    peer_copy_every_steps=cfg.peer_copy_every_steps)
 
     # ------------------------------------------------------------ state callers read
@@ -241,7 +240,7 @@ class InPlaceRecovery:
 
     @property
     def attempt(self) -> AttemptKeys:
-        """The attempt's keys in the store in use (``recovery/protocol.py``)."""
+        """The attempt's keys in the store in use (``protocol/keys.py``)."""
         return self.client.attempt
 
     # ------------------------------------------------------------ the training loop
@@ -335,15 +334,15 @@ class InPlaceRecovery:
     def wait_assignment(self, spare: str) -> dict[str, str]:
         """A spare (after building the task) tells the agent it is ready and blocks until the
         agent hands it a failed worker's place; returns that worker's environment (RANK,
-        LOCAL_RANK, ... and :data:`~elastic_runner.recovery.protocol.GENERATION_ENV`).
+        LOCAL_RANK, ... and :data:`~elastic_runner.protocol.env.GENERATION_ENV`).
 
         Raises:
             RuntimeError: the store is gone (its agent died, or the store moved on).
         """
-        env = self.formation.wait_assignment(spare)
+        assigned = self.formation.wait_assignment(spare)
         # the node's id now (a node that joined claimed one after its spares started)
-        self.nodes.node = int(env.get("GROUP_RANK", self.nodes.node))
-        return env
+        self.nodes.node = node_rank_of(assigned, self.nodes.node)
+        return assigned
 
     # ------------------------------------------------------------ the agents
 

@@ -24,7 +24,8 @@ posts a join request (:func:`request_join`); the running ranks stop at their nex
 (:func:`announce_join`), and the group re-forms at the larger world size, the joiners getting
 the state from a live peer.
 
-Keys, under the attempt's prefix in the recovery store:
+Keys, under the attempt's prefix in the recovery store (built and read only by
+:class:`~elastic_runner.protocol.keys.MembershipKeys`, which the functions here take):
 
 ``node/<n>/ranks``
     node rank ``n``'s workers' global ranks at the attempt's start, by local rank (its agent
@@ -54,8 +55,8 @@ Keys, under the attempt's prefix in the recovery store:
 ``joins_admitted``
     the last join request answered (taken in, or refused: ``join/<i>/refused`` says why).
 
-The generation announcement itself (``gen/<g>``) is :mod:`elastic_runner.recovery.inplace`'s, with
-``departed`` or ``joined``, ``members`` (the old global ranks that stay, in their new order: new
+The generation announcement itself (``gen/<g>``) is an
+:class:`~elastic_runner.protocol.announcement.Announcement`, with ``departed`` or ``joined``, ``members`` (the old global ranks that stay, in their new order: new
 rank = index; a joined node's ranks follow them) and ``world_size`` added, and ``store`` (the
 new host's ``host:port``) when the recovery store moved with it.
 
@@ -80,8 +81,10 @@ from typing import Any
 import torch.distributed as dist
 
 from ..config_base import ConfigError
+from ..protocol.announcement import Announcement
+from ..protocol.keys import AttemptKeys, MembershipKeys
+from ..protocol.keys import raise_counter as raise_counter  # its home before
 from ..train.config import BatchConfig
-from .protocol import Key
 
 log = logging.getLogger(__name__)
 
@@ -181,54 +184,39 @@ class View:
                    {int(n): e for n, e in data.get("stores", {}).items()})
 
 
-def register(store: dist.Store, key: Key, node: int, ranks: list[int], hosts_store: bool,
+def register(keys: MembershipKeys, node: int, ranks: list[int], hosts_store: bool,
              nnodes: int | None, own_store: str = "") -> None:
     """Node ``node``'s agent: its workers' global ``ranks`` (by local rank), before it starts
     them; ``hosts_store``: its process hosts the recovery store; ``nnodes``: the attempt's
     number of nodes at its start (None: a node that joined later); ``own_store``: the
     ``host:port`` of the store its agent hosts (etcd; empty: none)."""
-    if own_store:
-        store.set(key("node", node, "store"), own_store)
-    store.set(key("node", node, "ranks"), json.dumps(ranks))
-    if nnodes is not None:
-        store.set(key("nnodes"), str(nnodes))
-    if hosts_store:
-        store.set(key("store_node"), str(node))
+    keys.register_node(node, ranks, nnodes, hosts_store, own_store)
 
 
-def read_view(store: dist.Store, key: Key) -> View:
+def read_view(keys: MembershipKeys) -> View:
     """The current view; before the first membership change, assembled from the registrations
     of the attempt's nodes (blocking until every one registered, within the store's
     timeout)."""
-    if store.check([key("view")]):
-        return View.from_json(store.get(key("view")))
-    nnodes = int(store.get(key("nnodes")))
-    nodes = {n: json.loads(store.get(key("node", n, "ranks"))) for n in range(nnodes)}
-    host = int(store.get(key("store_node"))) if store.check([key("store_node")]) else -1
-    stores = {n: store.get(key("node", n, "store")).decode() for n in nodes
-              if store.check([key("node", n, "store")])}
+    text = keys.view_text()
+    if text is not None:
+        return View.from_json(text)
+    nodes = {n: keys.node_ranks(n) for n in range(keys.nnodes())}
+    host = keys.store_node()
+    stores = {n: e for n in nodes if (e := keys.node_store(n)) is not None}
     return View(0, nodes, store_node=host, stores=stores)
 
 
-GLOBAL_BATCH_KEY = "global_batch"
-"""The attempt's key where the group's rank 0 records the global batch the job keeps (samples;
-``batch.keep_global_batch``): what a joiner builds for, and what the agents' :class:`Policy`
-checks a smaller world size against."""
-
-
-def record_global_batch(store: dist.Store, key: Key, samples: int | None) -> None:
+def record_global_batch(keys: MembershipKeys, samples: int | None) -> None:
     """Rank 0: the group's global batch (None: it follows the world size; nothing kept)."""
-    store.set(key(GLOBAL_BATCH_KEY), str(samples or 0))
+    keys.record_global_batch(samples)
 
 
-def read_global_batch(store: dist.Store, key: Key) -> int | None:
+def read_global_batch(keys: MembershipKeys) -> int | None:
     """The global batch the group's rank 0 recorded, or None (not recorded, or not kept)."""
-    if not store.check([key(GLOBAL_BATCH_KEY)]):
-        return None
-    return int(store.get(key(GLOBAL_BATCH_KEY))) or None
+    return keys.global_batch()
 
 
-def announce_departure(store: dist.Store, key: Key, view: View, leaving: list[int],
+def announce_departure(keys: AttemptKeys, view: View, leaving: list[int],
                        reason: str, connect: Callable[[str], dist.Store] | None = None
                        ) -> tuple[int, View, list[int]] | None:
     """Announce the generation without the nodes ``leaving`` (``reason``: ``preempted`` or
@@ -248,101 +236,85 @@ def announce_departure(store: dist.Store, key: Key, view: View, leaving: list[in
     """
     me = f"{reason}:{time.time_ns()}"
     for node in leaving:
-        if store.compare_set(key("departed", node), "", me).decode() != me:
+        if not keys.claim_departure(node, me):
             return None
-    generation = store.add(key("generations"), 1)
+    generation = keys.draw_generations()
     new, members = view.without(leaving, generation)
-    news: dict[str, object] = {}
+    moved_to: str | None = None
     if view.store_node in leaving:
         successor = view.successor(leaving)
         if successor is None or connect is None:
             raise ValueError(f"node {view.store_node} hosts the recovery store and no "
                              "remaining node hosts one")
         new = new.moved_to(successor)
-        news["store"] = new.stores[successor]
-        seed(connect(new.stores[successor]), key, new, generation,
+        moved_to = new.stores[successor]
+        seed(AttemptKeys(connect(moved_to), keys.key), new, generation,
              {n: me for n in leaving})
-    store.set(key("view"), new.to_json())
+    keys.set_view(new.to_json())
     failed = sorted(r for n in leaving for r in view.nodes.get(n, []))
-    store.set(key("gen", generation), json.dumps({
-        "departed": leaving, "failed": failed, "members": members,
-        "world_size": len(members), "reason": reason, **news}))
+    keys.announce(generation, Announcement(
+        departed=tuple(leaving), failed=tuple(failed), members=tuple(members),
+        world_size=len(members), reason=reason, store=moved_to))
     return generation, new, members
 
 
-def seed(store: dist.Store, key: Key, view: View, generation: int,
+def seed(keys: AttemptKeys, view: View, generation: int,
          departed: dict[int, str] | None = None) -> None:
-    """Make ``store`` the attempt's recovery store from here on: the current ``view`` (unless
-    one is there: the first process to seed wins), the generation counter at least
+    """Make ``keys``' store the attempt's recovery store from here on: the current ``view``
+    (unless one is there: the first process to seed wins), the generation counter at least
     ``generation``, and the departure claims ``departed`` (node -> claim). Idempotent: every
     process that moves seeds, whoever comes first."""
-    raise_counter(store, key("generations"), generation)
-    store.compare_set(key("view"), "", view.to_json())
+    keys.raise_generations(generation)
+    keys.seed_view(view.to_json())
     for node, claim in (departed or {}).items():
-        store.compare_set(key("departed", node), "", claim)
+        keys.claim_departure(node, claim)
 
 
-def raise_counter(store: dist.Store, name: str, value: int) -> int:
-    """Set the counter ``name`` (a key ``Store.add`` counts in) to at least ``value``, by
-    compare-and-set, so two processes raising it at once never add up. Returns its value."""
-    while True:
-        current = store.add(name, 0)
-        if current >= value:
-            return current
-        if store.compare_set(name, str(current), str(value)).decode() == str(value):
-            return value
-
-
-def claim_node_id(store: dist.Store, key: Key, view: View) -> int:
+def claim_node_id(keys: MembershipKeys, view: View) -> int:
     """A node that joins a running attempt: the lowest node id nobody used or claimed (ids are
     stable across rendezvous rounds, where torch may renumber the nodes)."""
     me, node = f"{time.time_ns()}", max(view.ids(), default=-1) + 1
-    while store.compare_set(key("node", node, "claim"), "", me).decode() != me:
+    while not keys.claim_node(node, me):
         node += 1
     return node
 
 
-def request_join(store: dist.Store, key: Key, node: int, nproc: int, own_store: str = ""
-                 ) -> int:
+def request_join(keys: MembershipKeys, node: int, nproc: int, own_store: str = "") -> int:
     """A joining node's agent, once its ``nproc`` workers have built the task: ask the running
     group to take it in at its next step boundary (``own_store``: the ``host:port`` of the
     store its agent hosts, etcd). Returns the request's number (1, 2, ...)."""
-    number = store.add(key("joins"), 1)
-    store.set(key("join", number), json.dumps({"node": node, "nproc": nproc,
-                                               "store": own_store}))
-    return number
+    return keys.post_join({"node": node, "nproc": nproc, "store": own_store})
 
 
-def pending_joins(store: dist.Store, key: Key, admitted: int) -> dict[int, dict[str, Any]]:
+def pending_joins(keys: MembershipKeys, admitted: int) -> dict[int, dict[str, Any]]:
     """The join requests after number ``admitted``: number -> ``{"node", "nproc", "store"}``.
     """
-    posted = store.add(key("joins"), 0)
-    return {n: json.loads(store.get(key("join", n))) for n in range(admitted + 1, posted + 1)}
+    posted = keys.joins_posted()
+    return {n: keys.join_request(n) for n in range(admitted + 1, posted + 1)}
 
 
-def joins_waiting(store: dist.Store, key: Key) -> bool:
+def joins_waiting(keys: MembershipKeys) -> bool:
     """Whether a join request is posted and not yet answered (two reads; polled by every
     worker's :class:`~elastic_runner.recovery.generation_watch.GenerationWatch`)."""
-    posted = store.add(key("joins"), 0)
-    return bool(posted) and posted > answered_joins(store, key)
+    posted = keys.joins_posted()
+    return bool(posted) and posted > answered_joins(keys)
 
 
-def answered_joins(store: dist.Store, key: Key) -> int:
+def answered_joins(keys: MembershipKeys) -> int:
     """The number of the last join request answered (0: none)."""
-    admitted = key("joins_admitted")
-    return int(store.get(admitted)) if store.check([admitted]) else 0
+    return keys.joins_answered()
 
 
-def refuse_joins(store: dist.Store, key: Key, requests: Iterable[int], why: str) -> None:
+def refuse_joins(keys: MembershipKeys, requests: Iterable[int], why: str) -> None:
     """Answer the join requests ``requests`` with a refusal (``why``); their agents end."""
     numbers = sorted(requests)
     for number in numbers:
-        store.set(key("join", number, "refused"), why)
+        keys.refuse_join(number, why)
     if numbers:
-        store.set(key("joins_admitted"), str(numbers[-1]))
+        keys.answer_joins(numbers[-1])
 
 
-def announce_join(store: dist.Store, key: Key, view: View, joining: dict[int, int],
+def announce_join(keys: AttemptKeys, view: View, joining: dict[int, int],
                   admitted: int, stores: dict[int, str] | None = None) -> tuple[int, View]:
     """Announce the generation with the nodes ``joining`` (node id -> workers) added after the
     members, every member keeping its rank; ``admitted``: the last join request it answers;
@@ -352,17 +324,16 @@ def announce_join(store: dist.Store, key: Key, view: View, joining: dict[int, in
     Returns:
         ``(generation, new view)``.
     """
-    generation = store.add(key("generations"), 1)
+    generation = keys.draw_generations()
     new = view.with_nodes(joining, generation, stores)
-    store.set(key("view"), new.to_json())
-    store.set(key("joins_admitted"), str(admitted))
-    members = list(range(view.world_size))
-    store.set(key("gen", generation), json.dumps({
-        "joined": sorted(joining), "failed": [], "members": members,
-        "world_size": new.world_size, "admitted": admitted, "reason": "joined"}))
+    keys.set_view(new.to_json())
+    keys.answer_joins(admitted)
+    keys.announce(generation, Announcement(
+        joined=tuple(sorted(joining)), failed=(), members=tuple(range(view.world_size)),
+        world_size=new.world_size, admitted=admitted, reason="joined"))
     for node in joining:
-        store.set(key("admitted", node), json.dumps({
-            "generation": generation, "ranks": new.nodes[node], "world_size": new.world_size}))
+        keys.admit(node, {"generation": generation, "ranks": new.nodes[node],
+                          "world_size": new.world_size})
     return generation, new
 
 
@@ -383,7 +354,7 @@ class Policy:
 
     def keeping(self, job_global_batch: int | None) -> Policy:
         """This policy for a job that keeps the global batch ``job_global_batch`` (samples:
-        what its rank 0 recorded, :data:`GLOBAL_BATCH_KEY`; None: not known yet)."""
+        what its rank 0 recorded, ``global_batch``; None: not known yet)."""
         if self.batch is None or job_global_batch is None:
             return self
         return replace(self, batch=self.batch.kept(0, job_global_batch))
@@ -426,19 +397,18 @@ class NodeBeat:
     process; so does one cut off from the store.
 
     Args:
-        store: a client of the recovery store for this thread alone.
-        key: the attempt's key function; ``node``: this node's rank.
+        keys: the attempt's keys through a client of the recovery store for this thread alone.
+        node: this node's rank.
         interval_s: seconds between beats.
     """
 
-    def __init__(self, store: dist.Store, key: Key, node: int, interval_s: float = 0.25
-                 ) -> None:
-        self.store, self.key, self.node, self.interval_s = store, key, node, interval_s
+    def __init__(self, keys: MembershipKeys, node: int, interval_s: float = 0.25) -> None:
+        self.keys, self.node, self.interval_s = keys, node, interval_s
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def beat(self) -> None:
-        self.store.add(self.key("node", self.node, "beat"), 1)
+        self.keys.beat(self.node)
 
     def start(self) -> NodeBeat:
         """Beat once now, then from the thread; returns self."""
@@ -479,13 +449,12 @@ class NodeWatch:
     absence.
 
     Args:
-        store: the recovery store; ``key``: the attempt's key function; ``node``: this node.
+        keys: the attempt's keys in the recovery store; ``node``: this node.
         timeout_s: ``recovery.node_timeout_seconds``.
         interval_s: :meth:`due` says a look is due this often (seconds).
     """
 
-    store: dist.Store
-    key: Key
+    keys: MembershipKeys
     node: int
     timeout_s: float
     interval_s: float = 0.25
@@ -507,7 +476,7 @@ class NodeWatch:
         for node in nodes:
             if node == self.node:
                 continue
-            count = self.store.add(self.key("node", node, "beat"), 0)
+            count = self.keys.beat(node, 0)
             seen = self._seen.get(node)
             if seen is None or seen[0] != count:
                 self._seen[node] = (count, now)
@@ -516,24 +485,19 @@ class NodeWatch:
         return out
 
 
-def departure_of(store: dist.Store, key: Key, node: int) -> str | None:
+def departure_of(keys: MembershipKeys, node: int) -> str | None:
     """Why node ``node`` left the group in place (``preempted``, ``lost``), None while it is a
     member."""
-    if not store.check([key("departed", node)]):
-        return None
-    return store.get(key("departed", node)).decode().split(":")[0]
+    claim = keys.departure(node)
+    return None if claim is None else claim.split(":")[0]
 
 
-def refusal(store: dist.Store, key: Key, request: int) -> str | None:
+def refusal(keys: MembershipKeys, request: int) -> str | None:
     """Why join request ``request`` was refused (:func:`refuse_joins`), None while it was not."""
-    if not store.check([key("join", request, "refused")]):
-        return None
-    return store.get(key("join", request, "refused")).decode()
+    return keys.refusal(request)
 
 
-def admission(store: dist.Store, key: Key, node: int) -> dict[str, Any] | None:
+def admission(keys: MembershipKeys, node: int) -> dict[str, Any] | None:
     """Node ``node``'s admission (``generation``, ``world_size``, ``ranks``:
     :func:`announce_join`), None while it is not admitted."""
-    if not store.check([key("admitted", node)]):
-        return None
-    return json.loads(store.get(key("admitted", node)))
+    return keys.admission(node)

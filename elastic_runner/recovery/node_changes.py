@@ -19,6 +19,7 @@ import torch.distributed as dist
 from ..checkpoint.fencing import FencedOut
 from ..dist import release_groups_of
 from ..preempt import Preempted
+from ..protocol.announcement import Announcement
 from .group_formation import GroupFormation
 from .group_sockets import GroupSockets
 from .membership import (
@@ -84,7 +85,7 @@ class NodeChanges:
         loop.preempt.membership = lambda: self.join_waiting
         if loop.info.rank == 0:
             with contextlib.suppress(RuntimeError, dist.DistError):
-                record_global_batch(self.client.store, self.client.key,
+                record_global_batch(self.client.attempt,
                                     loop.session.sampler.global_batch_size)
                 if self.client.multi_node and loop.profile.regroups:
                     self.client.attempt.allow_joins_in_place()
@@ -93,7 +94,7 @@ class NodeChanges:
         """The global batch (samples) the group's rank 0 recorded: what a joiner builds for
         (None: not recorded, or the store is gone)."""
         with contextlib.suppress(RuntimeError, dist.DistError):
-            return read_global_batch(self.client.store, self.client.key)
+            return read_global_batch(self.client.attempt)
         return None
 
     def policy(self, loop: Recoverable) -> Policy:
@@ -121,7 +122,7 @@ class NodeChanges:
         # read before the all-gather: the announcer (members[0]) writes the next view once its
         # all-gather returns, which a slower rank's could not have yet (seen: a joined rank
         # read the announced view, which no longer held its node)
-        view = read_view(self.client.store, self.client.key)
+        view = read_view(self.client.attempt)
         everyone: list[Any] = [None] * loop.info.world_size
         dist.all_gather_object(everyone, loop.preempt.requested)
         leaving = sorted({view.node_of(r) for r, asked in enumerate(everyone) if asked})
@@ -177,7 +178,7 @@ class NodeChanges:
         announced it already."""
         announced: list[Any] = [0, ""]
         if loop.info.rank == announcer:
-            done = announce_departure(self.client.store, self.client.key, view, leaving,
+            done = announce_departure(self.client.attempt, view, leaving,
                                       "preempted", self.client.client)
             if done is not None:
                 generation, new, _ = done
@@ -215,10 +216,10 @@ class NodeChanges:
 
     def _answer_joins(self, loop: Recoverable) -> list[Any]:
         """Rank 0: ``[generation, world size, joining nodes]`` (generation 0: none join)."""
-        store, key = self.client.store, self.client.key
-        requests = pending_joins(store, key, answered_joins(store, key))
+        keys = self.client.attempt
+        requests = pending_joins(keys, answered_joins(keys))
         joining = {r["node"]: r["nproc"] for r in requests.values()}
-        view = read_view(store, key)
+        view = read_view(keys)
         world_size = view.world_size + sum(joining.values())
         if not joining:
             return [0, loop.info.world_size, []]
@@ -226,16 +227,16 @@ class NodeChanges:
             why = (f"batch.global_batch_size cannot be split at world size {world_size} "
                    f"(nodes {sorted(joining)} asked to join)")
             log.error("membership: %s: they stay out", why)
-            refuse_joins(store, key, requests, why)
+            refuse_joins(keys, requests, why)
             return [0, loop.info.world_size, []]
-        generation, new = announce_join(store, key, view, joining, max(requests),
+        generation, new = announce_join(keys, view, joining, max(requests),
                                         {r["node"]: r["store"] for r in requests.values()
                                          if r.get("store")})
         return [generation, new.world_size, sorted(joining)]
 
     # ------------------------------------------------------------ a collective cut short
 
-    def follow_departure(self, announced: dict[str, Any], loop: Recoverable, t0: float
+    def follow_departure(self, announced: Announcement, loop: Recoverable, t0: float
                          ) -> NoReturn:
         """Node(s) left: lost (an agent announced it: no heartbeat), or preempted (the lowest
         remaining rank announced it at a step boundary, while this rank's collective was cut
@@ -251,30 +252,30 @@ class NodeChanges:
             Regroup: as this rank's new number in the smaller group.
         """
         generation = self.formation.generation + 1
-        if announced.get("store") and self.node not in announced["departed"]:
-            self.client.switch(announced["store"])
-        if self.node in announced["departed"] and announced["reason"] == "preempted":
+        departed, members = announced.departed or (), list(announced.members or ())
+        if announced.store and self.node not in departed:
+            self.client.switch(announced.store)
+        if self.node in departed and announced.reason == "preempted":
             raise Preempted(f"node {self.node} preempted: it left the job after step "
                             f"{loop.session.state.step}; the others go on at world size "
-                            f"{announced['world_size']} (generation {generation})")
-        if self.node in announced["departed"]:
+                            f"{announced.world_size} (generation {generation})")
+        if self.node in departed:
             raise FencedOut(f"node {self.node} was declared lost in generation {generation} "
-                            f"({announced['reason']}: no heartbeat within "
+                            f"({announced.reason}: no heartbeat within "
                             "recovery.node_timeout_seconds); the group went on without it and "
                             "this node commits nothing")
-        report = RecoveryReport(generation, announced["failed"], loop.session.state.step)
+        report = RecoveryReport(generation, announced.failed_ranks, loop.session.state.step)
         report.phases["detection"] = time.perf_counter() - t0
         log.warning("membership: node(s) %s %s (ranks %s); generation %d goes on at world "
-                    "size %d, this rank %d -> %d", announced["departed"], announced["reason"],
-                    announced["failed"], generation, announced["world_size"], loop.info.rank,
-                    announced["members"].index(loop.info.rank))
+                    "size %d, this rank %d -> %d", list(departed), announced.reason,
+                    announced.failed_ranks, generation, announced.world_size, loop.info.rank,
+                    members.index(loop.info.rank))
         loop.session.callbacks.on_phase("recovering", "membership change", True)
-        self._changed(loop, announced["reason"])
-        members = announced["members"]
+        self._changed(loop, announced.reason)
         self._regroup(loop, members.index(loop.info.rank), len(members), generation,
                       report)
 
-    def follow_join(self, announced: dict[str, Any], loop: Recoverable, t0: float
+    def follow_join(self, announced: Announcement, loop: Recoverable, t0: float
                     ) -> NoReturn:
         """Rank 0 announced that node(s) join while this rank's collective was cut short:
         go on as the same rank in the larger group. ``t0``: when the failure was seen
@@ -289,7 +290,7 @@ class NodeChanges:
         report.phases["detection"] = time.perf_counter() - t0
         loop.session.callbacks.on_phase("recovering", "membership change", True)
         self._changed(loop, "joined")
-        self._regroup(loop, loop.info.rank, announced["world_size"], generation, report)
+        self._regroup(loop, loop.info.rank, announced.world_size, generation, report)
 
     def _changed(self, loop: Recoverable, reason: str) -> None:
         loop.session.callbacks.on_membership_change(reason)

@@ -12,7 +12,6 @@ small swappable parts and runs them in one place).
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -20,6 +19,9 @@ from typing import Any, Protocol
 from ..dist import DistInfo
 from ..dist import init_distributed as init_group
 from ..logs import setup_logging
+from ..protocol import env
+from ..protocol.torchrun_env import TorchrunEnv, set_rank
+from ..protocol.torchrun_env import take_place as assume
 from ..train.callbacks import Callbacks
 from ..train.consensus import StepConsensus
 from ..train.session import TrainingSession
@@ -27,7 +29,6 @@ from ..train.straggler import StragglerMonitor
 from .background import Stoppable
 from .group_sockets import Sockets
 from .outcomes import Regroup
-from .protocol import SPARE_ENV
 from .recoverable import Recoverable, RecoveryHooks
 from .rejoin import RecoveryReport, rejoin
 
@@ -81,30 +82,29 @@ class RecoveryService(RecoveryHooks, Protocol):
 # ------------------------------------------------------------ joining the job
 
 def spare_name(recovery: RecoveryService) -> str | None:
-    """This process's name as a spare (the agent's :data:`~elastic_runner.recovery.protocol.
+    """This process's name as a spare (the agent's :data:`~elastic_runner.protocol.env.
     SPARE_ENV`; a joining node's worker is named by its local rank), or None: it is a worker
     of the job's start (or recovery is off)."""
-    spare = os.environ.get(SPARE_ENV) if recovery.active else None
+    spare = env.spare_name() if recovery.active else None
     if spare is not None and spare.endswith("."):
-        spare += os.environ.get("LOCAL_RANK", "0")
+        spare += str(TorchrunEnv.read().local_rank)
     return spare
 
 
-def take_place(recovery: RecoveryService, spare: str, verbose: bool = False) -> dict[str, str]:
+def take_place(recovery: RecoveryService, spare: str, verbose: bool = False) -> TorchrunEnv:
     """A warm spare (its task built) waits until its agent hands it a failed worker's place;
-    that worker's environment (RANK, LOCAL_RANK, ...) becomes this process's. Returns it.
+    that worker's environment (RANK, LOCAL_RANK, ...) becomes this process's. Returns it read.
 
     Raises:
         RuntimeError: the recovery store is gone (its agent died, or the store moved on).
     """
     t0 = time.time()
-    env = recovery.wait_assignment(spare)
-    os.environ.update(env)
-    setup_logging(int(env["RANK"]), verbose)
+    place = assume(recovery.wait_assignment(spare))
+    setup_logging(place.rank, verbose)
     log.warning("spare %s replaces rank %s (local_rank %s) in generation %d, after standing by "
-                "%.1f s", spare, env["RANK"], env["LOCAL_RANK"], recovery.generation,
+                "%.1f s", spare, place.rank, place.local_rank, recovery.generation,
                 time.time() - t0)
-    return env
+    return place
 
 
 def join_group(recovery: RecoveryService, backend: str, timeout_s: float,
@@ -204,7 +204,7 @@ class RecoveryTail:
         t0 = time.perf_counter()
         self.recovery.form_group(r.rank, r.world_size, r.generation)
         t1 = time.perf_counter()
-        os.environ.update(RANK=str(r.rank), WORLD_SIZE=str(r.world_size))
+        set_rank(r.rank, r.world_size)
         if own_logging and r.rank != old_rank:  # a new rank 0 logs what rank 0 logs
             setup_logging(r.rank)
         loop = moved()

@@ -7,7 +7,7 @@ first call a script makes to the runner) is where the process joins the job, thr
 
 * a worker of the job's start joins generation 0 of the recovery store
   (:mod:`elastic_runner.recovery.inplace`) instead of a group of its own;
-* a **spare** (the agent set :data:`~elastic_runner.recovery.protocol.SPARE_ENV`; it has run the
+* a **spare** (the agent set :data:`~elastic_runner.protocol.env.SPARE_ENV`; it has run the
   script's imports, so torch is loaded) tells its agent it is ready and blocks here until the agent
   hands it a failed worker's place; then it joins the running group as that rank, and the
   script goes on as it would: builds its model, wraps it in DDP (whose construction collectives
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import atexit
 import logging
-import os
 from typing import Any, Protocol
 
 import yaml
@@ -34,7 +33,8 @@ from pydantic import ValidationError
 
 from ..config_base import ConfigError
 from ..logs import first_line
-from ..script_env import RECOVERY_ENV
+from ..protocol import env
+from ..protocol.env import RECOVERY_ENV
 from .background import Stoppable
 from .config import RecoveryConfig
 from .heartbeat import Heartbeat
@@ -89,7 +89,7 @@ def script_recovery_config(mode: str | None = None) -> RecoveryConfig:
     Raises:
         ConfigError: the variable is not a mapping of valid ``recovery`` keys (named).
     """
-    text = os.environ.get(RECOVERY_ENV, "")
+    text = env.recovery_settings()
     try:
         values = yaml.safe_load(text) if text.strip() else {}
     except yaml.YAMLError as e:

@@ -2,7 +2,7 @@
 start), a recovery is over (the next spare may start), training finished (a waiting
 replacement leaves), and take torch's restart path (no agent replaces anyone in place any
 more). Keys behind
-:class:`~elastic_runner.recovery.protocol.AttemptKeys`."""
+:class:`~elastic_runner.protocol.keys.AttemptKeys`."""
 
 from __future__ import annotations
 

@@ -47,11 +47,9 @@ import torch.distributed as dist
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
 from ..compat.rendezvous import ETCD_BACKENDS
+from ..protocol.keys import RoundKeys, attempt_prefix
 
 C10D_DEFAULT_PORT = 29400  # torchrun's default c10d rendezvous port
-_PREFIX_KEY = "elastic_runner/recovery_prefix"
-_STATUS_KEY = "elastic_runner/running"  # /<node rank>: that agent's running attempt or null
-_SUCCESSOR_KEY = "elastic_runner/successor"  # /<attempt prefix>/<dead endpoint>[/claims]
 STORE_FILE = "recovery-store.json"  # in the agent's heartbeat directory: the store it moved to
 
 
@@ -144,13 +142,14 @@ def agree_attempt(round_store: dist.Store, node_rank: int, nnodes: int, run_id: 
     0's agent reads all ``nnodes`` answers and sets the running attempt, or a new prefix with
     its own ``endpoint`` offer, in ``round_store`` (the round's store, new every round); every
     agent reads that (blocking until it is there, within the store's timeout)."""
-    round_store.set(f"{_STATUS_KEY}/{node_rank}", json.dumps(running))
+    keys = RoundKeys(round_store)
+    keys.say_running(node_rank, running)
     if node_rank == 0:
-        answers = [json.loads(round_store.get(f"{_STATUS_KEY}/{n}")) for n in range(nnodes)]
+        answers = [keys.running(n) for n in range(nnodes)]
         going = next((a for a in answers if a), None)
-        fresh = [f"elastic_runner/{run_id}/{uuid.uuid4().hex[:12]}", endpoint]
-        round_store.set(_PREFIX_KEY, json.dumps([*(going or fresh), going is not None]))
-    prefix, agreed, was_running = json.loads(round_store.get(_PREFIX_KEY))
+        fresh = [attempt_prefix(run_id, uuid.uuid4().hex[:12]), endpoint]
+        keys.set_attempt([*(going or fresh), going is not None])
+    prefix, agreed, was_running = keys.attempt()
     return Attempt(prefix, agreed, was_running)
 
 
@@ -166,8 +165,9 @@ def claim_successor(round_store: dist.Store, prefix: str, dead: str, proposed: s
         RuntimeError, LookupError: etcd unreachable, or no endpoint set within ``timeout_s``
             (the first claimer died between its claim and the set).
     """
-    key = f"{_SUCCESSOR_KEY}/{prefix}/{dead}"
-    if round_store.add(f"{key}/claims", 1) == 1:
+    keys = RoundKeys(round_store)
+    key = keys.successor(prefix, dead)
+    if keys.claim_successor(prefix, dead):
         round_store.set(key, proposed)
     round_store.wait([key], timedelta(seconds=timeout_s))
     return round_store.get(key).decode()

@@ -1,19 +1,18 @@
 """A worker's client of the job's recovery store (:mod:`elastic_runner.recovery.store`), which
 follows the store when it moves: with etcd the store is a TCPStore in one agent, and the agents
 move it to another node when its host leaves or dies. The attempt's keys stay behind
-:class:`~elastic_runner.recovery.protocol.AttemptKeys`."""
+:class:`~elastic_runner.protocol.keys.AttemptKeys` (:class:`~elastic_runner.protocol.client.AttemptClient`)."""
 
 from __future__ import annotations
 
 import logging
-import os
 import time
 from pathlib import Path
 
 import torch.distributed as dist
 
-from .membership import raise_counter
-from .protocol import HEARTBEAT_ENV, AttemptKeys
+from ..protocol import env
+from ..protocol.client import AttemptClient
 from .store import StoreLocation, connect, told
 
 # the worker's recovery log lines keep the logger name they always had (bench and operators
@@ -23,7 +22,7 @@ log = logging.getLogger("elastic_runner.recovery.inplace")
 _MOVE_POLL_S = 0.01  # a look at the agent's note of where the store went (seconds)
 
 
-class StoreClient:
+class StoreClient(AttemptClient):
     """The recovery store in use and where it is.
 
     Args:
@@ -39,15 +38,6 @@ class StoreClient:
         self.timeout_s = timeout_s
         # one TCPStore on one node; across nodes (c10d, etcd) a generation watch is needed
         self.multi_node = location.kind != "tcp"
-
-    def key(self, *parts: object) -> str:
-        """The store key ``<prefix>/<parts...>``."""
-        return "/".join([self.prefix, *map(str, parts)])
-
-    @property
-    def attempt(self) -> AttemptKeys:
-        """The attempt's keys in the store in use (``recovery/protocol.py``)."""
-        return AttemptKeys(self.store, self.key)
 
     def client(self, endpoint: str) -> dist.Store:
         """A client of the store at ``endpoint`` (``host:port``).
@@ -75,7 +65,7 @@ class StoreClient:
         host died; :data:`~elastic_runner.recovery.store.STORE_FILE`). Returns whether it
         did: this process then uses it, and raises the generation counter to ``generation``
         (this process's) so no announcement there reuses a number."""
-        directory = os.environ.get(HEARTBEAT_ENV)
+        directory = env.heartbeat_dir()
         if self.location.kind != "node0" or not directory:
             return False
         dead = self.location.endpoint
@@ -84,7 +74,7 @@ class StoreClient:
             if location is not None and location.endpoint != dead:
                 try:
                     self.switch(location.endpoint)
-                    raise_counter(self.store, self.attempt.generations_counter(), generation)
+                    self.attempt.raise_generations(generation)
                 except (RuntimeError, dist.DistError):  # gone too (two nodes lost at once)
                     return False
                 log.warning("in-place recovery: the recovery store at %s does not answer; "
