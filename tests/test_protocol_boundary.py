@@ -18,17 +18,6 @@ STORE_OPS = {"set", "get", "add", "check", "wait", "compare_set", "delete_key", 
              "multi_set", "key", "PrefixStore"}
 KEY_FUNCTIONS = {"key"}  # an attempt's key function: its parts are keys even without a "/"
 TORCHRUN_PREFIXES = ("TORCHELASTIC_", "PET_")
-ALLOWED = {
-    # compat: moved by the compat split
-    ("compat.py", 'IGNORE_CHECK_ENV = "ELASTIC_RUNNER_IGNORE_TORCH_CHECK"'),
-    # compat: moved by the compat split
-    ("compat.py", 'AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"'),
-    # compat: moved by the compat split
-    ("compat.py", 'return dist.TCPStore(host_name=os.environ["MASTER_ADDR"], '
-                  'port=int(os.environ["MASTER_PORT"]),'),
-    # compat: moved by the compat split
-    ("compat.py", 'if role != "worker" or os.environ.get("RANK", "0") == "0":'),
-}
 
 
 def _torchrun_name(node: ast.AST) -> str | None:
@@ -102,8 +91,7 @@ def violations(path: Path, source: str | None = None) -> list[str]:
 
     def say(node: ast.AST, what: str) -> None:
         line = lines[node.lineno - 1].strip()
-        if (path.name, line) not in ALLOWED:
-            out.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: {what}: {line}")
+        out.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: {what}: {line}")
 
     for node in ast.walk(tree):
         if (isinstance(node, ast.Constant) and isinstance(node.value, str)
@@ -154,10 +142,3 @@ def test_the_check_finds_a_planted_violation() -> None:
         assert any(what in v for v in found), (line, found)
     assert violations(path, '"""RANK, gen/<g> and ELASTIC_RUNNER_INPLACE."""\n') == []
     assert violations(path, 'x = {"failed": [1]}.get("failed")\n') == []
-
-
-def test_every_allowed_line_is_still_there() -> None:
-    """The allow-list names only lines that exist (remove each once the compat split moved
-    it into the protocol)."""
-    texts = {(p.name, line.strip()) for p in _outside() for line in p.read_text().splitlines()}
-    assert texts >= ALLOWED, ALLOWED - texts

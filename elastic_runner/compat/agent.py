@@ -62,7 +62,6 @@ import functools
 import importlib
 import inspect
 import logging
-import os
 from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
 from typing import Any
@@ -72,6 +71,7 @@ from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.run import get_args_parser
 
+from ..protocol.torchrun_env import USE_AGENT_STORE, TorchrunEnv
 from .fix import Fix, applies, mentions, mentions_name, problem
 
 log = logging.getLogger(__name__)
@@ -82,7 +82,7 @@ _LOCAL = "torch.distributed.elastic.agent.server.local_elastic_agent:LocalElasti
 
 # --- 3. agent store in the workers ---
 
-AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"
+AGENT_STORE_ENV = USE_AGENT_STORE  # what fix 3 checks torch still reads and sets
 
 
 def _check_agent_store_env() -> str | None:
@@ -101,17 +101,19 @@ FIX_AGENT_STORE = Fix(
     ("torch.distributed.rendezvous:_torchelastic_use_agent_store",))
 
 
-def shares_agent_store(env: Mapping[str, str] = os.environ) -> bool:
+def shares_agent_store(env: Mapping[str, str] | None = None) -> bool:
     """Whether torchrun's agent told this worker that MASTER_ADDR/MASTER_PORT is its own,
     long-lived store (read as torch's ``_torchelastic_use_agent_store`` reads it), and fix 3
-    applies: False where it is off, and the worker's group is initialised as torch does."""
-    return env.get(AGENT_STORE_ENV) == str(True) and applies(FIX_AGENT_STORE)
+    applies: False where it is off, and the worker's group is initialised as torch does.
+    ``env``: the environment to read (default: this process's)."""
+    return TorchrunEnv.read(env).agent_store and applies(FIX_AGENT_STORE)
 
 
 def agent_store(timeout: timedelta) -> dist.Store:
     """A client of the agent's store at MASTER_ADDR:MASTER_PORT (see :func:`shares_agent_store`)."""
-    return dist.TCPStore(host_name=os.environ["MASTER_ADDR"], port=int(os.environ["MASTER_PORT"]),
-                         is_master=False, timeout=timeout)
+    where = TorchrunEnv.read()
+    return dist.TCPStore(host_name=where.master_addr, port=where.master_port, is_master=False,
+                         timeout=timeout)
 
 
 # --- 4. torchelastic metric names (group "torchelastic") ---

@@ -35,12 +35,14 @@ in-place case), and the CPU CI could not test it, so it is not used yet.
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 from torch.torch_version import TorchVersion
 
 from ..config_base import ConfigError
+from ..protocol import env
+from ..protocol.env import IGNORE_CHECK_ENV
+from ..protocol.torchrun_env import TorchrunEnv
 from . import agent, dcp, ddp, fsdp, optimizers, rendezvous
 from .fix import Fix, problem
 
@@ -50,7 +52,6 @@ MIN_TORCH = "2.4"
 BELOW_TORCH = "2.16"
 SUPPORTED_TORCH = f">={MIN_TORCH},<{BELOW_TORCH}"
 NEWEST_TORCH = "2.15.0"  # the newest release CI tests (.ci/newest_torch), beside the pinned 2.13
-IGNORE_CHECK_ENV = "ELASTIC_RUNNER_IGNORE_TORCH_CHECK"
 
 FIXES: tuple[Fix, ...] = (*rendezvous.FIXES, *agent.FIXES, *ddp.FIXES, *optimizers.FIXES,
                           *dcp.FIXES, *fsdp.FIXES)
@@ -93,7 +94,7 @@ def check_torch(role: str) -> list[str]:
         why = problem(fix)
         if why is None:
             continue
-        if fix.required and os.environ.get(IGNORE_CHECK_ENV) != "1":
+        if fix.required and not env.ignore_torch_check():
             raise TorchCompatError(
                 f"torch {version}: {fix.name} cannot apply ({why}); install torch"
                 f"{SUPPORTED_TORCH}, the range elastic-runner supports, or set "
@@ -103,7 +104,7 @@ def check_torch(role: str) -> list[str]:
     if not in_supported_range(version):
         warnings.append(f"torch {version} is outside the range elastic-runner supports "
                         f"(torch{SUPPORTED_TORCH}); the internals it relies on look unchanged")
-    if role != "worker" or os.environ.get("RANK", "0") == "0":
+    if role != "worker" or TorchrunEnv.read().rank == 0:
         for w in warnings:
             log.warning("%s", w)
     return warnings

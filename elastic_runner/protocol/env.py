@@ -77,7 +77,7 @@ METRICS_AGENT_ENV = "ELASTIC_RUNNER_METRICS_AGENT"
 ``1``; read by ``worker.py`` (a rank then serves none of its own)."""
 IGNORE_CHECK_ENV = "ELASTIC_RUNNER_IGNORE_TORCH_CHECK"
 """Set by a user: ``1`` turns a required torch fix that cannot apply into a warning; read by
-``compat`` (which still names it itself until the compat split moves it here)."""
+``compat/registry.py``."""
 
 
 def _text(name: str, env: Env | None) -> str | None:
@@ -157,3 +157,8 @@ def metrics_agent(env: Env | None = None) -> bool:
     """Whether :data:`METRICS_AGENT_ENV` is set (non-empty): the agent serves the node's
     metrics."""
     return bool(_text(METRICS_AGENT_ENV, env))
+
+
+def ignore_torch_check(env: Env | None = None) -> bool:
+    """:data:`IGNORE_CHECK_ENV` is ``1``."""
+    return _text(IGNORE_CHECK_ENV, env) == "1"

@@ -25,6 +25,7 @@ TORCHELASTIC_PREFIX = "TORCHELASTIC_"
 PET_PREFIX = "PET_"
 """torchrun reads ``PET_<OPTION>`` as the default of ``--<option>`` (Kubeflow operators)."""
 ERROR_FILE = "TORCHELASTIC_ERROR_FILE"
+USE_AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"  # torchrun's agent: MASTER_* is its store
 NAMES = (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, GROUP_WORLD_SIZE,
          ROLE_RANK, ROLE_WORLD_SIZE, MASTER_ADDR, MASTER_PORT)
 """torchrun's per-worker names besides the ``TORCHELASTIC_*`` ones."""
@@ -65,6 +66,9 @@ class TorchrunEnv:
         restart_count: ``TORCHELASTIC_RESTART_COUNT``; ``restart_count_text``: as written
             (None: unset).
         run_id: ``TORCHELASTIC_RUN_ID`` (the rendezvous id; None: unset).
+        agent_store: ``TORCHELASTIC_USE_AGENT_STORE`` is ``True``: MASTER_ADDR:MASTER_PORT is
+            the agent's own, long-lived store (read as torch's
+            ``_torchelastic_use_agent_store`` reads it).
     """
 
     launched: bool = False
@@ -80,6 +84,7 @@ class TorchrunEnv:
     restart_count: int = 0
     restart_count_text: str | None = None
     run_id: str | None = None
+    agent_store: bool = False
 
     @classmethod
     def read(cls, env: Mapping[str, str] | None = None) -> TorchrunEnv:
@@ -96,7 +101,8 @@ class TorchrunEnv:
                    role_rank=_maybe_int(env, ROLE_RANK), master_addr=env.get(MASTER_ADDR),
                    master_port=_maybe_int(env, MASTER_PORT),
                    restart_count=_int(env, RESTART_COUNT, 0),
-                   restart_count_text=env.get(RESTART_COUNT), run_id=env.get(RUN_ID))
+                   restart_count_text=env.get(RESTART_COUNT), run_id=env.get(RUN_ID),
+                   agent_store=env.get(USE_AGENT_STORE) == str(True))
 
 
 def set_rank(rank: int, world_size: int) -> None:
