@@ -83,7 +83,6 @@ class Trainer:
     # the trainer)
     profile: RecoveryProfile
     results: dict[str, Any] = field(default_factory=dict)
-    recovery: RecoveryService = field(default_factory=NoRecovery)
     # the process's recovery tail (recovery/runtime.py): it outlives a regroup's new trainer
     tail: RecoveryTail = field(default_factory=lambda: RecoveryTail(NoRecovery()))
     # a new DDP (and vote) on the current group; True: the ranks' models already agree
@@ -91,6 +90,11 @@ class Trainer:
     parallelism: Parallelism = field(default_factory=SingleProcess)
     after_done: int = 0  # the last step whose evaluation / checkpoint work is done
     _best_pending: bool = False
+
+    @property
+    def recovery(self) -> RecoveryService:
+        """This process's recovery (the tail's)."""
+        return self.tail.recovery
 
     @property
     def state(self) -> TrainState:
@@ -114,7 +118,7 @@ class Trainer:
     def attach(self, tail: RecoveryTail) -> None:
         """Recover through the process's ``tail`` (in place, or not at all); a preemption of
         some nodes then lets them leave while the others go on."""
-        self.tail, self.recovery = tail, tail.recovery
+        self.tail = tail
         recovery = tail.recovery
         self.session.leave = lambda: recovery.leave(self)
         recovery.bind(self)
