@@ -11,7 +11,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -196,21 +195,36 @@ def test_unreachable_backend_fails_torchs_methods():
     assert handler._settings.timeout.join == timedelta(seconds=1)
 
 
+class _Clock:
+    """The patch's clock: time moves only when the patch sleeps, so the count is exact."""
+
+    def __init__(self) -> None:
+        self.now, self.slept = 0.0, []
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds
+
+
 def test_outage_patch_reports_no_waiting_nodes_and_retries_until_join_timeout(monkeypatch):
     class Patched(DynamicRendezvousHandler):
         pass
 
     apply = rendezvous_outage.apply_rendezvous_fixes
     assert apply(Patched) and apply(Patched)
-    monkeypatch.setattr(rendezvous_outage, "_RETRY_S", 0.05)
+    clock = _Clock()
+    monkeypatch.setattr(rendezvous_outage, "time", clock)
+    monkeypatch.setattr(rendezvous_outage, "_RETRY_S", 0.3)
     handler = _down_handler(Patched)
     assert handler.num_nodes_waiting() == 0
-    before, started = _Down.calls, time.monotonic()
+    before = _Down.calls
     with pytest.raises(RendezvousConnectionError):
         handler.next_rendezvous()
-    # retried (at least one more call) until the join timeout; how many calls fit in it
-    # depends on the machine's load (a loaded CI runner fitted 2)
-    assert time.monotonic() - started >= 1.0 and _Down.calls - before >= 2
+    # join timeout 1 s, a retry every 0.3 s: tries at 0, 0.3, 0.6, 0.9 and 1.2, where none is left
+    assert clock.slept == [0.3] * 4 and _Down.calls - before == 5
 
 
 # --- 3. the agent store in the workers (attempt namespace) ---
