@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -44,18 +44,67 @@ _HELLO_PERIOD_S = 1.0  # a non-zero rank re-announces itself this often until ra
 _POLL_S = 0.01
 
 
-@dataclass(frozen=True)
-class DistInfo:
-    """Where this process sits in the job (torchrun's environment, or world size 1)."""
+class Place:
+    """This process's place in the job: ``rank`` of ``world_size`` on node ``node_rank``. A
+    process has one; every holder of its rank refers to it (:class:`DistInfo`, the sampler's
+    split, the training session, the checkpoints' cadence and resume), so a regroup moves them
+    all with one :meth:`move`. A process never changes node: ``node_rank`` stays."""
 
-    rank: int
-    local_rank: int
-    world_size: int
-    local_world_size: int
-    node_rank: int
-    restart_count: int
-    device: torch.device
-    backend: str
+    __slots__ = ("_rank", "_world_size", "node_rank", "_moved")
+
+    def __init__(self, rank: int, world_size: int, node_rank: int = 0) -> None:
+        self._rank, self._world_size, self.node_rank = rank, world_size, node_rank
+        self._moved: list[Callable[[int], None]] = []
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._world_size
+
+    def move(self, rank: int, world_size: int) -> None:
+        """This process is ``rank`` of ``world_size`` now; then the holders that act on a new
+        rank (:meth:`on_move`: the checkpoint writer commits the save in flight and is made
+        anew) are told, in the order they asked, with the old rank."""
+        old, self._rank, self._world_size = self._rank, rank, world_size
+        for moved in self._moved:
+            moved(old)
+
+    def on_move(self, moved: Callable[[int], None]) -> None:
+        """Call ``moved(old_rank)`` after every :meth:`move`."""
+        self._moved.append(moved)
+
+    def __repr__(self) -> str:
+        return f"Place(rank={self.rank}, world_size={self.world_size}, node_rank={self.node_rank})"
+
+
+class DistInfo:
+    """Where this process sits in the job (torchrun's environment, or world size 1). ``rank``,
+    ``world_size`` and ``node_rank`` are its :class:`Place`'s (``place``: given, the holders
+    share it; None, a new one)."""
+
+    __slots__ = ("place", "local_rank", "local_world_size", "restart_count", "device", "backend")
+
+    def __init__(self, rank: int, local_rank: int, world_size: int, local_world_size: int,
+                 node_rank: int, restart_count: int, device: torch.device, backend: str,
+                 place: Place | None = None) -> None:
+        self.place = Place(rank, world_size, node_rank) if place is None else place
+        self.local_rank, self.local_world_size = local_rank, local_world_size
+        self.restart_count, self.device, self.backend = restart_count, device, backend
+
+    @property
+    def rank(self) -> int:
+        return self.place.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.place.world_size
+
+    @property
+    def node_rank(self) -> int:
+        return self.place.node_rank
 
     @property
     def is_main(self) -> bool:
@@ -64,6 +113,18 @@ class DistInfo:
     @property
     def distributed(self) -> bool:
         return dist.is_available() and dist.is_initialized()
+
+    def moved_to(self, rank: int, world_size: int) -> DistInfo:
+        """A copy at ``rank`` of ``world_size``, with a new :class:`Place` (for holders built
+        anew: the trainer's regroup); this one's holders stay where they are."""
+        return DistInfo(rank, self.local_rank, world_size, self.local_world_size,
+                        self.node_rank, self.restart_count, self.device, self.backend)
+
+    def __repr__(self) -> str:
+        return (f"DistInfo(rank={self.rank}, local_rank={self.local_rank}, world_size="
+                f"{self.world_size}, local_world_size={self.local_world_size}, node_rank="
+                f"{self.node_rank}, restart_count={self.restart_count}, device={self.device}, "
+                f"backend={self.backend!r})")
 
 
 def dist_info(device: torch.device, backend: str, env: TorchrunEnv | None = None, *,

@@ -74,7 +74,8 @@ class SessionSpec:
     """What one rank's session is made of.
 
     Attributes:
-        place: the rank, world size and device.
+        info: the rank (its :class:`~elastic_runner.dist.Place`, which the sampler, the session
+            and the checkpoints refer to), the world size and the device.
         sampler: the loader's sampler (its cursor is checkpointed).
         stateful: the loop's own objects (model, optimizer, ...), checkpointed first, under
             these names; then the sampler, the step counters, ``stop``, the RNG streams,
@@ -88,7 +89,7 @@ class SessionSpec:
         fetched: the loader's record of what it handed out (the sample trace).
     """
 
-    place: DistInfo
+    info: DistInfo
     sampler: ElasticSampler
     stateful: Mapping[str, Any]
     checkpoint: CheckpointSpec
@@ -112,8 +113,9 @@ def assemble_session(spec: SessionSpec) -> tuple[TrainingSession, list[Callback]
     Raises:
         TypeError: a value of ``stateful`` or ``more_state`` is not ``Stateful``.
     """
-    place, sampler = spec.place, spec.sampler
-    runner = spec.reporting.callbacks(place.rank, place.world_size, sampler)
+    info, sampler = spec.info, spec.sampler
+    sampler.follow(info.place)  # one place: a regroup moves the sampler, session, checkpoints
+    runner = spec.reporting.callbacks(info.rank, info.world_size, sampler)
     reporting = Callbacks([*runner, *([spec.goodput] if spec.goodput else []),
                            *spec.callbacks, *([spec.faults] if spec.faults else [])])
     state = TrainState()
@@ -122,10 +124,9 @@ def assemble_session(spec: SessionSpec) -> tuple[TrainingSession, list[Callback]
     session = TrainingSession(
         state=state, sampler=sampler, checkpoints=checkpoints, consensus=spec.consensus,
         stop=stop, callbacks=reporting,
-        straggler=StragglerMonitor(spec.straggler_threshold, place.rank, place.world_size,
-                                   place.device),
-        device=place.device, rank=place.rank, world_size=place.world_size,
-        options=spec.options, lr=spec.lr,
+        straggler=StragglerMonitor(spec.straggler_threshold, info.rank, info.world_size,
+                                   info.device),
+        device=info.device, options=spec.options, lr=spec.lr,
         poisoned=spec.faults.poisoned if spec.faults else (lambda step: False),
         fetched=spec.fetched)
     return session, runner
@@ -146,5 +147,5 @@ def _checkpoints(spec: SessionSpec, state: TrainState, listener: Callbacks
                       "world_size": sampler.world_size,
                       "global_batch_size": sampler.global_batch_size,
                       "config_hash": c.fingerprint, "finished": c.finished()},
-        listener=listener, after_load=c.after_load, migrate=c.migrate, rank=spec.place.rank,
+        listener=listener, after_load=c.after_load, migrate=c.migrate, rank=spec.info.place,
         layout=c.layout)

@@ -179,7 +179,7 @@ def regroup(cfg: Config, old: Trainer, metrics: RankMetrics, r: Regroup) -> Trai
     destroy_distributed()
 
     def moved() -> Trainer:
-        info = dataclasses.replace(old.info, rank=r.rank, world_size=r.world_size)
+        info = old.info.moved_to(r.rank, r.world_size)  # a new place: its holders are new
         metrics.world(r.world_size)
         with _building(cfg, tail.recovery):
             trainer = build_trainer(cfg, info, metrics, (bundle, old.profile.fingerprint),

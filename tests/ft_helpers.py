@@ -81,7 +81,7 @@ def build_session(directory: str, model: nn.Module, optimizer: torch.optim.Optim
     return TrainingSession(
         state=state, sampler=sampler, checkpoints=checkpoints,
         consensus=LocalConsensus(stop_requested), stop=stop, callbacks=reporting,
-        straggler=StragglerMonitor(0.0, 0, 1, CPU), device=CPU, rank=0, world_size=1,
+        straggler=StragglerMonitor(0.0, 0, 1, CPU), device=CPU,
         options=SessionOptions(seed=seed, log_every_steps=1, max_bad_steps=max_bad_steps),
         lr=lambda: optimizer.param_groups[0]["lr"], fetched=loader.take_fetched)
 

@@ -15,6 +15,7 @@ from elastic_runner.checkpoint import storage as ckpt
 from elastic_runner.checkpoint.events import CheckpointEvent
 from elastic_runner.checkpoint.manager import CheckpointManager
 from elastic_runner.data.sampler import ElasticSampler
+from elastic_runner.dist import DistInfo
 from elastic_runner.train.state import TrainState
 
 from .evidence import assert_same_tensors
@@ -111,6 +112,29 @@ def test_due_by_seconds_resets_at_each_save(tmp_path):
     assert not other.due(5)
     other.save(5)
     assert not (tmp_path / "r1").exists()
+
+
+def test_one_move_of_the_place_renumbers_the_info_the_sampler_and_the_checkpoints(tmp_path):
+    """A regroup's one assignment (the own loop's): every holder refers to the process's
+    Place; the checkpoint writer of rank 1 (which writes nothing) becomes rank 0's, which
+    writes, after the save in flight."""
+    info = DistInfo(1, 1, 2, 2, 0, 0, torch.device("cpu"), "gloo")
+    state = objects()
+    sampler = ElasticSampler(40, seed=1, micro_batch_size=4, grad_accum_steps=1, rank=1,
+                             world_size=2)
+    sampler.follow(info.place)
+    m = CheckpointManager(str(tmp_path), {**state, "sampler": sampler}, rank=info.place)
+    m.save(3)
+    assert not tmp_path.exists() or names(tmp_path) == []
+    info.place.move(0, 1)
+    assert (info.rank, info.world_size, info.node_rank) == (0, 1, 0)
+    assert (sampler.rank, sampler.world_size, m.rank, m.cadence.rank, m.resumer.rank,
+            m.commits.rank) == (0, 1, 0, 0, 0, 0)
+    m.save(4)
+    m.wait()
+    assert names(tmp_path) == ["step-00000004"]
+    with pytest.raises(ValueError, match=r"rank 0 of 1; the process is Place\(rank=1,"):
+        sampler.follow(DistInfo(1, 1, 2, 2, 0, 0, torch.device("cpu"), "gloo").place)
 
 
 @pytest.mark.parametrize("async_save", [False, True])

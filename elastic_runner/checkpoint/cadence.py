@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from ..dist import broadcast_object
+from ..dist import Place, broadcast_object
 
 
 class Cadence:
@@ -14,15 +14,19 @@ class Cadence:
         every_steps: due when the step is a multiple of it (0: never by steps).
         every_seconds: due when this many seconds passed since the last save (rank 0's clock;
             None: never by time).
-        rank: this process's rank (only rank 0's clock counts).
+        place: this process's place (only rank 0's clock counts).
         sharded: every rank writes (the sharded layout): rank 0's time answer is broadcast.
     """
 
-    def __init__(self, every_steps: int, every_seconds: float | None, rank: int,
+    def __init__(self, every_steps: int, every_seconds: float | None, place: Place,
                  sharded: bool) -> None:
         self.every_steps, self.every_seconds = every_steps, every_seconds
-        self.rank, self.sharded = rank, sharded
+        self.place, self.sharded = place, sharded
         self.last_save = time.monotonic()
+
+    @property
+    def rank(self) -> int:
+        return self.place.rank
 
     def saved(self) -> None:
         """A save began now: the time rule counts from here."""

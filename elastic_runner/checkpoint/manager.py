@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.stateful import Stateful
 
-from ..dist import current_rank
+from ..dist import Place, current_rank, world_size
 from . import dcp_format
 from .best import checkpoint_names, load_weights
 from .cadence import Cadence
@@ -67,7 +67,10 @@ class CheckpointManager:
             compared.
         migrate: rewrites a loaded raw state before it is applied (checkpoints of older
             releases); identity by default.
-        rank: this process's rank (default: the process group's, 0 without one).
+        rank: this process's rank (default: the process group's, 0 without one), or its
+            :class:`~elastic_runner.dist.Place`, which a regroup moves: rank 0 then writes the
+            replicated checkpoints and claims the fencing token, after the save in flight is
+            committed.
         layout: ``rank0`` (one ``state.pt`` by rank 0), ``dcp`` (sharded: every rank writes
             its part of ``state["model"]`` and ``state["optimizer"]``), ``auto``: ``dcp`` when
             the model's parameters are DTensors (FSDP2), else ``rank0``. Loading follows the
@@ -90,7 +93,7 @@ class CheckpointManager:
                  listener: CheckpointListener | None = None,
                  after_load: Callable[[dict[str, Any]], None] = lambda raw: None,
                  migrate: Callable[[dict[str, Any]], dict[str, Any]] = lambda raw: raw,
-                 rank: int | None = None, fencing: bool = True, layout: str = "auto") -> None:
+                 rank: int | Place | None = None, fencing: bool = True, layout: str = "auto") -> None:
         for key, value in state.items():
             if not isinstance(value, Stateful):
                 raise TypeError(f"checkpoint state {key!r}: {type(value).__name__} does not "
@@ -101,25 +104,28 @@ class CheckpointManager:
         self.extra, self.meta = dict(extra or {}), meta
         self.listener: CheckpointListener = listener or QuietListener()
         self.after_load, self.migrate = after_load, migrate
-        rank = current_rank() if rank is None else rank
+        self.place = rank if isinstance(rank, Place) else Place(
+            current_rank() if rank is None else rank, world_size())
+        self.place.on_move(self._moved)
+        rank = self.place.rank
         self.sharded = layout == "dcp" or (layout == "auto" and is_sharded(state.get("model")))
         if self.sharded and not all(k in self.state for k in dcp_format.SHARDED_KEYS):
             raise ValueError("a sharded (DCP) checkpoint needs the state keys 'model' and "
                              f"'optimizer'; got {', '.join(self.state)}")
-        self.cadence = Cadence(every_steps, every_seconds, rank, self.sharded)
+        self.cadence = Cadence(every_steps, every_seconds, self.place, self.sharded)
         self.commits = CheckpointCommitter(
             directory, self.state, extra=self.extra, meta=meta, keep_last=keep_last,
             listener=self.listener, rank=rank, sharded=self.sharded, async_save=async_save,
             fencing=fencing, protect=lambda: self.resumed_from)
         self.resumer = Resumer(directory, self.state, listener=self.listener,
-                               after_load=after_load, migrate=migrate, rank=rank,
-                               claim=self.claim)
+                               after_load=after_load, migrate=migrate,
+                               place=self.place, claim=self.claim)
         self.peers = PeerState(self.state, self.extra, self.sharded)
 
     @property
     def rank(self) -> int:
-        """This process's rank (:meth:`renumber` changes it)."""
-        return self.commits.rank
+        """This process's rank (its :attr:`place`'s)."""
+        return self.place.rank
 
     @property
     def every_steps(self) -> int:
@@ -157,14 +163,12 @@ class CheckpointManager:
         where a replacement's constructor does."""
         self.commits.renew_group()
 
-    def renumber(self, rank: int) -> None:
-        """This process is ``rank`` now (a regroup of a script's loop renumbered it): rank 0
+    def _moved(self, old_rank: int) -> None:
+        """The place moved (a regroup of a script's loop renumbered this process): rank 0
         writes the replicated checkpoints and claims the fencing token (at the next
         :meth:`claim`). The save in flight is committed first."""
-        if rank == self.rank:
-            return
-        self.commits.renumber(rank)
-        self.cadence.rank = self.resumer.rank = rank
+        if self.place.rank != old_rank:
+            self.commits.renumber(self.place.rank)
 
     def claim(self) -> None:
         """Rank 0: claim a fencing token for this group (once; :meth:`load_latest` and the

@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
 from ..dist import (
+    Place,
     all_gather_object,
     assert_same_across_ranks,
     broadcast_object,
@@ -38,7 +39,7 @@ class Resumer:
     Args:
         directory, state, listener, after_load, migrate: as
             :class:`~.manager.CheckpointManager`'s.
-        rank: this process's rank (rank 0 lists the checkpoints and reports the load).
+        place: this process's place (rank 0 lists the checkpoints and reports the load).
         claim: rank 0 claims the fencing token with it before choosing (no older group's later
             commit can go unseen).
     """
@@ -46,11 +47,15 @@ class Resumer:
     def __init__(self, directory: str, state: Mapping[str, Stateful], *,
                  listener: CheckpointListener,
                  after_load: Callable[[dict[str, Any]], None],
-                 migrate: Callable[[dict[str, Any]], dict[str, Any]], rank: int,
+                 migrate: Callable[[dict[str, Any]], dict[str, Any]], place: Place,
                  claim: Callable[[], None]) -> None:
         self.directory, self.state, self.listener = directory, state, listener
-        self.after_load, self.migrate, self.rank, self.claim = after_load, migrate, rank, claim
+        self.after_load, self.migrate, self.place, self.claim = after_load, migrate, place, claim
         self.resumed_from: str | None = None
+
+    @property
+    def rank(self) -> int:
+        return self.place.rank
 
     def load_latest(self, map_location: str | torch.device = "cpu") -> dict[str, Any] | None:
         """:meth:`~.manager.CheckpointManager.load_latest` (its errors too)."""

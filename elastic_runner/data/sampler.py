@@ -34,6 +34,8 @@ from typing import Any
 
 import numpy as np
 
+from ..dist import Place
+
 
 class ElasticSampler:
     """Batch sampler yielding this rank's micro-batches (lists of dataset indices) for one epoch.
@@ -43,7 +45,8 @@ class ElasticSampler:
         seed: base seed; the permutation of epoch ``e`` is seeded by ``(seed, e)``.
         micro_batch_size: samples per rank per forward/backward.
         grad_accum_steps: micro-batches per optimizer step.
-        rank, world_size: this process's place in the group.
+        rank, world_size: this process's place in the group (a :class:`~elastic_runner.dist.
+            Place` of its own until :meth:`follow` gives it the process's).
         shuffle: ``False`` visits indices in order (evaluation, debugging).
         global_batch_size: the global batch to keep at every world size (samples; None:
             ``world_size x micro_batch_size x grad_accum_steps``); ``grad_accum_steps`` is then
@@ -62,8 +65,7 @@ class ElasticSampler:
         self.micro_batch_size = micro_batch_size
         self.kept_global_batch = global_batch_size
         self.grad_accum_steps = grad_accum_steps
-        self.rank = rank
-        self.world_size = world_size
+        self.place = Place(rank, world_size)
         self.shuffle = shuffle
         self.epoch = 0
         self.cursor = 0
@@ -82,6 +84,25 @@ class ElasticSampler:
                 f"{self.global_batch_size} samples (world_size {world_size} x micro-batch "
                 f"{micro_batch_size} x accumulation {grad_accum_steps})"
             )
+
+    @property
+    def rank(self) -> int:
+        return self.place.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.place.world_size
+
+    def follow(self, place: Place) -> None:
+        """Split for ``place`` from now on (the process's, which a regroup moves).
+
+        Raises:
+            ValueError: ``place`` is another rank or world size than this sampler's.
+        """
+        if (place.rank, place.world_size) != (self.rank, self.world_size):
+            raise ValueError(f"the sampler splits for rank {self.rank} of {self.world_size}; "
+                             f"the process is {place}")
+        self.place = place
 
     @property
     def grad_accum_steps(self) -> int:

@@ -181,7 +181,7 @@ def _assemble(q: _Request) -> FaultTolerantLoop:
     info = _dist_info(rank, sampler.world_size, next(inner.parameters()).device)
     faults = _faults(rank)
     session, ours = assemble_session(SessionSpec(
-        place=info, sampler=sampler, stateful={"model": inner, "optimizer": optimizer},
+        info=info, sampler=sampler, stateful={"model": inner, "optimizer": optimizer},
         checkpoint=CheckpointSpec(q.checkpoint_dir, fingerprint, lambda: closing_flag[0],
                                   every_steps=q.every_steps,
                                   every_seconds=_cadence(q.every_steps, q.every_seconds, rank),

@@ -5,7 +5,6 @@ step in flight is discarded on every rank; its micro-batches come again from the
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -250,14 +249,12 @@ class LoopRecovery:
         self._redo()
 
     def _place(self, rank: int, world_size: int) -> None:
-        """This process is ``rank`` of ``world_size`` now: the sampler's split, the session's
-        numbers, the checkpoint writer and the rank-bound reporting."""
+        """This process is ``rank`` of ``world_size`` now: one move of its place, which
+        :class:`~elastic_runner.dist.DistInfo`, the sampler's split, the session and the
+        checkpoints refer to (the writer renumbers itself on it), then the world-size gauge
+        and the rank-bound reporting made anew."""
         parts, session = self._parts, self._loop.session
-        parts.info = dataclasses.replace(parts.info, rank=rank, world_size=world_size)
-        sampler = session.sampler  # its committed geometry stays the old group's until a step
-        sampler.rank, sampler.world_size = rank, world_size
-        session.rank, session.world_size = rank, world_size
-        session.checkpoints.renumber(rank)
+        parts.info.place.move(rank, world_size)
         parts.metrics.world(world_size)
         old, parts.reporting = parts.reporting, parts.runner(rank, world_size)
         session.callbacks.swap(old, parts.reporting)

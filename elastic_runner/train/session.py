@@ -84,8 +84,6 @@ class TrainingSession:
     callbacks: Callbacks
     straggler: StragglerMonitor
     device: torch.device
-    rank: int = 0
-    world_size: int = 1
     options: SessionOptions = field(default_factory=SessionOptions)
     lr: Callable[[], float] = lambda: 0.0
     poisoned: Callable[[int], bool] = lambda step: False
@@ -109,6 +107,15 @@ class TrainingSession:
     _poison: bool = False
 
     # ------------------------------------------------------------ start
+
+    @property
+    def rank(self) -> int:
+        """This process's rank: its :class:`~elastic_runner.dist.Place`'s (the sampler's)."""
+        return self.sampler.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.sampler.world_size
 
     def resume(self) -> bool:
         """Load the newest valid checkpoint on all ranks (collective); True if one was found."""

@@ -301,7 +301,7 @@ def _session(cfg: Config, info: DistInfo, net: nn.Module, stateful: dict[str, An
 
     w = cfg.watchdog
     session, _ = assemble_session(SessionSpec(
-        place=info, sampler=sampler, stateful=stateful,
+        info=info, sampler=sampler, stateful=stateful,
         checkpoint=_checkpoint_spec(cfg, task, stop, after_load),
         reporting=ReportingSpec(
             metrics, Budgets(w.hang_timeout_seconds, w.long_op_timeout_seconds,
