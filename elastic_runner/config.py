@@ -51,8 +51,6 @@ from .task_registry import (
     available_tasks,
     load_task_module,
     section_types,
-    task_builder,
-    task_target,
 )
 from .train.config import (
     BatchConfig,
@@ -73,8 +71,8 @@ __all__ = [
     "DataConfig", "DistributedConfig", "EarlyStoppingConfig", "EvalConfig", "FaultConfig",
     "FaultSpec", "FSDPConfig", "LoggingConfig", "MetricsConfig", "ModelConfig", "OptimizerConfig",
     "PreemptionConfig", "RecoveryConfig", "RestartsConfig", "ScheduleConfig", "TrainingConfig",
-    "WatchdogConfig", "available_tasks", "build_key", "config_schema", "dump_yaml",
-    "fingerprint", "from_dict", "load_config", "task_builder", "task_target",
+    "WatchdogConfig", "build_key", "config_schema", "dump_yaml", "fingerprint", "from_dict",
+    "load_config",
 ]
 
 class Config(Section):

@@ -120,8 +120,8 @@ def test_schema_for_an_unknown_task(capsys):
 
 
 def test_a_scripts_recovery_settings_are_checked_naming_the_key(monkeypatch):
+    from elastic_runner.protocol.env import RECOVERY_ENV
     from elastic_runner.recovery.script import script_recovery_config
-    from elastic_runner.script_env import RECOVERY_ENV
 
     monkeypatch.setenv(RECOVERY_ENV, "{heartbeat_timeout_seconds: 0}")
     with pytest.raises(ConfigError, match=r"ELASTIC_RUNNER_RECOVERY: "

@@ -6,8 +6,8 @@ subpackage says what it holds, and the public API resolves.
 A *folder* is a subpackage (``train/``, ``trainer/``, ...) or a top-level module
 (``config.py``, ``worker.py``, ...). The folders stand on floors, from the bottom up:
 
-1. the base: ``config_base``, ``dist``, ``exit_codes``, ``logs``, ``preempt``,
-   ``script_env``, ``compat`` (every reliance on torch internals), ``nested`` (the one walk
+1. the base: ``config_base``, ``dist`` (the process's place, its group), ``exit_codes``,
+   ``logs``, ``preempt``, ``compat`` (every reliance on torch internals), ``nested`` (the one walk
    over nested state), ``host_buffers`` (the one pool of host buffers) and ``protocol/`` (what
    agents and workers say through the recovery store and the environment); they know no
    training;
@@ -142,8 +142,8 @@ def test_the_public_api_resolves_lazily():
 
 
 FLOORS: tuple[tuple[str, ...], ...] = (  # bottom up; see the module docstring
-    ("config_base", "dist", "exit_codes", "logs", "preempt", "script_env", "compat", "nested",
-     "host_buffers", "protocol"),
+    ("config_base", "dist", "exit_codes", "logs", "preempt", "compat", "nested", "host_buffers",
+     "protocol"),
     ("checkpoint", "data", "parallel"),
     ("train",),
     ("observe", "recovery", "rank_session"),

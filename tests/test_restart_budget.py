@@ -160,7 +160,7 @@ def test_run_script_judges_a_crash_loop_by_the_loops_checkpoints(tmp_path, monke
     from elastic_runner.agent import launch as agent_launch
     from elastic_runner.checkpoint.storage import write_checkpoint
     from elastic_runner.cli import main
-    from elastic_runner.script_env import CHECKPOINT_DIR_FILE_ENV
+    from elastic_runner.protocol.env import CHECKPOINT_DIR_FILE_ENV
 
     script, ck = tmp_path / "train.py", tmp_path / "ck"
     script.write_text("")

@@ -22,7 +22,7 @@ from elastic_runner.exit_codes import EXIT_FENCED, EXIT_PREEMPTED
 from elastic_runner.observe.reporting import WatchdogHeartbeat
 from elastic_runner.own_loop import DEFAULT_EVERY_SECONDS, fault_tolerant
 from elastic_runner.preempt import Preempted
-from elastic_runner.script_env import CHECKPOINT_DIR_FILE_ENV
+from elastic_runner.protocol.env import CHECKPOINT_DIR_FILE_ENV
 from elastic_runner.train.consensus import LocalConsensus
 from elastic_runner.train.session import RollbackRequested, TrainingFailed
 from elastic_runner.train.state import RNGState

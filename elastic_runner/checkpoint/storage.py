@@ -887,7 +887,7 @@ def newest_checkpoint_step(directory: str) -> Callable[[], int]:
 def newest_checkpoint_step_named_in(named_in: str) -> Callable[[], int]:
     """``progress`` for the restart budget of ``run script.py``: :func:`newest_checkpoint_step`
     of the directory written into the file ``named_in`` by the script's loop
-    (``script_env.CHECKPOINT_DIR_FILE_ENV``); -1 while the file is missing or empty."""
+    (``protocol.env.CHECKPOINT_DIR_FILE_ENV``); -1 while the file is missing or empty."""
     def step() -> int:
         try:
             directory = Path(named_in).read_text().strip()

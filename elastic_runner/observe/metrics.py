@@ -30,7 +30,6 @@ import psutil
 import torch
 from prometheus_client import CollectorRegistry
 
-from ..protocol.env import METRICS_AGENT_ENV
 from ..protocol.torchrun_env import TorchrunEnv
 from .config import MetricsConfig
 from .rank_series import (
@@ -41,9 +40,6 @@ from .rank_series import (
     RecoverySeries,
     StepSeries,
 )
-
-# set by elastic-runner run for its workers: the agent serves the node's endpoint
-AGENT_ENV = METRICS_AGENT_ENV
 
 
 def job_label(cfg: MetricsConfig) -> str:

@@ -42,9 +42,10 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 
 from ..compat import agent as torch_agent
+from ..protocol.env import METRICS_AGENT_ENV as AGENT_ENV
 from .config import MetricsConfig
 from .health import MetricsServer
-from .metrics import AGENT_ENV, node_label
+from .metrics import node_label
 from .rank_series import PREFIX
 
 log = logging.getLogger(__name__)

@@ -24,7 +24,6 @@ from ..recovery.rejoin import RecoveryReport
 from ..recovery.runtime import RecoveryService, RecoveryTail, renew_exchanges
 from ..recovery.script import NoScriptRecovery, ScriptProcess, ScriptRecovery
 from ..recovery.script import current as current_process
-from ..train.session import TrainingFailed
 from .parts import LoopParts
 from .script_collectives import Guards, NoScriptCollectives
 
@@ -46,13 +45,16 @@ class LoopRecovery:
                  discarded: Callable[[], None]) -> None:
         self._loop, self._parts, self._params = loop, parts, params
         self._discarded = discarded
-        self._recovery: RecoveryService = parts.process.recovery
-        self._tail = RecoveryTail(self._recovery)  # the runtime both loops share
+        self._tail = RecoveryTail(parts.process.recovery)  # the runtime both loops share
         # a replacement's first pass through the loop: discarded, so that it runs the loop's
         # window of the group's step as the survivors do (FaultTolerantLoop.rewrap)
         self.phantom = False
         # the loop's own collectives (own_loop/script_collectives.py): the loop sets them
         self.script_calls: Guards = NoScriptCollectives()
+
+    @property
+    def _recovery(self) -> RecoveryService:
+        return self._tail.recovery
 
     def collective(self, call: Callable[..., Any], *args: Any) -> bool:
         """``call(*args)``; when one of its collectives fails because a peer died (in-place
@@ -68,8 +70,6 @@ class LoopRecovery:
             try:
                 call(*args)
             except RuntimeError as e:
-                if isinstance(e, TrainingFailed) or not self._recovery.active:
-                    raise
                 self._tail.recover(e, self._loop, self._forget_step)
                 self._redo()
                 return False
@@ -94,19 +94,14 @@ class LoopRecovery:
                 left or joined meanwhile, or the model is sharded (FSDP2 re-forms its modules
                 at a step only): every worker then restarts from the newest checkpoint.
         """
-        if isinstance(error, TrainingFailed) or not self._recovery.active:
-            raise error
-        try:
-            report = self._recovery.recover(error, self._loop)
+        try:  # the loop's code goes on where it was: nothing to discard
+            self._tail.recover(error, self._loop, lambda: None)
         except (Regroup, StepRedo):
             self._recovery.ask_restart()
             raise RuntimeError("a peer died inside the loop's own work after a step, and the "
                                "group cannot go on there at another world size or with a "
                                "sharded model: every worker restarts from the newest "
                                "checkpoint") from error
-        if report is None:
-            raise error
-        self._tail.recovered_at(report)
 
     def discarded_pass_done(self) -> None:
         """A discarded pass reached ``step_done()``: a replacement's first one (:attr:`phantom`)

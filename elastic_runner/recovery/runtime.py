@@ -24,7 +24,7 @@ from ..protocol.torchrun_env import TorchrunEnv, set_rank
 from ..protocol.torchrun_env import take_place as assume
 from ..train.callbacks import Callbacks
 from ..train.consensus import StepConsensus
-from ..train.session import TrainingSession
+from ..train.session import TrainingFailed, TrainingSession
 from ..train.straggler import StragglerMonitor
 from .background import Stoppable
 from .group_sockets import Sockets
@@ -176,11 +176,13 @@ class RecoveryTail:
         re-form the group in place.
 
         Raises:
-            RuntimeError: ``error``, when no peer died or recovery is off (torch's restart
-                path).
+            RuntimeError: ``error``, when it is the run's own failure (``TrainingFailed``), no
+                peer died or recovery is off (torch's restart path).
             Regroup: nodes left or joined meanwhile: the caller moves the rank
                 (:meth:`regroup`).
         """
+        if isinstance(error, TrainingFailed) or not self.recovery.active:
+            raise error
         discard()
         report = self.recovery.recover(error, loop)
         if report is None:

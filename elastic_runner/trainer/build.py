@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ..checkpoint import storage as ckpt
-from ..config import Config, fingerprint, task_builder
+from ..config import Config, fingerprint
 from ..config_base import ConfigError
 from ..data.batches import check_samples
 from ..data.loader import ElasticDataLoader
@@ -28,6 +28,7 @@ from ..preempt import PreemptionFlag
 from ..rank_session import CheckpointSpec, ReportingSpec, SessionSpec, assemble_session
 from ..recovery.recoverable import RecoveryProfile
 from ..recovery.runtime import renew_exchanges
+from ..task_registry import task_builder
 from ..tasks.base import TaskBundle, check_same_build, task_fingerprint
 from ..train import faults as fault_injection
 from ..train.callbacks import Callback

@@ -157,8 +157,6 @@ class Trainer:
                 except StepRedo:  # a membership boundary that changed nothing
                     self.session.abandon_step()
                 except RuntimeError as e:  # a collective failed: did a peer die?
-                    if isinstance(e, TrainingFailed):
-                        raise
                     self._recover(e)
         finally:
             self.session.close()  # the last checkpoint is committed before we go on
@@ -166,8 +164,9 @@ class Trainer:
         return self.results
 
     def _recover(self, error: RuntimeError) -> None:
-        """In-place recovery (``recovery/inplace.py``), or re-raise ``error`` when no peer died or
-        recovery is off (torchrun then restarts every worker)."""
+        """In-place recovery (``recovery/inplace.py``), or re-raise ``error`` when it is the
+        run's own failure, no peer died or recovery is off (torchrun then restarts every
+        worker)."""
         epoch = self.sampler.epoch
         self.tail.recover(error, self, self._discard)
         self._ended_by_peer(epoch)
