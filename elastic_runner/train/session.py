@@ -41,7 +41,7 @@ from .callbacks import Callbacks
 from .consensus import StepConsensus, StepDecision, Verdict, skips_on_device
 from .preemption import stop_for_preemption
 from .state import TrainState, seed_step
-from .step_report import StepReport, global_mean
+from .step_report import StepReport
 from .stop import StopPolicy, StopReason
 from .straggler import StragglerMonitor
 from .updates import apply_update, lagged_update
@@ -108,15 +108,6 @@ class TrainingSession:
 
     # ------------------------------------------------------------ start
 
-    @property
-    def rank(self) -> int:
-        """This process's rank: its :class:`~elastic_runner.dist.Place`'s (the sampler's)."""
-        return self.sampler.rank
-
-    @property
-    def world_size(self) -> int:
-        return self.sampler.world_size
-
     def resume(self) -> bool:
         """Load the newest valid checkpoint on all ranks (collective); True if one was found."""
         self.callbacks.on_phase("loading", "checkpoint load", True)
@@ -125,7 +116,7 @@ class TrainingSession:
             return False
         gbs = self.sampler.global_batch_size
         warn_if_global_batch_changed(raw.get("sampler", {}).get("global_batch_size", gbs), gbs,
-                                     self.world_size)
+                                     self.sampler.world_size)
         log.info("resumed from %s: step %d, epoch %d, %d samples into the epoch",
                  self.checkpoints.resumed_from, self.state.step, self.sampler.epoch,
                  self.sampler.cursor)
@@ -146,7 +137,7 @@ class TrainingSession:
         self._poison = self.poisoned(step)
         if self.options.reseed:
             seed_step(step_seed(self.options.seed, self.sampler.epoch, self.state.step,
-                                self.rank), self.device)
+                                self.sampler.rank), self.device)
 
     def data_ready(self) -> None:
         """The step's micro-batches are fetched (splits data time from compute time)."""
@@ -270,7 +261,7 @@ class TrainingSession:
         self.callbacks.on_step_end(self._report.event(
             loss=loss, step=step, epoch=epoch, cursor=cursor, committed=decision.commit,
             fetched=fetched, t0=self._t0, t_data=self._t_data, sampler=self.sampler,
-            callbacks=self.callbacks, straggler=self.straggler, world_size=self.world_size,
+            callbacks=self.callbacks, straggler=self.straggler, world_size=self.sampler.world_size,
             log_every_steps=self.options.log_every_steps, lr=self.lr, device=self.device))
         if decision.final:  # a provisional one is counted when its verdict is read
             self._count_bad(decision.commit, step)
@@ -280,10 +271,6 @@ class TrainingSession:
         """Report the pending logging step (all ranks, at the same point: it completes a
         collective). Called at the next step's end, before checkpoints and at the end."""
         self._report.flush(self.callbacks, self.straggler)
-
-    def global_mean(self, loss: torch.Tensor) -> float:
-        """``loss`` averaged over ranks (a collective; reads the device)."""
-        return global_mean(loss, self.device)
 
     # ------------------------------------------------------------ guards
 
