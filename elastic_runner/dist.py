@@ -80,7 +80,23 @@ class Place:
         return f"Place(rank={self.rank}, world_size={self.world_size}, node_rank={self.node_rank})"
 
 
-class DistInfo:
+class Placed:
+    """A holder of the process's :class:`Place` (``place``): its ``rank`` and ``world_size``
+    are the place's."""
+
+    __slots__ = ()
+    place: Place
+
+    @property
+    def rank(self) -> int:
+        return self.place.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.place.world_size
+
+
+class DistInfo(Placed):
     """Where this process sits in the job (torchrun's environment, or world size 1). ``rank``,
     ``world_size`` and ``node_rank`` are its :class:`Place`'s (``place``: given, the holders
     share it; None, a new one)."""
@@ -93,14 +109,6 @@ class DistInfo:
         self.place = Place(rank, world_size, node_rank) if place is None else place
         self.local_rank, self.local_world_size = local_rank, local_world_size
         self.restart_count, self.device, self.backend = restart_count, device, backend
-
-    @property
-    def rank(self) -> int:
-        return self.place.rank
-
-    @property
-    def world_size(self) -> int:
-        return self.place.world_size
 
     @property
     def node_rank(self) -> int:

@@ -34,10 +34,10 @@ from typing import Any
 
 import numpy as np
 
-from ..dist import Place
+from ..dist import Place, Placed
 
 
-class ElasticSampler:
+class ElasticSampler(Placed):
     """Batch sampler yielding this rank's micro-batches (lists of dataset indices) for one epoch.
 
     Args:
@@ -84,14 +84,6 @@ class ElasticSampler:
                 f"{self.global_batch_size} samples (world_size {world_size} x micro-batch "
                 f"{micro_batch_size} x accumulation {grad_accum_steps})"
             )
-
-    @property
-    def rank(self) -> int:
-        return self.place.rank
-
-    @property
-    def world_size(self) -> int:
-        return self.place.world_size
 
     def follow(self, place: Place) -> None:
         """Split for ``place`` from now on (the process's, which a regroup moves).
