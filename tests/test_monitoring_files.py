@@ -66,12 +66,14 @@ DOCUMENTED: dict[str, str] = {
     "elastic_runner_last_recovery_seconds": "gauge",
     "elastic_runner_goodput_seconds": "gauge",
     "elastic_runner_ettr": "gauge",
+    "elastic_runner_store_operations_total": "counter",
     # agent, per node
     "elastic_runner_restarts_total": "counter",
     "elastic_runner_rendezvous_total": "counter",
     "elastic_runner_rendezvous_duration_seconds": "histogram",
     "elastic_runner_agent_state": "gauge",
     "elastic_runner_local_ranks": "gauge",
+    "elastic_runner_agent_store_operations_total": "counter",
 }
 AGENT_METRICS = {
     "elastic_runner_restarts_total",
@@ -79,6 +81,7 @@ AGENT_METRICS = {
     "elastic_runner_rendezvous_duration_seconds",
     "elastic_runner_agent_state",
     "elastic_runner_local_ranks",
+    "elastic_runner_agent_store_operations_total",
 }
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 METRIC_RE = re.compile(r"\belastic_runner_[a-z_]+")

@@ -187,9 +187,10 @@ def exit_codes_markdown() -> str:
 def _families(registry: Any) -> list[tuple[str, str, list[str], str]]:
     out = []
     for collector in list(registry._collector_to_names):  # noqa: SLF001 - the docs only
-        labels = list(getattr(collector, "_labelnames", ()))
-        for family in collector.collect() if not labels else collector.describe():
-            if not labels:
+        declared = list(getattr(collector, "_labelnames", ()))
+        for family in collector.collect() if not declared else collector.describe():
+            labels = declared
+            if not labels:  # a custom collector's family: the labels of its samples
                 names = {k for s in family.samples for k in s.labels if k != "le"}
                 labels = sorted(names, key=lambda k: (k not in ("job", "node", "rank",
                                                                 "local_rank"), k))

@@ -17,6 +17,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from ..protocol.client import AttemptClient
+from ..protocol.counting import COUNTS, counted
 from ..recovery.membership import read_view
 from ..recovery.store import StoreLocation, agree_attempt, connect
 
@@ -40,17 +41,21 @@ class AgentStore(AttemptClient):
         location: the store in use (its ``prefix`` empty: that is :attr:`prefix`).
         prefix: this attempt's keys; empty until the rendezvous round is known.
         hosted: the ``TCPStore`` server this agent hosts (one node; every agent of an etcd job,
-            used while its node is the store's host), else None.
+            used while its node is the store's host), else None; its operations counted, as
+            every client's of this agent (:mod:`elastic_runner.protocol.counting`: this
+            process counts as ``agent``).
         own: ``host:port`` of :attr:`hosted` as other nodes reach it (etcd only; else empty).
     """
 
     def __init__(self, location: StoreLocation | None, timeout_s: float,
                  host: str | None) -> None:
         self.timeout_s, self.prefix = timeout_s, ""
-        self.hosted: dist.TCPStore | None = None
+        COUNTS.role = "agent"
+        self.hosted: dist.Store | None = None
         if location is None or location.kind == "node0":
-            self.hosted = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                                        timeout=timedelta(seconds=timeout_s))
+            self.hosted = counted(dist.TCPStore("127.0.0.1", 0, is_master=True,
+                                                wait_for_workers=False,
+                                                timeout=timedelta(seconds=timeout_s)))
         self._client: dist.Store | None = None
         if location is None:  # one node: the store lives in this process
             self._client = self.hosted
@@ -58,7 +63,8 @@ class AgentStore(AttemptClient):
         self.location = location
         self.own = ""
         if self.hosted is not None and location.kind == "node0":
-            self.own = f"{host or socket.getfqdn(socket.gethostname())}:{self.hosted.port}"
+            self.own = (f"{host or socket.getfqdn(socket.gethostname())}:"
+                        f"{self.hosted.port}")  # type: ignore[attr-defined]
 
     @property
     def multi_node(self) -> bool:

@@ -30,6 +30,7 @@ import psutil
 import torch
 from prometheus_client import CollectorRegistry
 
+from ..protocol.counting import COUNTS as store_counts
 from ..protocol.torchrun_env import TorchrunEnv
 from .config import MetricsConfig
 from .rank_series import (
@@ -168,13 +169,15 @@ class RankMetrics:
             self.publish()
 
     def publish(self) -> None:
-        """Write the step counters, the LR and the loss gathered since the last call (each
+        """Write the step counters, the LR, the loss gathered since the last call and the
+        recovery store's operations counted since (``protocol/counting.py``; each
         write is a multiprocess-file update: per step they cost ~40 us with the gauges);
         called at logging steps, at least every ``PUBLISH_SECONDS``, and at phase changes."""
         p, self._pending = self._pending, _pending()
         self._published = time.monotonic()
         if not self.enabled:
             return
+        self.recovery.count_store_ops(store_counts.by_op())
         if "loss" in p:
             self.steps.loss.set(p["loss"])
         if not p["steps"]:

@@ -16,7 +16,9 @@ rendezvous and restart. It serves
   - ``elastic_runner_restarts_total{reason}``: worker-group restarts, ``failure`` (a worker
     failed, counts against ``--max-restarts``) or ``membership`` (a node joined or left);
   - ``elastic_runner_rendezvous_total`` and ``elastic_runner_rendezvous_duration_seconds``;
-  - ``elastic_runner_agent_state{state}`` and ``elastic_runner_local_ranks``.
+  - ``elastic_runner_agent_state{state}`` and ``elastic_runner_local_ranks``;
+  - ``elastic_runner_agent_store_operations_total{op}``: the agent's operations on the recovery
+    store (:mod:`elastic_runner.protocol.counting`), read at each collection.
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 
 from ..compat import agent as torch_agent
+from ..protocol.counting import COUNTS as store_counts
+from ..protocol.counting import PROTOCOL_OPS
 from ..protocol.env import METRICS_AGENT_ENV as AGENT_ENV
 from .config import MetricsConfig
 from .health import MetricsServer
@@ -154,7 +158,13 @@ class AgentMonitor(te_metrics.MetricHandler):
         local = GaugeMetricFamily(PREFIX + "local_ranks", "Workers this node runs.",
                                   labels=names)
         local.add_metric(values, self.local_ranks)
-        yield from (restarts, rounds, duration, state, local)
+        store_ops = CounterMetricFamily(PREFIX + "agent_store_operations", "Operations on the "
+                                        "recovery store by this node's agent, by torch Store "
+                                        "operation (see protocol/counting.py).",
+                                        labels=[*names, "op"])
+        for op, n in {**dict.fromkeys(PROTOCOL_OPS, 0), **store_counts.by_op()}.items():
+            store_ops.add_metric([*values, op], n)
+        yield from (restarts, rounds, duration, state, local, store_ops)
 
 
 class LiveWorkersCollector:

@@ -14,6 +14,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from ..protocol.counting import PROTOCOL_OPS
+
 PREFIX = "elastic_runner_"
 RANK_LABELS = ("job", "node", "rank", "local_rank")
 PHASES = ("starting", "loading", "training", "evaluating", "checkpointing", "recovering",
@@ -163,6 +165,7 @@ class RecoverySeries:
     the job's goodput."""
 
     def __init__(self, d: Declare) -> None:
+        self._d_labels = d.labels
         self.recoveries = d.counter("in_place_recoveries_total", "In-place recoveries this "
                                     "rank took part in (a peer died; this process went on).")
         self.redone = d.counter("in_place_steps_redone_total", "Committed steps that in-place "
@@ -187,3 +190,25 @@ class RecoverySeries:
                                      ("cause",)), "cause", GOODPUT_CAUSES)
         self.ettr = d.gauge("ettr", "Effective training time ratio: productive seconds over the "
                             "job's wall seconds.", "mostrecent")
+        store_ops = Counter(PREFIX + "store_operations", "Operations on the recovery store by "
+                            "this rank's processes (a spare's while it stood by included), by "
+                            "torch Store operation (see protocol/counting.py; a process "
+                            "group's own are not counted).", (*RANK_LABELS, "op"),
+                            registry=d.registry)
+        self.store_ops = {op: store_ops.labels(**d.labels, op=op) for op in PROTOCOL_OPS}
+        for c in self.store_ops.values():
+            c.inc(0)
+        self._store_ops_family = store_ops
+        self._store_ops_seen: dict[str, int] = {}
+
+    def count_store_ops(self, by_op: dict[str, int]) -> None:
+        """Add what ``by_op`` (this process's operations so far, by operation) counted since
+        the last call."""
+        for op, n in by_op.items():
+            delta = n - self._store_ops_seen.get(op, 0)
+            if delta <= 0:
+                continue
+            if op not in self.store_ops:
+                self.store_ops[op] = self._store_ops_family.labels(**self._d_labels, op=op)
+            self.store_ops[op].inc(delta)
+            self._store_ops_seen[op] = n

@@ -75,6 +75,9 @@ FAULTS_TRIGGER_ENV = "ELASTIC_RUNNER_FAULTS_TRIGGER"
 METRICS_AGENT_ENV = "ELASTIC_RUNNER_METRICS_AGENT"
 """Set by the agent (``observe/node_metrics.py``) when it serves the node's metrics endpoint:
 ``1``; read by ``worker.py`` (a rank then serves none of its own)."""
+STORE_OPS_DIR_ENV = "ELASTIC_RUNNER_STORE_OPS_DIR"
+"""Set by a benchmark (``bench/store_traffic.py``): a directory where every process that
+counts recovery-store operations writes its counts (``protocol/counting.py``); read there."""
 IGNORE_CHECK_ENV = "ELASTIC_RUNNER_IGNORE_TORCH_CHECK"
 """Set by a user: ``1`` turns a required torch fix that cannot apply into a warning; read by
 ``compat/registry.py``."""
@@ -157,6 +160,11 @@ def metrics_agent(env: Env | None = None) -> bool:
     """Whether :data:`METRICS_AGENT_ENV` is set (non-empty): the agent serves the node's
     metrics."""
     return bool(_text(METRICS_AGENT_ENV, env))
+
+
+def store_ops_dir(env: Env | None = None) -> str | None:
+    """:data:`STORE_OPS_DIR_ENV` (None: unset or empty)."""
+    return _text(STORE_OPS_DIR_ENV, env) or None
 
 
 def ignore_torch_check(env: Env | None = None) -> bool:

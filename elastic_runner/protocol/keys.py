@@ -63,6 +63,7 @@ from typing import Any
 import torch.distributed as dist
 
 from .announcement import RESTART, Announcement
+from .counting import uncounted
 
 Key = Callable[..., str]
 """An attempt's key function: ``key("gen", 3)`` -> ``<prefix>/gen/3``."""
@@ -314,8 +315,10 @@ class AttemptKeys(MembershipKeys):
                                  for r in range(world_size)])
 
     def group_store(self, generation: int) -> dist.Store:
-        """Generation ``generation``'s process-group store (a prefix of its own)."""
-        return dist.PrefixStore(self.key("pg", generation) + "/", self.store)
+        """Generation ``generation``'s process-group store (a prefix of its own), over torch's
+        store itself: the group's own traffic is not counted
+        (:mod:`~elastic_runner.protocol.counting`), and torch's C++ holds no Python store."""
+        return dist.PrefixStore(self.key("pg", generation) + "/", uncounted(self.store))
 
     # ------------------------------------------------------------ spares
     def spare_ready(self, name: str) -> None:

@@ -47,6 +47,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
 from ..compat.rendezvous import ETCD_BACKENDS
+from ..protocol.counting import counted
 from ..protocol.keys import RoundKeys, attempt_prefix
 
 C10D_DEFAULT_PORT = 29400  # torchrun's default c10d rendezvous port
@@ -109,14 +110,15 @@ class StoreLocation:
 
 
 def connect(location: StoreLocation, timeout_s: float) -> dist.Store:
-    """A client of the store at ``location`` (``timeout_s``: its operations' limit, seconds).
+    """A client of the store at ``location`` (``timeout_s``: its operations' limit, seconds),
+    its operations counted (:mod:`elastic_runner.protocol.counting`).
 
     Raises:
         torch.distributed.DistStoreError: a store that does not answer within ``timeout_s``.
     """
     host, port = location.endpoint.rsplit(":", 1)
-    return dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
-                         timeout=timedelta(seconds=timeout_s))
+    return counted(dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
+                                 timeout=timedelta(seconds=timeout_s)))
 
 
 @dataclass(frozen=True)

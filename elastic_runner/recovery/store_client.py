@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from ..protocol import env
 from ..protocol.client import AttemptClient
+from ..protocol.counting import counted
 from .store import StoreLocation, connect, told
 
 # the worker's recovery log lines keep the logger name they always had (bench and operators
@@ -26,7 +27,8 @@ class StoreClient(AttemptClient):
     """The recovery store in use and where it is.
 
     Args:
-        store: a client of the job's recovery store; ``prefix``: this attempt's keys in it.
+        store: a client of the job's recovery store (its operations counted from here on,
+            :mod:`elastic_runner.protocol.counting`); ``prefix``: this attempt's keys in it.
         location: where the store is (for log lines, and to reconnect when it moves).
         timeout_s: a new client's limit for one store operation (seconds;
             ``recovery.join_timeout_seconds``).
@@ -34,7 +36,7 @@ class StoreClient(AttemptClient):
 
     def __init__(self, store: dist.Store, prefix: str, location: StoreLocation,
                  timeout_s: float) -> None:
-        self.store, self.prefix, self.location = store, prefix, location
+        self.store, self.prefix, self.location = counted(store), prefix, location
         self.timeout_s = timeout_s
         # one TCPStore on one node; across nodes (c10d, etcd) a generation watch is needed
         self.multi_node = location.kind != "tcp"
