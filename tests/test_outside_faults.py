@@ -247,7 +247,7 @@ def all_stopped(pid: int) -> bool:
 
 def test_sigkill_of_the_writer_mid_checkpoint_resumes_the_previous_one(launch, tmp_path):
     """rank 0 is SIGKILLed while its background thread writes a ~21 MB checkpoint, at 20% and
-    90% of the previous one's size (stopped there first, so the offset is exact): no partial
+    60% of the previous one's size (stopped there first, so the offset is exact): no partial
     checkpoint ever appears under a final name, each restart resumes from the previous
     checkpoint, and the run ends with an exact audit."""
     ck, trace = tmp_path / "ck", tmp_path / "trace"
@@ -257,7 +257,9 @@ def test_sigkill_of_the_writer_mid_checkpoint_resumes_the_previous_one(launch, t
                      f"training.max_steps={WRITER_STEPS}", "checkpoint.every_steps=3",
                      "--trace-samples", str(trace), restarts=4)
     offsets = []
-    for fraction in (0.2, 0.9):
+    # the late mark leaves 38 % of the file before 98 %: one write() call of torch.save can
+    # cross several MB, and the 90-98 % window was crossed six tries in a row (CI, 2026-12-07)
+    for fraction in (0.2, 0.6):
         # a newer checkpoint committed since the last kill: each kill is a new failure
         wait_until(lambda: (p := ckpt.latest_valid(ck)) is not None and p.step > max(
             [s for _, s, *_ in offsets], default=0), 240, "a committed checkpoint")
