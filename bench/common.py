@@ -24,6 +24,10 @@ REPO = Path(__file__).resolve().parents[1]
 # step N/T ..."
 RUNNER_STEP = re.compile(r"^(\d\d:\d\d:\d\d\.\d\d\d) \[rank0\] INFO elastic_runner\.train\.loop: "
                          r"epoch \d+ step (\d+)/")
+RANK0_STEP = re.compile(r"\[rank0\] INFO elastic_runner\.train\.loop: epoch \d+ step (\d+)/")
+"""rank 0's step line anywhere in a log (group 1: the step)."""
+IN_PLACE_DONE = re.compile(r"in-place recovery (\d+) done: step (\d+) committed")
+"""A rank's line that an in-place recovery is done (groups: its number, the step committed)."""
 
 
 def free_port() -> int:

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import REPO
+from bench.common import RANK0_STEP, REPO
 from bench.recovery import GOODPUT_CAUSES, scrape_goodput
 from tests.netns import Nodes
 from tests.procs import Job, wait_until
@@ -43,7 +43,6 @@ START_TIMEOUT_S = 300.0
 _JOINED = re.compile(r"membership: node\(s\) \[\d+\] join after step")
 _LEFT = re.compile(r"membership: node\(s\) \[\d+\] preempted after step")
 _RESUMED = re.compile(r"\[rank0\] INFO elastic_runner\.train\.session: resumed from")
-_STEP = re.compile(r"\[rank0\] INFO elastic_runner\.train\.loop: epoch \d+ step (\d+)/")
 _AT_TWO = re.compile(r"\[rank0\] INFO elastic_runner\.[\w.]+: task \w+: .* world size 2;")
 
 
@@ -67,7 +66,7 @@ def _start(nodes: Nodes, i: int, path: str, workdir: Path, n: int) -> Job:
 
 
 def _last_step(log: str) -> int:
-    steps = _STEP.findall(log)
+    steps = RANK0_STEP.findall(log)
     return int(steps[-1]) if steps else 0
 
 

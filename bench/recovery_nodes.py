@@ -35,13 +35,12 @@ from typing import Any
 
 import psutil
 
-from bench.common import REPO, spread
+from bench.common import IN_PLACE_DONE, REPO, spread
 from tests.etcd import EtcdServer
 from tests.netns import Nodes
 from tests.procs import Job, wait_until
 
 HEARTBEAT_S = 2.0
-_DONE = re.compile(r"in-place recovery (\d+) done: step (\d+) committed")
 _REPLACED = re.compile(r"rank\(s\) \[(\d+)\] exited with code\(s\) \[(-?\d+)\]: replaced in "
                        r"place by (\w+) spare\(s\) pid\(s\) \[(\d+)\]")
 _READY = re.compile(r"spare (\S+) ready")
@@ -82,7 +81,7 @@ def _commits(trace: Path, latest: bool = True) -> dict[int, float]:
 
 def _generations(log: str) -> set[int]:
     """The generations whose recovery committed a step (each rank of a node logs it)."""
-    return {int(m[1]) for m in _DONE.finditer(log)}
+    return {int(m[1]) for m in IN_PLACE_DONE.finditer(log)}
 
 
 def _victim(job: Job) -> tuple[int, int]:

@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import REPO
+from bench.common import IN_PLACE_DONE, RANK0_STEP, REPO
 from elastic_runner.protocol.env import STORE_OPS_DIR_ENV
 from tests.netns import Nodes
 from tests.procs import Job, wait_until
@@ -43,8 +43,6 @@ NODES, NPROC = 2, 2
 START_TIMEOUT_S = 150.0
 RECOVERY_TIMEOUT_S = 60.0
 _READY = re.compile(r"spare (\S+) ready")
-_STEP = re.compile(r"\[rank0\] INFO elastic_runner\.train\.loop: epoch \d+ step (\d+)/")
-_DONE = re.compile(r"in-place recovery (\d+) done: step (\d+) committed")
 _REPLACED = re.compile(r"replaced in place by \w+ spare\(s\) pid\(s\) \[([\d, ]+)\]")
 _DONE_S = re.compile(r"in-place recovery \d+ done: step \d+ committed ([\d.]+) s after")
 
@@ -151,12 +149,12 @@ def recovery(dirs: list[Path], jobs: list[Job], rates: list[dict[int, float]]
     target = jobs[-1]
     ranks = {r: p for r, p in target.workers().items() if r >= 0}
     victim = ranks[max(ranks)]
-    done = [len(_DONE.findall(job.output)) for job in jobs]
+    done = [len(IN_PLACE_DONE.findall(job.output)) for job in jobs]
     kinds = [_kinds(job) for job in jobs]
     before = [_read(d) for d in dirs]
     t0 = time.time()
     victim.send_signal(signal.SIGKILL)
-    wait_until(lambda: all(len(_DONE.findall(j.output)) > n for j, n in zip(jobs, done,
+    wait_until(lambda: all(len(IN_PLACE_DONE.findall(j.output)) > n for j, n in zip(jobs, done,
                                                                           strict=True)),
                RECOVERY_TIMEOUT_S, "the recovery done on both nodes", poll=0.01)
     seconds = time.time() - t0
@@ -211,7 +209,7 @@ def run(window_s: float, workdir: Path) -> dict[str, Any]:
                             env={**nodes.env(i), STORE_OPS_DIR_ENV: str(d)}))
         deadline = time.monotonic() + START_TIMEOUT_S
         wait_until(lambda: all(_READY.search(j.output) for j in jobs)
-                   and len(_STEP.findall(jobs[0].output)) >= 2, START_TIMEOUT_S,
+                   and len(RANK0_STEP.findall(jobs[0].output)) >= 2, START_TIMEOUT_S,
                    "both nodes training and both spares ready")
         time.sleep(min(3.0, max(0.0, deadline - time.monotonic())))  # past the start's burst
         out: dict[str, Any] = {"layout": f"{NODES}x{NPROC}", "backend": "c10d",
